@@ -1,0 +1,63 @@
+// The static description of one attention call, shared by every backend and both entry paths. The FFI handlers fill it
+// from buffer shapes and typed attributes, the legacy handlers from the descriptor; ValidateAttentionParams checks it
+// once, in one place, before any backend sees it.
+#pragma once
+
+#include <cstdint>
+
+#include "cpp/dtype.h"
+#include "cpp/mask_type.h"
+
+namespace te_jax {
+
+// Layouts (row-major):
+//   q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, H, Dv], lse float32 [B, H, Sq],
+//   q_seqlens / kv_seqlens int32 [B], alibi_slopes float32 [B, H] (read only when has_alibi).
+// q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv.
+struct AttentionParams {
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_kv = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;    // D, of q and k
+  int64_t head_dim_v = 0;  // Dv, of v and out
+  DType dtype = DType::kFloat32;
+  MaskType mask_type = MaskType::kNoMask;
+  int64_t window_left = -1;   // -1: unbounded
+  int64_t window_right = -1;  // -1: unbounded
+  float scale = 0.0f;         // applied to q.k; the Python layer resolves the 1/sqrt(D) default
+  float softcap = 0.0f;       // 0: off
+  bool has_alibi = false;
+};
+
+struct ForwardBuffers {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* q_seqlens = nullptr;
+  const int32_t* kv_seqlens = nullptr;
+  const float* alibi_slopes = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+};
+
+struct BackwardBuffers {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const float* lse = nullptr;
+  const void* dout = nullptr;
+  // Cotangent of lse (float32 [B, H, Sq]; zeros when only out is used). The logits' gradient is
+  // dS = P * (dP - D + dlse) with D = rowsum(dout * out), so lse returned to the user is differentiable too.
+  const float* dlse = nullptr;
+  const int32_t* q_seqlens = nullptr;
+  const int32_t* kv_seqlens = nullptr;
+  const float* alibi_slopes = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+};
+
+}  // namespace te_jax

@@ -1,0 +1,16 @@
+// The CPU backend: flash-style tiled attention, forward and backward, over the shared AttentionParams. These are the
+// entry points both CPU handlers (FFI and legacy) call: each validates the params and the seqlens first, so the two
+// paths accept and refuse the same calls.
+#pragma once
+
+#include "cpp/attention_params.h"
+#include "cpp/cpu/parallel_for.h"
+#include "cpp/status.h"
+
+namespace te_jax::cpu {
+
+Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buffers, TaskScheduler* scheduler);
+
+Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, TaskScheduler* scheduler);
+
+}  // namespace te_jax::cpu

@@ -1,0 +1,71 @@
+#include "cpp/validate.h"
+
+#include <cmath>
+#include <string>
+
+namespace te_jax {
+namespace {
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+Status CheckHeadDim(const char* name, int64_t d) {
+  if (d <= 0 || d % 8 != 0 || d > kMaxHeadDim) {
+    return Status::InvalidArgument(std::string(name) + " must be a multiple of 8 in [8, " + Str(kMaxHeadDim) +
+                                   "], got " + Str(d));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_kv < 0) {
+    return Status::InvalidArgument("batch and sequence lengths must be non-negative, got batch=" + Str(p.batch) +
+                                   " seqlen_q=" + Str(p.seqlen_q) + " seqlen_kv=" + Str(p.seqlen_kv));
+  }
+  if (p.num_heads <= 0 || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
+    return Status::InvalidArgument("num_heads (" + Str(p.num_heads) + ") must be a positive multiple of num_kv_heads (" +
+                                   Str(p.num_kv_heads) + ")");
+  }
+  TE_JAX_RETURN_IF_ERROR(CheckHeadDim("head_dim", p.head_dim));
+  TE_JAX_RETURN_IF_ERROR(CheckHeadDim("head_dim_v", p.head_dim_v));
+  if (static_cast<int>(p.dtype) >= kNumDTypes) {
+    return Status::InvalidArgument("dtype must be one of float32, bfloat16, float16, got code " +
+                                   Str(static_cast<int>(p.dtype)));
+  }
+  if (backend == Backend::kCuda && p.dtype == DType::kFloat32) {
+    return Status::InvalidArgument("the CUDA backend computes in bfloat16 or float16; got float32 inputs");
+  }
+  if (static_cast<int>(p.mask_type) >= kNumMaskTypes) {
+    return Status::InvalidArgument("mask_type must be one of no_mask, causal, causal_bottom_right, padding, "
+                                   "padding_causal, padding_causal_bottom_right, got code " +
+                                   Str(static_cast<int>(p.mask_type)));
+  }
+  if (p.window_left < -1 || p.window_right < -1) {
+    return Status::InvalidArgument("window_size entries must be -1 (unbounded) or >= 0, got (" + Str(p.window_left) +
+                                   ", " + Str(p.window_right) + ")");
+  }
+  if (!(std::isfinite(p.scale) && p.scale > 0.0f)) {
+    return Status::InvalidArgument("scale must be a finite positive number, got " + std::to_string(p.scale));
+  }
+  if (!(std::isfinite(p.softcap) && p.softcap >= 0.0f)) {
+    return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
+  }
+  return Status::Ok();
+}
+
+Status ValidateSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (q_seqlens[b] < 0 || q_seqlens[b] > p.seqlen_q) {
+      return Status::InvalidArgument("q_seqlens[" + Str(b) + "] = " + Str(q_seqlens[b]) + " is outside [0, " +
+                                     Str(p.seqlen_q) + "]");
+    }
+    if (kv_seqlens[b] < 0 || kv_seqlens[b] > p.seqlen_kv) {
+      return Status::InvalidArgument("kv_seqlens[" + Str(b) + "] = " + Str(kv_seqlens[b]) + " is outside [0, " +
+                                     Str(p.seqlen_kv) + "]");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace te_jax

@@ -1,0 +1,22 @@
+// The one validation of an AttentionParams, run by both entry paths before any work is done, so the FFI and the
+// legacy path accept and refuse exactly the same calls with the same messages.
+#pragma once
+
+#include <cstdint>
+
+#include "cpp/attention_params.h"
+#include "cpp/status.h"
+
+namespace te_jax {
+
+enum class Backend : uint8_t { kCpu = 0, kCuda = 1 };
+
+// The largest head dim each backend compiles for (head dims must also be multiples of 8).
+inline constexpr int64_t kMaxHeadDim = 256;
+
+Status ValidateAttentionParams(const AttentionParams& params, Backend backend);
+
+// Runtime check of the per-batch lengths (they are data, so only a handler that can read them can check them).
+Status ValidateSeqlens(const AttentionParams& params, const int32_t* q_seqlens, const int32_t* kv_seqlens);
+
+}  // namespace te_jax

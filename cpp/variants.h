@@ -1,0 +1,55 @@
+// Attention variants as small structs the kernels are instantiated with (FlashInfer's design): the kernel computes the
+// dot product x = q.k and asks the variant for the logit and, in the backward pass, for d logit / d x. A new variant is
+// a new struct (or a new flag here), not a new kernel. The order follows the semantics: s = scale * x, then the
+// soft-cap s = cap * tanh(s / cap), then the ALiBi bias slope * (j - p) with p the query's diagonal position.
+#pragma once
+
+#include "cpp/host_device.h"
+
+#if !defined(__CUDACC_RTC__)
+#include <cmath>
+#include <cstdint>
+#endif
+
+namespace te_jax {
+
+template <bool kSoftcapOn, bool kAlibiOn>
+struct LogitsVariant {
+  static constexpr bool kHasSoftcap = kSoftcapOn;
+  static constexpr bool kHasAlibi = kAlibiOn;
+  float scale;
+  float cap;    // read only with kHasSoftcap
+  float slope;  // read only with kHasAlibi; per (batch, head)
+
+  TE_JAX_HOST_DEVICE float Logit(float x, int64_t p, int64_t j) const {
+    float s = scale * x;
+    if constexpr (kHasSoftcap) s = cap * tanhf(s / cap);
+    if constexpr (kHasAlibi) s += slope * static_cast<float>(j - p);
+    return s;
+  }
+
+  TE_JAX_HOST_DEVICE float DLogitDDot(float x) const {
+    if constexpr (kHasSoftcap) {
+      const float t = tanhf(scale * x / cap);
+      return scale * (1.0f - t * t);
+    } else {
+      return scale;
+    }
+  }
+};
+
+using ScaledDot = LogitsVariant<false, false>;
+using Softcap = LogitsVariant<true, false>;
+using Alibi = LogitsVariant<false, true>;
+using SoftcapAlibi = LogitsVariant<true, true>;
+
+// Calls f(variant_type_tag) with the variant matching the runtime flags, so dispatch is written once.
+template <typename F>
+decltype(auto) DispatchVariant(bool softcap, bool alibi, F&& f) {
+  if (softcap) {
+    return alibi ? f(SoftcapAlibi{}) : f(Softcap{});
+  }
+  return alibi ? f(Alibi{}) : f(ScaledDot{});
+}
+
+}  // namespace te_jax

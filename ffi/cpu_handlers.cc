@@ -1,0 +1,90 @@
+#include "ffi/cpu_handlers.h"
+
+#include <cstdint>
+#include <functional>
+
+#include "cpp/cpu/attention_cpu.h"
+#include "ffi/ffi_params.h"
+#include "ffi/ffi_status.h"
+
+namespace te_jax::ffi_handlers {
+namespace ffi = xla::ffi;
+namespace {
+
+// Lends XLA's intra-op thread pool to the core's ParallelFor.
+class XlaPoolScheduler final : public cpu::TaskScheduler {
+ public:
+  explicit XlaPoolScheduler(ffi::ThreadPool pool) : pool_(pool) {}
+  int64_t NumThreads() const override { return pool_.num_threads() > 0 ? pool_.num_threads() : 1; }
+  void Schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool pool_;
+};
+
+ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, int64_t mask_type,
+                      int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi) {
+  AttentionParams params;
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
+  if (!status.ok()) return ToFfiError(status);
+  XlaPoolScheduler scheduler(pool);
+  return ToFfiError(cpu::AttentionForward(
+      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *out, *lse), &scheduler));
+}
+
+ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                       ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
+                       ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                       ffi::Result<ffi::AnyBuffer> dv, int64_t mask_type, int64_t window_left, int64_t window_right,
+                       float scale, float softcap, bool has_alibi) {
+  AttentionParams params;
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
+  if (!status.ok()) return ToFfiError(status);
+  XlaPoolScheduler scheduler(pool);
+  return ToFfiError(cpu::AttentionBackward(
+      params, BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *dq, *dk, *dv),
+      &scheduler));
+}
+
+}  // namespace
+}  // namespace te_jax::ffi_handlers
+
+// The attribute chain is shared by forward and backward so the two cannot decode options differently.
+#define TE_JAX_ATTENTION_ATTRS                                                                         \
+  .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
+      "scale").Attr<float>("softcap").Attr<bool>("has_alibi")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionForwardCpu, te_jax::ffi_handlers::ForwardCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k
+                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Arg<xla::ffi::AnyBuffer>()  // q_seqlens
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_seqlens
+                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes
+                                  .Ret<xla::ffi::AnyBuffer>()  // out
+                                  .Ret<xla::ffi::AnyBuffer>()  // lse
+                                  TE_JAX_ATTENTION_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionBackwardCpu, te_jax::ffi_handlers::BackwardCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k
+                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Arg<xla::ffi::AnyBuffer>()  // out
+                                  .Arg<xla::ffi::AnyBuffer>()  // lse
+                                  .Arg<xla::ffi::AnyBuffer>()  // dout
+                                  .Arg<xla::ffi::AnyBuffer>()  // dlse
+                                  .Arg<xla::ffi::AnyBuffer>()  // q_seqlens
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_seqlens
+                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv
+                                  TE_JAX_ATTENTION_ATTRS);

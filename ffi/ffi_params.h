@@ -1,0 +1,131 @@
+// Builds the core's AttentionParams from FFI buffers and typed attributes: the dimensions come from the buffer shapes,
+// the options from the attributes. Shared by the CPU and CUDA handlers, so both decode calls the same way.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cpp/attention_params.h"
+#include "cpp/status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace te_jax::ffi_handlers {
+
+// The typed attributes every attention handler binds, in the order of the Bind() chains.
+struct AttentionAttrs {
+  int64_t mask_type;
+  int64_t window_left;
+  int64_t window_right;
+  float scale;
+  float softcap;
+  bool has_alibi;
+};
+
+inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype) {
+  switch (type) {
+    case xla::ffi::DataType::F32: *dtype = DType::kFloat32; return Status::Ok();
+    case xla::ffi::DataType::BF16: *dtype = DType::kBFloat16; return Status::Ok();
+    case xla::ffi::DataType::F16: *dtype = DType::kFloat16; return Status::Ok();
+    default: break;
+  }
+  return Status::InvalidArgument("q, k and v must be float32, bfloat16 or float16");
+}
+
+inline Status ExpectShape(const char* name, const xla::ffi::AnyBuffer& buffer, std::initializer_list<int64_t> shape) {
+  const auto dims = buffer.dimensions();
+  bool same = dims.size() == static_cast<int64_t>(shape.size());
+  int64_t axis = 0;
+  for (int64_t extent : shape) same = same && dims[axis++] == extent;
+  if (same) return Status::Ok();
+  std::string got, want;
+  for (int64_t d : dims) got += (got.empty() ? "" : ", ") + std::to_string(d);
+  for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+  return Status::InvalidArgument(std::string(name) + " has shape [" + got + "], expected [" + want + "]");
+}
+
+// Decodes params from q, k, v and checks that every other buffer of the call has the shape and type they imply.
+inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+                            const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
+                            const xla::ffi::AnyBuffer& alibi_slopes, const AttentionAttrs& attrs,
+                            AttentionParams* params) {
+  if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
+    return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim])");
+  }
+  AttentionParams p;
+  p.batch = q.dimensions()[0];
+  p.seqlen_q = q.dimensions()[1];
+  p.num_heads = q.dimensions()[2];
+  p.head_dim = q.dimensions()[3];
+  p.seqlen_kv = k.dimensions()[1];
+  p.num_kv_heads = k.dimensions()[2];
+  p.head_dim_v = v.dimensions()[3];
+  TE_JAX_RETURN_IF_ERROR(DTypeFromFfi(q.element_type(), &p.dtype));
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
+    return Status::InvalidArgument("q, k and v must have the same dtype");
+  }
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("k", k, {p.batch, p.seqlen_kv, p.num_kv_heads, p.head_dim}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("v", v, {p.batch, p.seqlen_kv, p.num_kv_heads, p.head_dim_v}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("q_seqlens", q_seqlens, {p.batch}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_seqlens", kv_seqlens, {p.batch}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("alibi_slopes", alibi_slopes, {p.batch, p.num_heads}));
+  if (q_seqlens.element_type() != xla::ffi::DataType::S32 || kv_seqlens.element_type() != xla::ffi::DataType::S32 ||
+      alibi_slopes.element_type() != xla::ffi::DataType::F32) {
+    return Status::InvalidArgument("q_seqlens and kv_seqlens must be int32 and alibi_slopes float32");
+  }
+  if (attrs.mask_type < 0 || attrs.mask_type >= kNumMaskTypes) {
+    return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
+                                   std::to_string(kNumMaskTypes) + ")");
+  }
+  p.mask_type = static_cast<MaskType>(attrs.mask_type);
+  p.window_left = attrs.window_left;
+  p.window_right = attrs.window_right;
+  p.scale = attrs.scale;
+  p.softcap = attrs.softcap;
+  p.has_alibi = attrs.has_alibi;
+  *params = p;
+  return Status::Ok();
+}
+
+inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
+                                            const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
+                                            const xla::ffi::AnyBuffer& kv_seqlens,
+                                            const xla::ffi::AnyBuffer& alibi_slopes, xla::ffi::AnyBuffer& out,
+                                            xla::ffi::AnyBuffer& lse) {
+  ForwardBuffers b;
+  b.q = q.untyped_data();
+  b.k = k.untyped_data();
+  b.v = v.untyped_data();
+  b.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
+  b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
+  b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
+  b.out = out.untyped_data();
+  b.lse = static_cast<float*>(lse.untyped_data());
+  return b;
+}
+
+inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
+                                              const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& out,
+                                              const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& dout,
+                                              const xla::ffi::AnyBuffer& dlse,
+                                              const xla::ffi::AnyBuffer& q_seqlens,
+                                              const xla::ffi::AnyBuffer& kv_seqlens,
+                                              const xla::ffi::AnyBuffer& alibi_slopes, xla::ffi::AnyBuffer& dq,
+                                              xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv) {
+  BackwardBuffers b;
+  b.q = q.untyped_data();
+  b.k = k.untyped_data();
+  b.v = v.untyped_data();
+  b.out = out.untyped_data();
+  b.lse = static_cast<const float*>(lse.untyped_data());
+  b.dout = dout.untyped_data();
+  b.dlse = static_cast<const float*>(dlse.untyped_data());
+  b.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
+  b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
+  b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
+  b.dq = dq.untyped_data();
+  b.dk = dk.untyped_data();
+  b.dv = dv.untyped_data();
+  return b;
+}
+
+}  // namespace te_jax::ffi_handlers

@@ -1,0 +1,132 @@
+#include "legacy/descriptor.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace te_jax::legacy {
+namespace {
+
+uint32_t Fnv1a(const char* data, size_t size) {
+  uint32_t hash = 2166136261u;
+  for (size_t i = 0; i < size; ++i) {
+    hash ^= static_cast<uint8_t>(data[i]);
+    hash *= 16777619u;
+  }
+  return hash;
+}
+
+bool LittleEndian() {
+  const uint16_t one = 1;
+  uint8_t first;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+// Byte-order-explicit field I/O, so the format does not depend on the host's struct layout or endianness.
+class Writer {
+ public:
+  template <typename T>
+  void Put(T value) {
+    uint8_t bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    if (!LittleEndian()) std::reverse(bytes, bytes + sizeof(T));
+    out_.append(reinterpret_cast<const char*>(bytes), sizeof(T));
+  }
+  const std::string& bytes() const { return out_; }
+
+ private:
+  std::string out_;
+};
+
+// Reads fields in order from a buffer whose total size the caller has already checked against the format.
+class Reader {
+ public:
+  explicit Reader(const char* data) : data_(data) {}
+  template <typename T>
+  T Get() {
+    uint8_t bytes[sizeof(T)];
+    std::memcpy(bytes, data_ + pos_, sizeof(T));
+    if (!LittleEndian()) std::reverse(bytes, bytes + sizeof(T));
+    pos_ += sizeof(T);
+    T value;
+    std::memcpy(&value, bytes, sizeof(T));
+    return value;
+  }
+
+ private:
+  const char* data_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::string PackDescriptor(const AttentionParams& p) {
+  Writer w;
+  w.Put<uint32_t>(kDescriptorMagic);
+  w.Put<uint16_t>(kDescriptorVersion);
+  w.Put<uint16_t>(static_cast<uint16_t>(kDescriptorSize));
+  for (int64_t v : {p.batch, p.seqlen_q, p.seqlen_kv, p.num_heads, p.num_kv_heads, p.head_dim, p.head_dim_v,
+                    p.window_left, p.window_right}) {
+    w.Put<int64_t>(v);
+  }
+  w.Put<float>(p.scale);
+  w.Put<float>(p.softcap);
+  w.Put<uint8_t>(static_cast<uint8_t>(p.dtype));
+  w.Put<uint8_t>(static_cast<uint8_t>(p.mask_type));
+  w.Put<uint8_t>(p.has_alibi ? 1 : 0);
+  w.Put<uint8_t>(0);
+  w.Put<uint32_t>(Fnv1a(w.bytes().data(), w.bytes().size()));
+  return w.bytes();
+}
+
+Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
+  if (data == nullptr || size < 8) {
+    return Status::InvalidArgument("legacy descriptor is truncated: " + std::to_string(size) +
+                                   " bytes, the header alone needs 8");
+  }
+  Reader header(data);
+  const uint32_t magic = header.Get<uint32_t>();
+  const uint16_t version = header.Get<uint16_t>();
+  const uint16_t declared_size = header.Get<uint16_t>();
+  if (magic != kDescriptorMagic) {
+    return Status::InvalidArgument("legacy descriptor has a wrong magic number: not a te_jax descriptor");
+  }
+  if (version != kDescriptorVersion) {
+    return Status::InvalidArgument("legacy descriptor version " + std::to_string(version) +
+                                   " is not supported; this build reads version " +
+                                   std::to_string(kDescriptorVersion));
+  }
+  if (declared_size != kDescriptorSize || size != kDescriptorSize) {
+    return Status::InvalidArgument("legacy descriptor size mismatch: got " + std::to_string(size) +
+                                   " bytes (header says " + std::to_string(declared_size) + "), expected " +
+                                   std::to_string(kDescriptorSize));
+  }
+  Reader r(data + 8);
+  AttentionParams out;
+  int64_t* dims[] = {&out.batch,        &out.seqlen_q,   &out.seqlen_kv,   &out.num_heads,   &out.num_kv_heads,
+                     &out.head_dim,     &out.head_dim_v, &out.window_left, &out.window_right};
+  for (int64_t* d : dims) *d = r.Get<int64_t>();
+  out.scale = r.Get<float>();
+  out.softcap = r.Get<float>();
+  const uint8_t dtype = r.Get<uint8_t>();
+  const uint8_t mask_type = r.Get<uint8_t>();
+  const uint8_t has_alibi = r.Get<uint8_t>();
+  const uint8_t reserved = r.Get<uint8_t>();
+  const uint32_t checksum = r.Get<uint32_t>();
+  if (checksum != Fnv1a(data, kDescriptorSize - 4)) {
+    return Status::InvalidArgument("legacy descriptor checksum mismatch: the bytes were corrupted");
+  }
+  if (dtype >= kNumDTypes || mask_type >= kNumMaskTypes || has_alibi > 1 || reserved != 0) {
+    return Status::InvalidArgument("legacy descriptor has an out-of-range enum field (dtype " +
+                                   std::to_string(dtype) + ", mask_type " + std::to_string(mask_type) +
+                                   ", has_alibi " + std::to_string(has_alibi) + ")");
+  }
+  out.dtype = static_cast<DType>(dtype);
+  out.mask_type = static_cast<MaskType>(mask_type);
+  out.has_alibi = has_alibi == 1;
+  *p = out;
+  return Status::Ok();
+}
+
+}  // namespace te_jax::legacy

@@ -1,0 +1,29 @@
+// The opaque descriptor of the legacy custom calls: an AttentionParams packed into bytes by the nanobind module at
+// lowering time and decoded by the legacy handlers at run time. It is versioned, length-checked and checksummed, so a
+// truncated, oversized or garbled descriptor is refused with a message instead of being read as parameters.
+//
+// Wire format, little-endian, no padding:
+//   u32 magic "TEJD" | u16 version | u16 total size | i64 x 9 (batch, seqlen_q, seqlen_kv, num_heads, num_kv_heads,
+//   head_dim, head_dim_v, window_left, window_right) | f32 scale | f32 softcap | u8 dtype | u8 mask_type |
+//   u8 has_alibi | u8 reserved (0) | u32 FNV-1a checksum of every byte before it
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "cpp/attention_params.h"
+#include "cpp/status.h"
+
+namespace te_jax::legacy {
+
+inline constexpr uint32_t kDescriptorMagic = 0x444A4554;  // "TEJD" read as little-endian u32
+inline constexpr uint16_t kDescriptorVersion = 1;
+inline constexpr size_t kDescriptorSize = 4 + 2 + 2 + 9 * 8 + 4 + 4 + 4 + 4;
+
+std::string PackDescriptor(const AttentionParams& params);
+
+// Decodes and checks the framing (magic, version, size, checksum, enum ranges). The parameter values themselves are
+// checked by ValidateAttentionParams, which the backends run on either path.
+Status UnpackDescriptor(const char* data, size_t size, AttentionParams* params);
+
+}  // namespace te_jax::legacy

@@ -1,0 +1,62 @@
+// Maps the positional buffer arrays of a legacy custom call onto the core's buffer structs. The operand order is the
+// one the Python lowering emits (te_jax/_primitives.py), the same as the FFI handlers' Arg/Ret order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpp/attention_params.h"
+#include "cpp/dtype.h"
+
+namespace te_jax::legacy {
+
+inline constexpr int kForwardInputs = 6;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes
+inline constexpr int kForwardOutputs = 2;  // out, lse
+inline constexpr int kBackwardInputs = 10;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes
+inline constexpr int kBackwardOutputs = 3;  // dq, dk, dv
+
+inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* const* out) {
+  ForwardBuffers b;
+  b.q = in[0];
+  b.k = in[1];
+  b.v = in[2];
+  b.q_seqlens = static_cast<const int32_t*>(in[3]);
+  b.kv_seqlens = static_cast<const int32_t*>(in[4]);
+  b.alibi_slopes = static_cast<const float*>(in[5]);
+  b.out = out[0];
+  b.lse = static_cast<float*>(out[1]);
+  return b;
+}
+
+inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* const* out) {
+  BackwardBuffers b;
+  b.q = in[0];
+  b.k = in[1];
+  b.v = in[2];
+  b.out = in[3];
+  b.lse = static_cast<const float*>(in[4]);
+  b.dout = in[5];
+  b.dlse = static_cast<const float*>(in[6]);
+  b.q_seqlens = static_cast<const int32_t*>(in[7]);
+  b.kv_seqlens = static_cast<const int32_t*>(in[8]);
+  b.alibi_slopes = static_cast<const float*>(in[9]);
+  b.dq = out[0];
+  b.dk = out[1];
+  b.dv = out[2];
+  return b;
+}
+
+// Byte sizes of the outputs, in output order, for poisoning them on failure.
+inline void ForwardOutputBytes(const AttentionParams& p, size_t bytes[kForwardOutputs]) {
+  bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim_v) * DTypeSize(p.dtype);
+  bytes[1] = static_cast<size_t>(p.batch * p.num_heads * p.seqlen_q) * sizeof(float);
+}
+
+inline void BackwardOutputBytes(const AttentionParams& p, size_t bytes[kBackwardOutputs]) {
+  const size_t elem = DTypeSize(p.dtype);
+  bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim) * elem;
+  bytes[1] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim) * elem;
+  bytes[2] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim_v) * elem;
+}
+
+}  // namespace te_jax::legacy

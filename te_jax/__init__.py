@@ -1,0 +1,9 @@
+"""te_jax: fused attention for JAX, one C++ core behind XLA FFI and legacy custom calls."""
+
+from te_jax.attention import fused_attn
+from te_jax.custom_call_path import current_custom_call_path, custom_call_path
+from te_jax.legacy_failures import raise_legacy_failures
+from te_jax.mask_type import MaskType
+
+__all__ = ["fused_attn", "MaskType", "custom_call_path", "current_custom_call_path", "raise_legacy_failures"]
+__version__ = "0.1.0"

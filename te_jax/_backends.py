@@ -1,0 +1,68 @@
+"""The platforms te_jax lowers to, and what each needs at lowering time: its extension module (custom-call targets,
+validation, descriptor packing), its custom-call API version for the legacy path, and an optional hook that prepares
+kernels before the call is emitted (the CUDA backend compiles them there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  platform: str  # JAX's lowering platform name
+  code: int  # cpp/validate.h: Backend
+  extension_name: str  # the nanobind module inside te_jax
+  legacy_api_version: int  # XLA:CPU runs only 3, XLA:GPU 2 or 3 (docs/ARCHITECTURE.md)
+  prepare: Callable[[dict, str], None] | None = None  # (core params, "forward"|"backward") -> None
+
+  def target_name(self, direction: str, path: str) -> str:
+    return f"te_jax_attention_{direction}_{self.platform}_{path}"
+
+  @functools.cached_property
+  def extension(self) -> Any:
+    try:
+      return importlib.import_module(f"te_jax.{self.extension_name}")
+    except ImportError as e:
+      raise RuntimeError(f"te_jax was built without its {self.platform} backend ({self.extension_name}): {e}. "
+                         "Reinstall te_jax with `pip install .` on a machine that can build it.") from e
+
+  def ensure_registered(self) -> None:
+    """Registers every custom-call target of this backend with XLA, once per process."""
+    if self.platform in _registered_platforms:
+      return
+    xla_platform = {"cpu": "cpu", "cuda": "CUDA"}[self.platform]
+    for name, capsule in self.extension.ffi_registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
+    for name, capsule in self.extension.legacy_registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=0)
+    _registered_platforms.add(self.platform)
+
+
+_registered_platforms: set[str] = set()
+
+_BACKENDS: dict[str, Backend] = {
+    "cpu": Backend(platform="cpu", code=0, extension_name="_te_jax_cpu", legacy_api_version=3),
+}
+
+
+def register_backend(backend: Backend) -> None:
+  _BACKENDS[backend.platform] = backend
+
+
+def loaded_extensions() -> list[Any]:
+  """The extension modules of the backends that have registered targets in this process."""
+  return [_BACKENDS[p].extension for p in sorted(_registered_platforms)]
+
+
+def backend_for(platform: str) -> Backend:
+  try:
+    return _BACKENDS[platform]
+  except KeyError:
+    raise NotImplementedError(f"te_jax has no backend for platform {platform!r}; "
+                              f"available: {', '.join(sorted(_BACKENDS))}") from None
+

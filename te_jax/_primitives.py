@@ -1,0 +1,89 @@
+"""The forward and backward attention primitives: abstract evaluation, lowering to either custom-call path, and the
+batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
+
+Operands, in the order the C++ handlers bind them (ffi/cpu_handlers.cc, legacy/legacy_buffers.h):
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes            -> out, lse
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from te_jax._backends import backend_for
+from te_jax.attention_config import AttentionConfig
+from te_jax.custom_call_path import current_custom_call_path
+
+attention_forward_p = Primitive("te_jax_attention_forward")
+attention_forward_p.multiple_results = True
+attention_backward_p = Primitive("te_jax_attention_backward")
+attention_backward_p.multiple_results = True
+
+
+def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *, config: AttentionConfig):
+  del k, q_seqlens, kv_seqlens, alibi_slopes, config
+  batch, seqlen_q, num_heads, _ = q.shape
+  out = jax.core.ShapedArray((batch, seqlen_q, num_heads, v.shape[3]), q.dtype)
+  lse = jax.core.ShapedArray((batch, num_heads, seqlen_q), jnp.float32)
+  return out, lse
+
+
+def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *,
+                            config: AttentionConfig):
+  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, config
+  return (jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
+          jax.core.ShapedArray(v.shape, v.dtype))
+
+
+def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
+  backend = backend_for(platform)
+  q_aval, k_aval, v_aval = ctx.avals_in[:3]
+  params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype)
+  # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
+  backend.extension.validate(params, backend.code)
+  backend.ensure_registered()
+  if backend.prepare is not None:
+    backend.prepare(params, direction)
+  path = current_custom_call_path()
+  target = backend.target_name(direction, path)
+  if path == "ffi":
+    return jax.ffi.ffi_lowering(target)(ctx, *operands, **config.ffi_attributes())
+  descriptor = backend.extension.pack_descriptor(params)
+  return jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)(
+      ctx, *operands)
+
+
+def register_lowering(platform: str) -> None:
+  """Registers both primitives' lowering for a platform (each backend module calls this once)."""
+  for prim, direction in ((attention_forward_p, "forward"), (attention_backward_p, "backward")):
+    mlir.register_lowering(prim, partial(_lowering, direction=direction, platform=platform), platform=platform)
+
+
+# vmap folds the mapped axis into the batch axis: every operand has batch first, so [N, B, ...] -> [N * B, ...].
+def _fold_into_batch(args, dims, size):
+  folded = []
+  for x, d in zip(args, dims):
+    x = jnp.broadcast_to(x, (size,) + x.shape) if d is batching.not_mapped else jnp.moveaxis(x, d, 0)
+    folded.append(x.reshape((size * x.shape[1],) + x.shape[2:]))
+  return folded
+
+
+def _batch_rule(prim, args, dims, *, config):
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+  outs = prim.bind(*_fold_into_batch(args, dims, size), config=config)
+  return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+for _prim, _abstract in ((attention_forward_p, _forward_abstract_eval),
+                         (attention_backward_p, _backward_abstract_eval)):
+  _prim.def_impl(partial(dispatch.apply_primitive, _prim))
+  _prim.def_abstract_eval(_abstract)
+  batching.primitive_batchers[_prim] = partial(_batch_rule, _prim)
+
+register_lowering("cpu")

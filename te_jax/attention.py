@@ -1,0 +1,170 @@
+"""te_jax.fused_attn: argument checking, the default scale and lengths, and the VJP over the two primitives."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax import _primitives
+from te_jax.attention_config import DTYPE_CODES, AttentionConfig
+from te_jax.mask_type import MaskType
+
+MAX_HEAD_DIM = 256  # cpp/validate.h: kMaxHeadDim
+
+
+def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None, kv_seqlens=None,
+               window_size: tuple[int, int] = (-1, -1), scale: float | None = None, softcap: float = 0.0,
+               alibi_slopes=None, return_lse: bool = False):
+  """Fused scaled-dot-product attention.
+
+  Args:
+    q: [B, Sq, H, D]; k: [B, Skv, Hkv, D]; v: [B, Skv, Hkv, Dv]. H must be a multiple of Hkv (GQA/MQA). float32,
+      bfloat16 or float16, all three the same.
+    mask_type: "no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+      "padding_causal_bottom_right" or a te_jax.MaskType.
+    q_seqlens, kv_seqlens: int32 [B] valid lengths; required by the padding masks and refused by the others.
+    window_size: (left, right) sliding window around each query's diagonal position; -1 is unbounded.
+    scale: multiplies q.k; defaults to 1/sqrt(D).
+    softcap: if > 0, logits become softcap * tanh(logits / softcap).
+    alibi_slopes: float32 [H] or [B, H]; adds slope * (key position - query position) to the logits.
+    return_lse: also return the float32 log-sum-exp of the logits, [B, H, Sq].
+
+  Returns:
+    out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
+    Gradients flow to q, k and v (and through lse when it is returned).
+  """
+  q, k, v = (_as_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  _check_qkv(q, k, v)
+  batch, seqlen_q, num_heads, head_dim = q.shape
+  seqlen_kv = k.shape[1]
+  mask = MaskType.parse(mask_type)
+  q_seqlens = _seqlens_operand(q_seqlens, "q_seqlens", mask, batch, seqlen_q)
+  kv_seqlens = _seqlens_operand(kv_seqlens, "kv_seqlens", mask, batch, seqlen_kv)
+  window_left, window_right = _check_window(window_size)
+  if not isinstance(return_lse, (bool, np.bool_)):
+    raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+  config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
+                           scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
+                           has_alibi=alibi_slopes is not None)
+  alibi = _alibi_operand(alibi_slopes, batch, num_heads)
+  out, lse = _attention(config, q, k, v, q_seqlens, kv_seqlens, alibi)
+  return (out, lse) if return_lse else out
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config, q, k, v, q_seqlens, kv_seqlens, alibi):
+  return tuple(_primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config))
+
+
+def _attention_fwd(config, q, k, v, q_seqlens, kv_seqlens, alibi):
+  out, lse = _attention(config, q, k, v, q_seqlens, kv_seqlens, alibi)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi)
+
+
+def _attention_bwd(config, residuals, cotangents):
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout.astype(out.dtype),
+                                                     dlse.astype(jnp.float32), q_seqlens, kv_seqlens, alibi,
+                                                     config=config)
+  return dq, dk, dv, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _as_array(x: Any, name: str):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
+  return x
+
+
+def _check_qkv(q, k, v) -> None:
+  for x, name, what in ((q, "q", "[B, Sq, H, D]"), (k, "k", "[B, Skv, Hkv, D]"), (v, "v", "[B, Skv, Hkv, Dv]")):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 {what}, got shape {tuple(x.shape)}")
+    if np.dtype(x.dtype) not in DTYPE_CODES:
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if not q.shape[0] == k.shape[0] == v.shape[0]:
+    raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"k and v must agree in [B, Skv, Hkv], got {tuple(k.shape)} and {tuple(v.shape)}")
+  if k.shape[3] != q.shape[3]:
+    raise ValueError(f"q and k must have the same head dim D, got {q.shape[3]} and {k.shape[3]}")
+  num_heads, num_kv_heads = q.shape[2], k.shape[2]
+  if num_heads == 0 or num_kv_heads == 0 or num_heads % num_kv_heads:
+    raise ValueError(f"the number of q heads ({num_heads}) must be a positive multiple of the number of k/v heads "
+                     f"({num_kv_heads})")
+  for name, d in (("head dim D of q and k", q.shape[3]), ("head dim Dv of v", v.shape[3])):
+    if d <= 0 or d % 8 or d > MAX_HEAD_DIM:
+      raise ValueError(f"{name} must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
+
+
+def _seqlens_operand(seqlens, name: str, mask: MaskType, batch: int, seqlen: int):
+  if not mask.is_padding:
+    if seqlens is not None:
+      raise ValueError(f"{name} is only accepted with a padding mask (padding, padding_causal, "
+                       f"padding_causal_bottom_right); mask_type is {mask.name.lower()!r}")
+    return jnp.full((batch,), seqlen, jnp.int32)
+  if seqlens is None:
+    raise ValueError(f"mask_type {mask.name.lower()!r} requires {name} (int32 [B])")
+  seqlens = _as_array(seqlens, name)
+  if seqlens.shape != (batch,):
+    raise ValueError(f"{name} must have shape [B] = ({batch},), got {tuple(seqlens.shape)}")
+  if not jnp.issubdtype(seqlens.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {seqlens.dtype}")
+  if not isinstance(seqlens, jax.core.Tracer):
+    values = np.asarray(seqlens)
+    if values.size and (values.min() < 0 or values.max() > seqlen):
+      raise ValueError(f"{name} values must lie in [0, {seqlen}], got {values.tolist()}")
+  return jnp.asarray(seqlens, jnp.int32)
+
+
+def _check_window(window_size) -> tuple[int, int]:
+  try:
+    left, right = window_size
+  except (TypeError, ValueError):
+    raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
+  for side, value in (("left", left), ("right", right)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+      raise TypeError(f"window_size {side} must be an int, got {value!r}")
+    if value < -1:
+      raise ValueError(f"window_size {side} must be -1 (unbounded) or >= 0, got {value}")
+  return int(left), int(right)
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+    raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+  if not (math.isfinite(scale) and scale > 0):
+    raise ValueError(f"scale must be a finite positive number, got {scale}")
+  return float(scale)
+
+
+def _check_softcap(softcap) -> float:
+  if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+    raise TypeError(f"softcap must be a Python float, got {type(softcap).__name__}")
+  if not (math.isfinite(softcap) and softcap >= 0):
+    raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+  return float(softcap)
+
+
+def _alibi_operand(alibi_slopes, batch: int, num_heads: int):
+  if alibi_slopes is None:
+    return jnp.zeros((batch, num_heads), jnp.float32)
+  alibi_slopes = _as_array(alibi_slopes, "alibi_slopes")
+  if alibi_slopes.shape not in ((num_heads,), (batch, num_heads)):
+    raise ValueError(f"alibi_slopes must have shape [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads}), "
+                     f"got {tuple(alibi_slopes.shape)}")
+  if not jnp.issubdtype(alibi_slopes.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must be a float array, got {alibi_slopes.dtype}")
+  return jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (batch, num_heads))

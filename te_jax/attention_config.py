@@ -1,0 +1,37 @@
+"""The static configuration of one fused_attn call: a frozen, hashable dataclass passed to the primitives as a single
+parameter, so jit caches and the lowering see exactly one description of the call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from te_jax.mask_type import MaskType
+
+# Element-type codes of the C++ core (cpp/dtype.h): never renumber.
+DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype("bfloat16"): 1, np.dtype(np.float16): 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  mask_type: MaskType
+  window_left: int
+  window_right: int
+  scale: float
+  softcap: float
+  has_alibi: bool
+
+  def ffi_attributes(self) -> dict:
+    """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs)."""
+    return dict(mask_type=np.int64(int(self.mask_type)), window_left=np.int64(self.window_left),
+                window_right=np.int64(self.window_right), scale=np.float32(self.scale),
+                softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi))
+
+  def core_params(self, q_shape, k_shape, v_shape, dtype) -> dict:
+    """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them)."""
+    batch, seqlen_q, num_heads, head_dim = q_shape
+    return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=k_shape[1], num_heads=num_heads, num_kv_heads=k_shape[2],
+                head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
+                mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
+                scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi))
