@@ -78,7 +78,9 @@ def _attention_bwd(config, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _as_array(x: Any, name: str):
+def _as_array(x: Any, name: str, allow_sequence: bool = False):
+  if allow_sequence and isinstance(x, (list, tuple)):
+    x = np.asarray(x)
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
   return x
@@ -115,7 +117,7 @@ def _seqlens_operand(seqlens, name: str, mask: MaskType, batch: int, seqlen: int
     return jnp.full((batch,), seqlen, jnp.int32)
   if seqlens is None:
     raise ValueError(f"mask_type {mask.name.lower()!r} requires {name} (int32 [B])")
-  seqlens = _as_array(seqlens, name)
+  seqlens = _as_array(seqlens, name, allow_sequence=True)
   if seqlens.shape != (batch,):
     raise ValueError(f"{name} must have shape [B] = ({batch},), got {tuple(seqlens.shape)}")
   if not jnp.issubdtype(seqlens.dtype, jnp.integer):
@@ -161,7 +163,7 @@ def _check_softcap(softcap) -> float:
 def _alibi_operand(alibi_slopes, batch: int, num_heads: int):
   if alibi_slopes is None:
     return jnp.zeros((batch, num_heads), jnp.float32)
-  alibi_slopes = _as_array(alibi_slopes, "alibi_slopes")
+  alibi_slopes = _as_array(alibi_slopes, "alibi_slopes", allow_sequence=True)
   if alibi_slopes.shape not in ((num_heads,), (batch, num_heads)):
     raise ValueError(f"alibi_slopes must have shape [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads}), "
                      f"got {tuple(alibi_slopes.shape)}")
