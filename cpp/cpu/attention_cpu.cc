@@ -1,0 +1,460 @@
+// Flash-style attention on the CPU. Forward: one work item per (batch, head, Q tile) runs the online softmax over the
+// K/V tiles its rows can see. Backward: one work item per (batch, KV head, KV tile) owns that tile's dK and dV and
+// walks the Q tiles of its head group that see it; dQ, which every KV tile adds to, goes to a private float32 buffer
+// per worker, summed once at the end, so no write is shared and the five products are computed once each.
+//
+// Score tiles are key-major (scores[key][row]) so query rows are vector lanes (see online_softmax.h), and scores are
+// kept in log2 units: for the plain scaled dot, scale * log2(e) is folded into the packed Q^T.
+#include "cpp/cpu/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpp/cpu/element_types.h"
+#include "cpp/cpu/online_softmax.h"
+#include "cpp/cpu/simd_f32x8.h"
+#include "cpp/cpu/softmax_backward.h"
+#include "cpp/cpu/tile_gemm.h"
+#include "cpp/cpu/tile_key_ranges.h"
+#include "cpp/cpu/worker_loop.h"
+#include "cpp/validate.h"
+#include "cpp/variants.h"
+#include "cpp/visible_keys.h"
+
+namespace te_jax::cpu {
+namespace {
+
+constexpr int64_t kTileQ = 64;    // query rows per tile: the lanes of a score tile
+constexpr int64_t kTileKV = 128;  // keys per tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUpToLanes(int64_t n) { return CeilDiv(n, kLanes) * kLanes; }
+
+// The plain scaled dot is linear in q, so its scale (and log2 e) can ride on the packed Q^T and the tiles need no
+// per-element logit pass; the other variants apply Logit to the raw dot products.
+template <typename Variant>
+constexpr bool kIsLinear = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+
+template <typename Variant>
+Variant MakeVariant(const AttentionParams& p, const float* alibi_slopes, int64_t b, int64_t h) {
+  return Variant{p.scale, p.softcap, Variant::kHasAlibi ? alibi_slopes[b * p.num_heads + h] : 0.0f};
+}
+
+RowMask BatchMask(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens, int64_t b) {
+  return MakeRowMask(p.mask_type, q_seqlens[b], kv_seqlens[b], p.window_left, p.window_right);
+}
+
+// One (batch, head) of a [B, S, heads, dim] tensor: row i starts at base + i * stride.
+template <typename T>
+struct HeadRows {
+  T* base;
+  int64_t stride;
+  T* Row(int64_t i) const { return base + i * stride; }
+};
+
+template <typename T>
+HeadRows<T> Head(T* tensor, int64_t seqlen, int64_t heads, int64_t dim, int64_t b, int64_t h) {
+  return {tensor + (b * seqlen * heads + h) * dim, heads * dim};
+}
+
+// rows x dim elements starting at `first` (row stride `stride`) as float32 rows: float inputs are used in place,
+// the 16-bit types are converted once into `scratch`.
+template <typename T>
+MatrixB RowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {first, stride};
+  } else {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t d = 0; d < dim; ++d) scratch[i * dim + d] = ToFloat(first[i * stride + d]);
+    }
+    return {scratch, dim};
+  }
+}
+
+// out[d][r] = factor * rows[r][d], zero in the lanes past `rows`: the B operand of the key-major score products.
+template <typename T>
+void PackTransposed(const T* first, int64_t stride, int64_t rows, int64_t lanes, int64_t dim, float factor,
+                    float* out) {
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t r = 0; r < lanes; ++r) out[d * kTileQ + r] = r < rows ? factor * ToFloat(first[r * stride + d]) : 0.0f;
+  }
+}
+
+// scores[key][row] = Logit(dot) in log2 units, for the variants that are not linear in the dot.
+template <typename Variant>
+void ApplyLogits(const Variant& variant, const float* dots, float* scores, int64_t keys, int64_t lanes,
+                 int64_t first_position, int64_t first_key) {
+  for (int64_t c = 0; c < keys; ++c) {
+    for (int64_t r = 0; r < lanes; ++r) {
+      scores[c * kTileQ + r] = kLog2e * variant.Logit(dots[c * kTileQ + r], first_position + r, first_key + c);
+    }
+  }
+}
+
+// The visible keys of every Q tile of every batch, [B, Q tiles]: the forward's cost estimate and the backward's test of
+// which Q tiles meet a KV tile.
+std::vector<KeyRange> QTileKeys(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
+  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
+  std::vector<KeyRange> keys(p.batch * q_tiles);
+  TileKeyRanges<kTileQ> ranges;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const RowMask mask = BatchMask(p, q_seqlens, kv_seqlens, b);
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      ranges.Compute(mask, t * kTileQ, std::min(kTileQ, p.seqlen_q - t * kTileQ));
+      keys[b * q_tiles + t] = ranges.any;
+    }
+  }
+  return keys;
+}
+
+bool Meets(const KeyRange& keys, int64_t begin, int64_t end) {
+  return keys.begin < keys.end && keys.begin < end && begin < keys.end;
+}
+
+// A work item and its estimated cost: items run most expensive first, so the long causal rows do not end up alone on
+// one thread at the end.
+struct WorkItem {
+  int64_t batch, head, tile, cost;
+};
+
+void SortByCostDescending(std::vector<WorkItem>* items) {
+  std::stable_sort(items->begin(), items->end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Forward
+
+template <typename T>
+struct ForwardArgs {
+  const AttentionParams& params;
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  float* lse;
+  const int32_t* q_seqlens;
+  const int32_t* kv_seqlens;
+  const float* alibi_slopes;
+};
+
+struct ForwardScratch {
+  explicit ForwardScratch(const AttentionParams& p)
+      : q_t(p.head_dim * kTileQ), scores(kTileKV * kTileQ), out(kTileQ * p.head_dim_v), k(kTileKV * p.head_dim),
+        v(kTileKV * p.head_dim_v) {}
+  std::vector<float> q_t;     // [D, kTileQ], scaled
+  std::vector<float> scores;  // [kTileKV, kTileQ]
+  std::vector<float> out;     // [kTileQ, Dv], unnormalised
+  std::vector<float> k, v;    // converted tiles of 16-bit inputs
+  alignas(32) float rescale[kTileQ];
+  TileKeyRanges<kTileQ> ranges;
+  OnlineSoftmax<kTileQ> softmax;
+};
+
+template <typename T, typename Variant>
+void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& item) {
+  const AttentionParams& p = args.params;
+  const int64_t b = item.batch, h = item.head;
+  const int64_t d = p.head_dim, dv = p.head_dim_v;
+  const int64_t first_row = item.tile * kTileQ;
+  const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
+  const int64_t lanes = RoundUpToLanes(rows);
+  const int64_t kv_head = h / (p.num_heads / p.num_kv_heads);
+  const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
+  const HeadRows<const T> k = Head(args.k, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
+  const HeadRows<const T> v = Head(args.v, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
+  const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
+  const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
+
+  s.ranges.Compute(mask, first_row, rows);
+  s.softmax.Reset();
+  std::fill(s.out.begin(), s.out.begin() + rows * dv, 0.0f);
+  PackTransposed(q.Row(first_row), q.stride, rows, lanes, d, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f,
+                 s.q_t.data());
+
+  float* scores = s.scores.data();
+  for (int64_t key0 = s.ranges.any.begin; key0 < s.ranges.any.end; key0 += kTileKV) {
+    const int64_t keys = std::min(kTileKV, s.ranges.any.end - key0);
+    const MatrixB k_tile = RowsAsFloat(k.Row(key0), k.stride, keys, d, s.k.data());
+    TileGemm(keys, lanes, d, {k_tile.data, k_tile.row_stride, 1}, {s.q_t.data(), kTileQ}, {scores, kTileQ},
+             Accumulate::kNo);
+    if constexpr (!kIsLinear<Variant>) {
+      ApplyLogits(variant, scores, scores, keys, lanes, first_row + mask.diag_offset, key0);
+    }
+    if (!s.ranges.AllSee(key0, key0 + keys)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+    s.softmax.Update(scores, kTileQ, keys, lanes, s.rescale);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < dv; ++j) s.out[r * dv + j] *= s.rescale[r];
+    }
+    const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
+    TileGemm(rows, dv, keys, {scores, 1, kTileQ}, v_tile, {s.out.data(), dv}, Accumulate::kYes);
+  }
+
+  const HeadRows<T> out = Head(args.out, p.seqlen_q, p.num_heads, dv, b, h);
+  float* lse = args.lse + (b * p.num_heads + h) * p.seqlen_q + first_row;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float sum = s.softmax.sum[r];
+    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;  // rows that see no key: out = 0, lse = -inf
+    T* out_row = out.Row(first_row + r);
+    for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(s.out[r * dv + j] * inv_sum);
+    lse[r] = sum > 0.0f ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
+  }
+}
+
+template <typename T, typename Variant>
+void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler* scheduler) {
+  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
+  const std::vector<KeyRange> tile_keys = QTileKeys(p, args.q_seqlens, args.kv_seqlens);
+  std::vector<WorkItem> items;
+  items.reserve(p.batch * p.num_heads * q_tiles);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.num_heads; ++h) {
+      for (int64_t t = 0; t < q_tiles; ++t) {
+        const KeyRange keys = tile_keys[b * q_tiles + t];
+        items.push_back({b, h, t, std::max<int64_t>(0, keys.end - keys.begin)});
+      }
+    }
+  }
+  SortByCostDescending(&items);
+  const int64_t workers = NumWorkers(scheduler, static_cast<int64_t>(items.size()));
+  std::vector<ForwardScratch> scratch(workers, ForwardScratch(p));
+  ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
+    ForwardTile<T, Variant>(args, scratch[worker], items[i]);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Backward
+
+template <typename T>
+struct BackwardArgs {
+  const AttentionParams& params;
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* out;
+  const float* lse;
+  const T* dout;
+  const float* dlse;
+  const int32_t* q_seqlens;
+  const int32_t* kv_seqlens;
+  const float* alibi_slopes;
+  T* dq;
+  T* dk;
+  T* dv;
+};
+
+struct BackwardScratch {
+  explicit BackwardScratch(const AttentionParams& p)
+      : q(kTileQ * p.head_dim), q_t(p.head_dim * kTileQ), dout(kTileQ * p.head_dim_v), dout_t(p.head_dim_v * kTileQ),
+        dots(kTileKV * kTileQ), probs(kTileKV * kTileQ), dscores(kTileKV * kTileQ), k(kTileKV * p.head_dim),
+        v(kTileKV * p.head_dim_v), dk(kTileKV * p.head_dim), dv(kTileKV * p.head_dim_v) {}
+  std::vector<float> q, q_t, dout, dout_t;  // the Q tile row-major (converted 16-bit only) and transposed (scaled)
+  std::vector<float> dots, probs, dscores;  // key-major [kTileKV, kTileQ]
+  std::vector<float> k, v;                  // converted tiles of 16-bit inputs
+  std::vector<float> dk, dv;                // this KV tile's gradients
+  std::vector<float> dq;                    // this worker's share of dQ, [B, Sq, H, D]; allocated on first use
+  alignas(32) float lse2[kTileQ];           // lse in log2 units; +inf in the lanes past the tile so P = 0 there
+  alignas(32) float delta[kTileQ];          // rowsum(dO * O) - dlse
+  TileKeyRanges<kTileQ> ranges;
+};
+
+template <typename T, typename Variant>
+void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const MatrixB& k_tile,
+                   const MatrixB& v_tile, int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys) {
+  const AttentionParams& p = args.params;
+  const int64_t d = p.head_dim, dv = p.head_dim_v;
+  const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
+  const int64_t lanes = RoundUpToLanes(rows);
+  const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
+  const HeadRows<const T> out = Head(args.out, p.seqlen_q, p.num_heads, dv, b, h);
+  const HeadRows<const T> dout = Head(args.dout, p.seqlen_q, p.num_heads, dv, b, h);
+  const float* lse = args.lse + (b * p.num_heads + h) * p.seqlen_q + first_row;
+  const float* dlse = args.dlse + (b * p.num_heads + h) * p.seqlen_q + first_row;
+  const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
+
+  s.ranges.Compute(mask, first_row, rows);
+  const MatrixB q_rows = RowsAsFloat(q.Row(first_row), q.stride, rows, d, s.q.data());
+  const MatrixB dout_rows = RowsAsFloat(dout.Row(first_row), dout.stride, rows, dv, s.dout.data());
+  PackTransposed(q.Row(first_row), q.stride, rows, lanes, d, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f,
+                 s.q_t.data());
+  PackTransposed(dout.Row(first_row), dout.stride, rows, lanes, dv, 1.0f, s.dout_t.data());
+  for (int64_t r = 0; r < kTileQ; ++r) {
+    s.lse2[r] = INFINITY;
+    s.delta[r] = 0.0f;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    s.lse2[r] = lse[r] * kLog2e;
+    const T* out_row = out.Row(first_row + r);
+    for (int64_t j = 0; j < dv; ++j) s.delta[r] += ToFloat(out_row[j]) * dout_rows.data[r * dout_rows.row_stride + j];
+    s.delta[r] -= dlse[r];  // d lse_i / d s_ij = P_ij, so dlse enters dS = P * (dP - delta) with the opposite sign
+  }
+
+  // P^T = exp2(S^T - lse), zero where masked.
+  float* dots = s.dots.data();
+  float* probs = s.probs.data();
+  float* dscores = s.dscores.data();
+  TileGemm(keys, lanes, d, {k_tile.data, k_tile.row_stride, 1}, {s.q_t.data(), kTileQ}, {dots, kTileQ},
+           Accumulate::kNo);
+  float* scores = dots;
+  if constexpr (!kIsLinear<Variant>) {
+    ApplyLogits(variant, dots, probs, keys, lanes, first_row + mask.diag_offset, key0);
+    scores = probs;
+  }
+  if (!s.ranges.AllSee(key0, key0 + keys)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+  RecomputeProbabilities(scores, s.lse2, kTileQ, keys, lanes, probs);
+
+  // dS^T = P^T * (dP^T - delta) * dLogit/dDot, with dP^T = V dO^T.
+  TileGemm(keys, lanes, dv, {v_tile.data, v_tile.row_stride, 1}, {s.dout_t.data(), kTileQ}, {dscores, kTileQ},
+           Accumulate::kNo);
+  SoftmaxGradient(probs, s.delta, kIsLinear<Variant> ? p.scale : 1.0f, kTileQ, keys, lanes, dscores);
+  if constexpr (!kIsLinear<Variant>) {
+    for (int64_t c = 0; c < keys; ++c) {
+      for (int64_t r = 0; r < lanes; ++r) dscores[c * kTileQ + r] *= variant.DLogitDDot(dots[c * kTileQ + r]);
+    }
+  }
+
+  TileGemm(keys, dv, rows, {probs, kTileQ, 1}, dout_rows, {s.dv.data(), dv}, Accumulate::kYes);
+  TileGemm(keys, d, rows, {dscores, kTileQ, 1}, q_rows, {s.dk.data(), d}, Accumulate::kYes);
+  float* dq = s.dq.data() + ((b * p.seqlen_q + first_row) * p.num_heads + h) * d;
+  TileGemm(rows, d, keys, {dscores, 1, kTileQ}, k_tile, {dq, p.num_heads * d}, Accumulate::kYes);
+}
+
+template <typename T, typename Variant>
+void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<KeyRange>& q_tile_keys,
+                    const WorkItem& item) {
+  const AttentionParams& p = args.params;
+  const int64_t b = item.batch, kv_head = item.head;
+  const int64_t d = p.head_dim, dv = p.head_dim_v;
+  const int64_t key0 = item.tile * kTileKV;
+  const int64_t keys = std::min(kTileKV, p.seqlen_kv - key0);
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
+  const HeadRows<const T> k = Head(args.k, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
+  const HeadRows<const T> v = Head(args.v, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
+  const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
+
+  std::fill(s.dk.begin(), s.dk.begin() + keys * d, 0.0f);
+  std::fill(s.dv.begin(), s.dv.begin() + keys * dv, 0.0f);
+  const MatrixB k_tile = RowsAsFloat(k.Row(key0), k.stride, keys, d, s.k.data());
+  const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
+  for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      if (!Meets(q_tile_keys[b * q_tiles + t], key0, key0 + keys)) continue;
+      BackwardQTile<T, Variant>(args, s, mask, k_tile, v_tile, b, h, t * kTileQ, key0, keys);
+    }
+  }
+
+  const HeadRows<T> dk_out = Head(args.dk, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
+  const HeadRows<T> dv_out = Head(args.dv, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
+  for (int64_t c = 0; c < keys; ++c) {
+    for (int64_t j = 0; j < d; ++j) dk_out.Row(key0 + c)[j] = FromFloat<T>(s.dk[c * d + j]);
+    for (int64_t j = 0; j < dv; ++j) dv_out.Row(key0 + c)[j] = FromFloat<T>(s.dv[c * dv + j]);
+  }
+}
+
+template <typename T, typename Variant>
+void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskScheduler* scheduler) {
+  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
+  const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const std::vector<KeyRange> q_tile_keys = QTileKeys(p, args.q_seqlens, args.kv_seqlens);
+  std::vector<WorkItem> items;
+  items.reserve(p.batch * p.num_kv_heads * kv_tiles);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t t = 0; t < kv_tiles; ++t) {
+      int64_t meeting = 0;
+      for (int64_t qt = 0; qt < q_tiles; ++qt) {
+        meeting += Meets(q_tile_keys[b * q_tiles + qt], t * kTileKV, (t + 1) * kTileKV);
+      }
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, h, t, meeting * group});
+    }
+  }
+  SortByCostDescending(&items);
+  const int64_t workers = NumWorkers(scheduler, static_cast<int64_t>(items.size()));
+  const int64_t dq_size = p.batch * p.seqlen_q * p.num_heads * p.head_dim;
+  std::vector<BackwardScratch> scratch(workers, BackwardScratch(p));
+  ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
+    BackwardScratch& s = scratch[worker];
+    if (s.dq.empty()) s.dq.assign(dq_size, 0.0f);
+    BackwardKVTile<T, Variant>(args, s, q_tile_keys, items[i]);
+  });
+
+  // dQ = the sum of the workers' shares; every element is written, zero where no key contributed.
+  constexpr int64_t kChunk = 16384;
+  ParallelFor(scheduler, CeilDiv(dq_size, kChunk), [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunk, end = std::min(dq_size, begin + kChunk);
+    for (int64_t e = begin; e < end; ++e) {
+      float sum = 0.0f;
+      for (const BackwardScratch& s : scratch) sum += s.dq.empty() ? 0.0f : s.dq[e];
+      args.dq[e] = FromFloat<T>(sum);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Dispatch on the runtime dtype and variant.
+
+template <typename F>
+void DispatchDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(float{}); break;
+    case DType::kBFloat16: f(BFloat16{}); break;
+    case DType::kFloat16: f(Float16{}); break;
+  }
+}
+
+}  // namespace
+
+Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buffers, TaskScheduler* scheduler) {
+  TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
+  TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
+  DispatchDType(params.dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const ForwardArgs<T> args{params,
+                              static_cast<const T*>(buffers.q),
+                              static_cast<const T*>(buffers.k),
+                              static_cast<const T*>(buffers.v),
+                              static_cast<T*>(buffers.out),
+                              buffers.lse,
+                              buffers.q_seqlens,
+                              buffers.kv_seqlens,
+                              buffers.alibi_slopes};
+    DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
+      Forward<T, decltype(variant_tag)>(params, args, scheduler);
+    });
+  });
+  return Status::Ok();
+}
+
+Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, TaskScheduler* scheduler) {
+  TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
+  TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
+  DispatchDType(params.dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const BackwardArgs<T> args{params,
+                               static_cast<const T*>(buffers.q),
+                               static_cast<const T*>(buffers.k),
+                               static_cast<const T*>(buffers.v),
+                               static_cast<const T*>(buffers.out),
+                               buffers.lse,
+                               static_cast<const T*>(buffers.dout),
+                               buffers.dlse,
+                               buffers.q_seqlens,
+                               buffers.kv_seqlens,
+                               buffers.alibi_slopes,
+                               static_cast<T*>(buffers.dq),
+                               static_cast<T*>(buffers.dk),
+                               static_cast<T*>(buffers.dv)};
+    DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
+      Backward<T, decltype(variant_tag)>(params, args, scheduler);
+    });
+  });
+  return Status::Ok();
+}
+
+}  // namespace te_jax::cpu

@@ -1,0 +1,71 @@
+// The storage types of q, k, v, out and the gradients, and their conversions to and from the float32 the kernels
+// compute in. Tiles are converted once when loaded and once when stored, so these need to be exact, not fast.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace te_jax::cpu {
+
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+inline float FloatFromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint32_t BitsFromFloat(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(BFloat16 x) { return FloatFromBits(static_cast<uint32_t>(x.bits) << 16); }
+inline float ToFloat(Float16 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t magnitude = x.bits & 0x7fffu;
+  // Placing the half's exponent and mantissa in the low float bits and multiplying by 2^(127 - 15) rebiases normals
+  // and subnormals alike; only inf and NaN need their exponent set by hand.
+  const float f = magnitude >= 0x7c00u ? FloatFromBits((magnitude << 13) | 0x7f800000u)
+                                       : FloatFromBits(magnitude << 13) * 0x1p112f;
+  return FloatFromBits(BitsFromFloat(f) | sign);
+}
+
+template <typename T>
+T FromFloat(float f);
+
+template <>
+inline float FromFloat<float>(float f) {
+  return f;
+}
+
+template <>
+inline BFloat16 FromFloat<BFloat16>(float f) {
+  const uint32_t u = BitsFromFloat(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
+  return BFloat16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};  // round to nearest even
+}
+
+// Round to nearest even, subnormals and overflow to inf included (the float arithmetic does the rounding: adding a
+// power of two aligned to the half's ulp lets the float adder round away the extra mantissa bits).
+template <>
+inline Float16 FromFloat<Float16>(float f) {
+  const uint32_t w = BitsFromFloat(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  float base = ((f < 0 ? -f : f) * 0x1p112f) * 0x1p-110f;
+  base = FloatFromBits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = BitsFromFloat(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+  return Float16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign))};
+}
+
+}  // namespace te_jax::cpu
