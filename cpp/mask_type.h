@@ -2,7 +2,9 @@
 // format: never renumber.
 #pragma once
 
+#if !defined(__CUDACC_RTC__)
 #include <cstdint>
+#endif
 
 #include "cpp/host_device.h"
 

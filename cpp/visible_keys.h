@@ -3,7 +3,9 @@
 // from scratch: they intersect a tile with this range, skip tiles outside it and clip the tiles that straddle it.
 #pragma once
 
+#if !defined(__CUDACC_RTC__)
 #include <cstdint>
+#endif
 
 #include "cpp/host_device.h"
 #include "cpp/mask_type.h"

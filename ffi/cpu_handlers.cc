@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "cpp/cpu/attention_cpu.h"
+#include "ffi/attention_signature.h"
 #include "ffi/ffi_params.h"
 #include "ffi/ffi_status.h"
 
@@ -53,38 +54,10 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 }  // namespace
 }  // namespace te_jax::ffi_handlers
 
-// The attribute chain is shared by forward and backward so the two cannot decode options differently.
-#define TE_JAX_ATTENTION_ATTRS                                                                         \
-  .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
-      "scale").Attr<float>("softcap").Attr<bool>("has_alibi")
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionForwardCpu, te_jax::ffi_handlers::ForwardCpu,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // q_seqlens
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_seqlens
-                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes
-                                  .Ret<xla::ffi::AnyBuffer>()  // out
-                                  .Ret<xla::ffi::AnyBuffer>()  // lse
-                                  TE_JAX_ATTENTION_ATTRS);
+                                  .Ctx<xla::ffi::ThreadPool>() TE_JAX_FFI_FORWARD_SIGNATURE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionBackwardCpu, te_jax::ffi_handlers::BackwardCpu,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // out
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse
-                                  .Arg<xla::ffi::AnyBuffer>()  // dout
-                                  .Arg<xla::ffi::AnyBuffer>()  // dlse
-                                  .Arg<xla::ffi::AnyBuffer>()  // q_seqlens
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_seqlens
-                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  TE_JAX_ATTENTION_ATTRS);
+                                  .Ctx<xla::ffi::ThreadPool>() TE_JAX_FFI_BACKWARD_SIGNATURE);

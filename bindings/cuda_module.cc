@@ -1,0 +1,125 @@
+// The CUDA extension module: the custom-call targets of both paths, the core's validation and descriptor packing (as
+// in the CPU module), and the JIT: prepare (lowering time: compile or find in the disk cache, then load), compile
+// (no GPU needed: CI and `python -m te_jax.aot`), and the kernel-root / NVRTC-path settings the Python layer makes.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings/core_functions.h"
+#include "bindings/params_from_python.h"
+#include "cpp/cuda/attention_cuda.h"
+#include "cpp/cuda/dynamic_libs.h"
+#include "cpp/cuda/jit_cache.h"
+#include "cpp/cuda/kernel_registry.h"
+#include "cpp/cuda/nvrtc_compiler.h"
+#include "cpp/validate.h"
+#include "ffi/cuda_handlers.h"
+#include "legacy/cuda_legacy_handlers.h"
+
+namespace nb = nanobind;
+
+namespace te_jax::bindings {
+namespace {
+
+nb::dict FfiRegistrations() {
+  nb::dict targets;
+  targets["te_jax_attention_forward_cuda_ffi"] = EncapsulateFunction(TeJaxAttentionForwardCuda);
+  targets["te_jax_attention_backward_cuda_ffi"] = EncapsulateFunction(TeJaxAttentionBackwardCuda);
+  return targets;
+}
+
+nb::dict LegacyRegistrations() {
+  nb::dict targets;
+  targets["te_jax_attention_forward_cuda_legacy"] = EncapsulateFunction(TeJaxLegacyAttentionForwardCuda);
+  targets["te_jax_attention_backward_cuda_legacy"] = EncapsulateFunction(TeJaxLegacyAttentionBackwardCuda);
+  return targets;
+}
+
+cuda::Direction DirectionFromString(const std::string& direction) {
+  if (direction == "forward") return cuda::Direction::kForward;
+  if (direction == "backward") return cuda::Direction::kBackward;
+  throw nb::value_error("direction must be 'forward' or 'backward'");
+}
+
+nb::dict ReportDict(const cuda::JitReport& r) {
+  nb::dict d;
+  d["name"] = r.name;
+  d["path"] = r.path;
+  d["origin"] = r.origin;
+  d["seconds"] = r.seconds;
+  return d;
+}
+
+// {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"}.
+cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
+  cuda::KernelConfig c;
+  c.direction = DirectionFromString(nb::cast<std::string>(d["direction"]));
+  const int dtype = nb::cast<int>(d["dtype"]);
+  if (dtype != static_cast<int>(DType::kBFloat16) && dtype != static_cast<int>(DType::kFloat16)) {
+    throw nb::value_error("CUDA kernels are compiled for bfloat16 (1) or float16 (2)");
+  }
+  c.dtype = static_cast<DType>(dtype);
+  c.head_dim = nb::cast<int>(d["head_dim"]);
+  c.head_dim_v = nb::cast<int>(d["head_dim_v"]);
+  for (int hd : {c.head_dim, c.head_dim_v}) {
+    if (hd <= 0 || hd % 8 != 0 || hd > kMaxHeadDim) throw nb::value_error("head dims must be multiples of 8 in [8, 256]");
+  }
+  c.softcap = nb::cast<bool>(d["softcap"]);
+  c.alibi = nb::cast<bool>(d["alibi"]);
+  c.arch = nb::cast<std::string>(d["arch"]);
+  return c;
+}
+
+}  // namespace
+}  // namespace te_jax::bindings
+
+NB_MODULE(_te_jax_cuda, m) {
+  using namespace te_jax;
+  m.def("ffi_registrations", &bindings::FfiRegistrations);
+  m.def("legacy_registrations", &bindings::LegacyRegistrations);
+  bindings::DefineCoreFunctions(m);
+
+  m.def("set_kernel_root", &cuda::SetKernelRoot, nb::arg("root"));
+  m.def("set_nvrtc_paths", &cuda::SetNvrtcSearchPaths, nb::arg("paths"));
+  m.def("cache_dir", &cuda::CacheDir);
+  m.def("nvrtc_version", [] {
+    std::string v;
+    bindings::ThrowIfError(cuda::NvrtcVersionString(&v));
+    return v;
+  });
+  m.def(
+      "prepare",
+      [](const nb::dict& fields, const std::string& direction) {
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        const cuda::Direction dir = bindings::DirectionFromString(direction);
+        cuda::JitReport report;
+        Status status;
+        {
+          nb::gil_scoped_release release;
+          status = cuda::Prepare(params, dir, &report);
+        }
+        bindings::ThrowIfError(status);
+        return bindings::ReportDict(report);
+      },
+      nb::arg("params"), nb::arg("direction"));
+  m.def(
+      "compile",
+      [](const nb::dict& config) {
+        const cuda::KernelConfig c = bindings::ConfigFromDict(config);
+        cuda::JitReport report;
+        Status status;
+        {
+          nb::gil_scoped_release release;
+          status = cuda::EnsureCubin(c, &report);
+        }
+        bindings::ThrowIfError(status);
+        return bindings::ReportDict(report);
+      },
+      nb::arg("config"));
+  m.def("kernel_name", [](const nb::dict& config) { return bindings::ConfigFromDict(config).Name(); });
+  m.def("render_source", [](const nb::dict& config) { return bindings::ConfigFromDict(config).RenderSource(); });
+}

@@ -1,0 +1,23 @@
+// The FFI signature of the attention handlers: operands, results and attributes in the order te_jax/_primitives.py
+// emits them. The CPU and CUDA handlers bind the same chains after their own context argument (thread pool or stream),
+// so the two backends cannot decode a call differently.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+#define TE_JAX_FFI_ATTENTION_ATTRS                                                                     \
+  .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
+      "scale").Attr<float>("softcap").Attr<bool>("has_alibi")
+
+// q, k, v, q_seqlens, kv_seqlens, alibi_slopes -> out, lse
+#define TE_JAX_FFI_FORWARD_SIGNATURE                                                                            \
+  .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()  \
+          TE_JAX_FFI_ATTENTION_ATTRS
+
+// q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv
+#define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
+  .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()  \
+      .Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS

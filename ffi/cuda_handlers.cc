@@ -1,0 +1,53 @@
+#include "ffi/cuda_handlers.h"
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cpp/cuda/attention_cuda.h"
+#include "ffi/attention_signature.h"
+#include "ffi/ffi_params.h"
+#include "ffi/ffi_status.h"
+
+namespace te_jax::ffi_handlers {
+namespace ffi = xla::ffi;
+namespace {
+
+ffi::Error ForwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seqlens,
+                       ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, int64_t mask_type, int64_t window_left, int64_t window_right,
+                       float scale, float softcap, bool has_alibi) {
+  AttentionParams params;
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
+  if (!status.ok()) return ToFfiError(status);
+  return ToFfiError(cuda::AttentionForward(
+      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *out, *lse), stream));
+}
+
+ffi::Error BackwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                        ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens,
+                        ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, int64_t mask_type,
+                        int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi) {
+  AttentionParams params;
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
+  if (!status.ok()) return ToFfiError(status);
+  return ToFfiError(cuda::AttentionBackward(
+      params, BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *dq, *dk, *dv),
+      stream));
+}
+
+}  // namespace
+}  // namespace te_jax::ffi_handlers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionForwardCuda, te_jax::ffi_handlers::ForwardCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<CUstream>>() TE_JAX_FFI_FORWARD_SIGNATURE,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionBackwardCuda, te_jax::ffi_handlers::BackwardCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<CUstream>>() TE_JAX_FFI_BACKWARD_SIGNATURE,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
