@@ -3,7 +3,14 @@
 from te_jax.attention import fused_attn
 from te_jax.custom_call_path import current_custom_call_path, custom_call_path
 from te_jax.legacy_failures import raise_legacy_failures
+from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing  # [sharding]
 from te_jax.mask_type import MaskType
 
-__all__ = ["fused_attn", "MaskType", "custom_call_path", "current_custom_call_path", "raise_legacy_failures"]
+try:
+  import te_jax._cuda  # noqa: F401  registers the CUDA backend when the _te_jax_cuda extension was built
+except ImportError:
+  pass
+
+__all__ = ["fused_attn", "MaskType", "custom_call_path", "current_custom_call_path", "raise_legacy_failures",
+           "reorder_for_load_balancing", "inverse_reorder_for_load_balancing"]
 __version__ = "0.1.0"

@@ -1,0 +1,106 @@
+#include "cpp/cuda/attention_cuda.h"
+
+#include "cpp/cuda/dynamic_libs.h"
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/validate.h"
+
+namespace te_jax::cuda {
+namespace {
+
+ShapeArgs MakeShape(const AttentionParams& p) {
+  ShapeArgs s;
+  s.batch = static_cast<int32_t>(p.batch);
+  s.seqlen_q = static_cast<int32_t>(p.seqlen_q);
+  s.seqlen_kv = static_cast<int32_t>(p.seqlen_kv);
+  s.num_heads = static_cast<int32_t>(p.num_heads);
+  s.num_kv_heads = static_cast<int32_t>(p.num_kv_heads);
+  s.mask_type = static_cast<int32_t>(p.mask_type);
+  s.window_left = static_cast<int32_t>(p.window_left);
+  s.window_right = static_cast<int32_t>(p.window_right);
+  s.scale = p.scale;
+  s.softcap = p.softcap;
+  return s;
+}
+
+Status CheckCudaLimits(const AttentionParams& p) {
+  constexpr int64_t kMax = (int64_t{1} << 31) - 1;
+  if (p.seqlen_q > kMax || p.seqlen_kv > kMax || p.batch > 65535 || p.num_heads > 65535 ||
+      p.window_left > kMax || p.window_right > kMax) {
+    return Status::InvalidArgument("the CUDA backend needs batch and heads <= 65535 and lengths and windows < 2^31");
+  }
+  return Status::Ok();
+}
+
+Status Module(const AttentionParams& params, Direction direction, const LoadedModule** module) {
+  CUdevice device = 0;
+  std::string arch;
+  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
+  JitReport report;
+  return GetLoadedModule(ConfigFor(params, direction, arch), device, module, &report);
+}
+
+template <typename Args>
+Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsigned gx, unsigned gy, unsigned gz,
+              unsigned threads, unsigned smem, CUstream stream, Args* args) {
+  if (gx == 0 || gy == 0 || gz == 0) return Status::Ok();
+  void* params[] = {args};
+  const CUresult r =
+      driver->cuLaunchKernel(reinterpret_cast<CUfunction>(kernel), gx, gy, gz, threads, 1, 1, smem, stream, params, nullptr);
+  if (r != CUDA_SUCCESS) return Status::Internal(std::string("te_jax ") + what + " launch failed: " + driver->ErrorString(r));
+  return Status::Ok();
+}
+
+unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+}  // namespace
+
+Status Prepare(const AttentionParams& params, Direction direction, JitReport* report) {
+  TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCuda));
+  CUdevice device = 0;
+  std::string arch;
+  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
+  const LoadedModule* module = nullptr;
+  return GetLoadedModule(ConfigFor(params, direction, arch), device, &module, report);
+}
+
+Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstream stream) {
+  TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
+  TE_JAX_RETURN_IF_ERROR(CheckCudaLimits(p));
+  const DriverApi* driver = nullptr;
+  TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
+  const LoadedModule* module = nullptr;
+  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &module));
+  ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse};
+  const sm80::TileSize tile = sm80::ForwardTileSize(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+  return Launch(driver, module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
+                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * tile.warps,
+                module->smem_bytes[0], stream, &args);
+}
+
+Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
+  TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
+  TE_JAX_RETURN_IF_ERROR(CheckCudaLimits(p));
+  const DriverApi* driver = nullptr;
+  TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
+  const LoadedModule* module = nullptr;
+  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kBackward, &module));
+  BackwardArgs args{MakeShape(p), b.q,          b.k,         b.v,    b.out,  b.lse, b.dout, b.dlse,
+                    b.q_seqlens,  b.kv_seqlens, b.alibi_slopes, b.dq, b.dk, b.dv, static_cast<float*>(b.dq)};
+  const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  const int64_t rows = p.batch * p.seqlen_q * p.num_heads;
+  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess",
+                                CeilDiv(rows, sm80::kPreprocessThreads / 32), 1, 1, sm80::kPreprocessThreads,
+                                module->smem_bytes[0], stream, &args));
+  const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv);
+  // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
+  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, dkdv.block_m),
+                                static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch * dkdv.slices),
+                                32 * dkdv.warps, module->smem_bytes[1], stream, &args));
+  const sm80::TileSize dq = sm80::BackwardDqTileSize(d, dv);
+  return Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, dq.block_m),
+                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * dq.warps,
+                module->smem_bytes[2], stream, &args);
+}
+
+}  // namespace te_jax::cuda

@@ -1,0 +1,126 @@
+#include "cpp/cuda/dynamic_libs.h"
+
+#include <dlfcn.h>
+
+#include <filesystem>
+#include <mutex>
+
+namespace te_jax::cuda {
+namespace {
+
+template <typename Fn>
+bool Bind(void* lib, const char* name, Fn* fn, std::string* missing) {
+  *fn = reinterpret_cast<Fn>(dlsym(lib, name));
+  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+  return *fn != nullptr;
+}
+
+std::mutex& NvrtcMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::vector<std::string>& NvrtcPaths() {
+  static std::vector<std::string> paths;
+  return paths;
+}
+
+}  // namespace
+
+std::string DriverApi::ErrorString(CUresult r) const {
+  const char* s = nullptr;
+  if (cuGetErrorString != nullptr && cuGetErrorString(r, &s) == CUDA_SUCCESS && s != nullptr) return s;
+  return "CUresult " + std::to_string(static_cast<int>(r));
+}
+
+Status GetDriver(const DriverApi** api) {
+  static DriverApi driver;
+  static Status status = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* err = dlerror();
+      return Status::Unavailable(std::string("te_jax's CUDA backend needs the NVIDIA driver library libcuda.so.1, "
+                                             "which could not be loaded: ") + (err ? err : "unknown error"));
+    }
+    std::string missing;
+    Bind(lib, "cuInit", &driver.cuInit, &missing);
+    Bind(lib, "cuGetErrorString", &driver.cuGetErrorString, &missing);
+    Bind(lib, "cuDriverGetVersion", &driver.cuDriverGetVersion, &missing);
+    Bind(lib, "cuDeviceGet", &driver.cuDeviceGet, &missing);
+    Bind(lib, "cuDeviceGetAttribute", &driver.cuDeviceGetAttribute, &missing);
+    Bind(lib, "cuCtxGetDevice", &driver.cuCtxGetDevice, &missing);
+    Bind(lib, "cuLibraryLoadData", &driver.cuLibraryLoadData, &missing);
+    Bind(lib, "cuLibraryGetKernel", &driver.cuLibraryGetKernel, &missing);
+    Bind(lib, "cuKernelSetAttribute", &driver.cuKernelSetAttribute, &missing);
+    Bind(lib, "cuLaunchKernel", &driver.cuLaunchKernel, &missing);
+    Bind(lib, "cuMemsetD8Async", &driver.cuMemsetD8Async, &missing);
+    if (!missing.empty()) {
+      return Status::Unavailable("libcuda.so.1 lacks " + missing + " (te_jax needs a CUDA 12.0 or newer driver)");
+    }
+    const CUresult r = driver.cuInit(0);
+    if (r != CUDA_SUCCESS) return Status::Unavailable("cuInit failed: " + driver.ErrorString(r));
+    return Status::Ok();
+  }();
+  *api = &driver;
+  return status;
+}
+
+void SetNvrtcSearchPaths(std::vector<std::string> paths) {
+  std::lock_guard<std::mutex> lock(NvrtcMutex());
+  NvrtcPaths() = std::move(paths);
+}
+
+Status GetNvrtc(const NvrtcApi** api) {
+  static NvrtcApi nvrtc;
+  static bool loaded = false;
+  std::lock_guard<std::mutex> lock(NvrtcMutex());
+  *api = &nvrtc;
+  if (loaded) return Status::Ok();
+  std::vector<std::string> candidates = NvrtcPaths();
+  candidates.push_back("libnvrtc.so.13");
+  candidates.push_back("libnvrtc.so.12");
+  std::string tried;
+  void* lib = nullptr;
+  for (const std::string& path : candidates) {
+    if (path.find('/') != std::string::npos) {
+      // NVRTC dlopens its builtins library by soname; the pip wheel keeps it beside libnvrtc without an rpath entry
+      // that finds it, so load it first from the same folder.
+      const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+      std::error_code ec;
+      for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.rfind("libnvrtc-builtins.so.", 0) == 0 && name.find("alt") == std::string::npos) {
+          dlopen(entry.path().c_str(), RTLD_NOW | RTLD_GLOBAL);
+        }
+      }
+    }
+    lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib != nullptr) {
+      nvrtc.path = path;
+      break;
+    }
+    const char* err = dlerror();
+    tried += "\n  " + path + ": " + (err ? err : "not found");
+  }
+  if (lib == nullptr) {
+    return Status::Unavailable("te_jax's CUDA backend compiles its kernels with NVRTC, which could not be loaded. "
+                               "Install it with `pip install \"te_jax[cuda]\"` (nvidia-cuda-nvrtc) or set "
+                               "TE_JAX_NVRTC_PATH to libnvrtc.so. Tried:" + tried);
+  }
+  std::string missing;
+  Bind(lib, "nvrtcVersion", &nvrtc.nvrtcVersion, &missing);
+  Bind(lib, "nvrtcGetErrorString", &nvrtc.nvrtcGetErrorString, &missing);
+  Bind(lib, "nvrtcCreateProgram", &nvrtc.nvrtcCreateProgram, &missing);
+  Bind(lib, "nvrtcDestroyProgram", &nvrtc.nvrtcDestroyProgram, &missing);
+  Bind(lib, "nvrtcCompileProgram", &nvrtc.nvrtcCompileProgram, &missing);
+  Bind(lib, "nvrtcGetProgramLogSize", &nvrtc.nvrtcGetProgramLogSize, &missing);
+  Bind(lib, "nvrtcGetProgramLog", &nvrtc.nvrtcGetProgramLog, &missing);
+  Bind(lib, "nvrtcGetCUBINSize", &nvrtc.nvrtcGetCUBINSize, &missing);
+  Bind(lib, "nvrtcGetCUBIN", &nvrtc.nvrtcGetCUBIN, &missing);
+  if (!missing.empty()) return Status::Unavailable(nvrtc.path + " lacks " + missing);
+  nvrtc.nvrtcVersion(&nvrtc.major, &nvrtc.minor);
+  loaded = true;
+  return Status::Ok();
+}
+
+}  // namespace te_jax::cuda

@@ -1,0 +1,63 @@
+// The CUDA driver and NVRTC, loaded at run time with dlopen so te_jax links against neither: the extension imports on
+// machines without a GPU or NVRTC, and a missing library becomes a Status naming what is missing and where it looked.
+// cuda.h is included for its types only; NVRTC's few types are declared here, so nvrtc.h is not needed to build.
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+#include <vector>
+
+#include "cpp/status.h"
+
+namespace te_jax::cuda {
+
+struct DriverApi {
+  CUresult (*cuInit)(unsigned int);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuDriverGetVersion)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
+  CUresult (*cuCtxGetDevice)(CUdevice*);
+  CUresult (*cuLibraryLoadData)(CUlibrary*, const void*, CUjit_option*, void**, unsigned int, CUlibraryOption*, void**,
+                                unsigned int);
+  CUresult (*cuLibraryGetKernel)(CUkernel*, CUlibrary, const char*);
+  CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+                             unsigned int, unsigned int, CUstream, void**, void**);
+  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+
+  std::string ErrorString(CUresult r) const;
+};
+
+// nvrtc.h's types, ABI-identical: nvrtcResult is a C enum (int), nvrtcProgram an opaque pointer.
+using nvrtcResult = int;
+using nvrtcProgram = struct _nvrtcProgram*;
+inline constexpr nvrtcResult NVRTC_SUCCESS = 0;
+
+struct NvrtcApi {
+  nvrtcResult (*nvrtcVersion)(int*, int*);
+  const char* (*nvrtcGetErrorString)(nvrtcResult);
+  nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
+                                    const char* const*);
+  nvrtcResult (*nvrtcDestroyProgram)(nvrtcProgram*);
+  nvrtcResult (*nvrtcCompileProgram)(nvrtcProgram, int, const char* const*);
+  nvrtcResult (*nvrtcGetProgramLogSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetProgramLog)(nvrtcProgram, char*);
+  nvrtcResult (*nvrtcGetCUBINSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetCUBIN)(nvrtcProgram, char*);
+  int major = 0;
+  int minor = 0;
+  std::string path;  // the library that was loaded
+};
+
+// The driver (libcuda.so.1), loaded and cuInit'ed once per process. Returns Unavailable with the dlopen error when the
+// library is missing (no NVIDIA driver on this machine).
+Status GetDriver(const DriverApi** api);
+
+// Paths NVRTC is looked for at, in order, before the loader's default search ("libnvrtc.so.13", "libnvrtc.so.12").
+// The Python layer sets them to the pip wheel's copy (nvidia/cu13/lib/libnvrtc.so.13) and $TE_JAX_NVRTC_PATH.
+void SetNvrtcSearchPaths(std::vector<std::string> paths);
+Status GetNvrtc(const NvrtcApi** api);
+
+}  // namespace te_jax::cuda

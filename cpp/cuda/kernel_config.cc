@@ -1,0 +1,76 @@
+#include "cpp/cuda/kernel_config.h"
+
+namespace te_jax::cuda {
+namespace {
+
+const char* const kForwardEntries[] = {"te_jax_attention_forward"};
+const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv",
+                                        "te_jax_attention_backward_dq"};
+
+const char* VariantName(bool softcap, bool alibi) {
+  if (softcap) return alibi ? "softcap_alibi" : "softcap";
+  return alibi ? "alibi" : "scaled";
+}
+
+}  // namespace
+
+const char* const* KernelConfig::EntryPoints(Direction direction, int* count) {
+  if (direction == Direction::kForward) {
+    *count = 1;
+    return kForwardEntries;
+  }
+  *count = 3;
+  return kBackwardEntries;
+}
+
+std::string KernelConfig::Name() const {
+  return std::string(direction == Direction::kForward ? "fwd" : "bwd") + "_" +
+         (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" + std::to_string(head_dim) + "_dv" +
+         std::to_string(head_dim_v) + "_" + VariantName(softcap, alibi) + "_" + arch;
+}
+
+std::string KernelConfig::RenderSource() const {
+  const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
+  const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
+                              (alibi ? "true" : "false") + ">";
+  const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
+  std::string src = "// te_jax JIT translation unit: " + Name() + "\n#include \"cpp/variants.h\"\n";
+  if (direction == Direction::kForward) {
+    src += "#include \"cpp/cuda/kernels/sm80/attention_fwd.cuh\"\n"
+           "using Fwd = te_jax::cuda::sm80::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
+           "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"
+           "te_jax_attention_forward(const te_jax::cuda::ForwardArgs args) { Fwd::Run(args); }\n";
+  } else {
+    src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
+           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + std::to_string(head_dim_v) + ">;\n"
+           "using DkDv = te_jax::cuda::sm80::BackwardDkDvKernel<" + element + ", " + dims + ", " + variant + ">;\n"
+           "using Dq = te_jax::cuda::sm80::BackwardDqKernel<" + element + ", " + dims + ", " + variant + ">;\n"
+           "extern \"C\" __global__ void __launch_bounds__(Pre::kThreads)\n"
+           "te_jax_attention_backward_preprocess(const te_jax::cuda::BackwardArgs args) { Pre::Run(args); }\n"
+           "extern \"C\" __global__ void __launch_bounds__(DkDv::kThreads)\n"
+           "te_jax_attention_backward_dkdv(const te_jax::cuda::BackwardArgs args) { DkDv::Run(args); }\n"
+           "extern \"C\" __global__ void __launch_bounds__(Dq::kThreads)\n"
+           "te_jax_attention_backward_dq(const te_jax::cuda::BackwardArgs args) { Dq::Run(args); }\n";
+  }
+  return src;
+}
+
+KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch) {
+  KernelConfig c;
+  c.direction = direction;
+  c.dtype = params.dtype;
+  c.head_dim = static_cast<int>(params.head_dim);
+  c.head_dim_v = static_cast<int>(params.head_dim_v);
+  c.softcap = params.softcap > 0.0f;
+  c.alibi = params.has_alibi;
+  c.arch = arch;
+  return c;
+}
+
+std::string ArchForComputeCapability(int major, int minor) {
+  std::string arch = "sm_" + std::to_string(major) + std::to_string(minor);
+  if (major == 9 || major == 10 || major == 12) arch += "a";  // arch-specific targets of Hopper and Blackwell
+  return arch;
+}
+
+}  // namespace te_jax::cuda

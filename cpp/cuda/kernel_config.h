@@ -1,0 +1,36 @@
+// One JIT configuration: what a compiled kernel module is specialised on. Masks, windows, lengths, scale and softcap
+// value are run-time arguments, so the set of modules is small: direction x dtype x (D, Dv) x variant x arch.
+// A configuration renders to a readable name (e.g. "fwd_bf16_d128_dv128_softcap_sm90a") and to a small translation
+// unit that instantiates the sm80-family templates.
+#pragma once
+
+#include <string>
+
+#include "cpp/attention_params.h"
+#include "cpp/status.h"
+
+namespace te_jax::cuda {
+
+enum class Direction { kForward, kBackward };
+
+struct KernelConfig {
+  Direction direction = Direction::kForward;
+  DType dtype = DType::kBFloat16;
+  int head_dim = 0;
+  int head_dim_v = 0;
+  bool softcap = false;
+  bool alibi = false;
+  std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
+
+  std::string Name() const;
+  std::string RenderSource() const;
+  // Entry points of the module, in launch order (forward: 1, backward: preprocess, dk/dv, dq).
+  static const char* const* EntryPoints(Direction direction, int* count);
+};
+
+KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+
+// "sm_80", "sm_86", "sm_89", "sm_90a" (Hopper's arch-specific target), "sm_100a", ... from a compute capability.
+std::string ArchForComputeCapability(int major, int minor);
+
+}  // namespace te_jax::cuda

@@ -1,0 +1,202 @@
+// Forward flash attention, sm80 family (mma.sync m16n8k16, ldmatrix, cp.async double buffering); runs on sm_80+.
+// A CTA owns 16 * kWarps * kMT query rows of one (batch, head); each warp 16 * kMT of them. The q tile stays in shared memory, the
+// k/v tiles of the visible key range stream through two stages: tile t+1 is in flight while tile t is multiplied.
+// The logits come from the Variant (cpp/variants.h), so every variant shares this body; masks are run-time key ranges.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/sm80/block_range.h"
+#include "cpp/cuda/kernels/sm80/online_softmax.h"
+#include "cpp/cuda/kernels/sm80/smem_tile.h"
+#include "cpp/cuda/kernels/sm80/tile_size.h"
+
+namespace te_jax::cuda::sm80 {
+
+template <typename Element, int kD, int kDv, typename Variant>
+struct ForwardKernel {
+  static constexpr TileSize kTile = ForwardTileSize(kD, kDv);
+  static constexpr int kWarps = kTile.warps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kMT = kTile.m_tiles;  // 16-row m tiles per warp
+  static constexpr int kDP = PadHeadDim(kD);
+  static constexpr int kDvP = PadHeadDim(kDv);
+  using QTile = SmemTile<kBlockM, kDP>;
+  using KTile = SmemTile<kBlockN, kDP>;
+  using VTile = SmemTile<kBlockN, kDvP>;
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes);
+  static_assert(kBlockM == 16 * kWarps * kMT, "a warp owns 16 * kMT query rows");
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+
+  static __device__ __forceinline__ void Run(const ForwardArgs& args) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const ShapeArgs& s = args.shape;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * kBlockM, head = blockIdx.y, b = blockIdx.z;
+    const int kv_head = head / (s.num_heads / s.num_kv_heads);
+
+    const BatchLengths len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, b);
+    const RowMask mask = MakeMask(s, len);
+    const KeySpan span = KeysOfRows(mask, m0, kBlockM);
+    const int tile_begin = span.FirstTile(kBlockN), tile_end = span.EndTile(kBlockN);
+
+    const int64_t q_stride = static_cast<int64_t>(s.num_heads) * kD;
+    const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
+    const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
+    const uint16_t* q = static_cast<const uint16_t*>(args.q) + static_cast<int64_t>(b) * s.seqlen_q * q_stride + head * kD;
+    const uint16_t* k = static_cast<const uint16_t*>(args.k) + static_cast<int64_t>(b) * s.seqlen_kv * k_stride + kv_head * kD;
+    const uint16_t* v = static_cast<const uint16_t*>(args.v) + static_cast<int64_t>(b) * s.seqlen_kv * v_stride + kv_head * kDv;
+
+    QTile q_tile{reinterpret_cast<uint16_t*>(smem)};
+    KTile k_tile[2] = {{reinterpret_cast<uint16_t*>(smem + QTile::kBytes)},
+                       {reinterpret_cast<uint16_t*>(smem + QTile::kBytes + KTile::kBytes)}};
+    VTile v_tile[2] = {{reinterpret_cast<uint16_t*>(smem + QTile::kBytes + 2 * KTile::kBytes)},
+                       {reinterpret_cast<uint16_t*>(smem + QTile::kBytes + 2 * KTile::kBytes + VTile::kBytes)}};
+
+    q_tile.template AsyncLoad<kThreads>(q, q_stride, m0, len.q_len, kD, tid);
+    if (tile_begin < tile_end) {
+      k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
+      v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
+    }
+    CpAsyncCommit();
+
+    Variant variant;
+    variant.scale = s.scale;
+    variant.cap = s.softcap;
+    variant.slope = 0.0f;
+    if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[b * s.num_heads + head];
+
+    int row[kMT][2];
+    int key_begin[kMT][2], key_end[kMT][2], pos[kMT][2];  // 32-bit copies of the row's KeyRange and p_i
+    float o[kMT][kDvP / 8][4];
+    OnlineSoftmax<kBlockN / 8> softmax[kMT];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row[mt][r] = m0 + (warp * kMT + mt) * 16 + g + 8 * r;
+        const KeyRange keys = mask.Keys(row[mt][r]);
+        key_begin[mt][r] = static_cast<int>(keys.begin);
+        key_end[mt][r] = static_cast<int>(keys.end);
+        pos[mt][r] = static_cast<int>(row[mt][r] + mask.diag_offset);
+      }
+#pragma unroll
+      for (int j = 0; j < kDvP / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
+    }
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int stage = (tile - tile_begin) & 1;
+      CpAsyncWait<0>();
+      __syncthreads();  // tile's k/v landed for everyone, and everyone is done with the other stage
+      if (tile + 1 < tile_end) {
+        k_tile[stage ^ 1].template AsyncLoad<kThreads>(k, k_stride, (tile + 1) * kBlockN, len.kv_len, kD, tid);
+        v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
+      }
+      CpAsyncCommit();
+
+      // s = q k^T for this warp's 16 * kMT rows and the tile's kBlockN keys; each k fragment feeds kMT mma pairs.
+      float sc[kMT][kBlockN / 8][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kDP / 16; ++kk) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) q_tile.LoadA((warp * kMT + mt) * 16, kk * 16, lane, a[mt]);
+#pragma unroll
+        for (int nn = 0; nn < kBlockN / 16; ++nn) {
+          uint32_t bb[4];
+          k_tile[stage].LoadBNK(nn * 16, kk * 16, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Mma16816<Element>(sc[mt][2 * nn], a[mt], bb[0], bb[1]);
+            Mma16816<Element>(sc[mt][2 * nn + 1], a[mt], bb[2], bb[3]);
+          }
+        }
+      }
+
+      const int n0 = tile * kBlockN;
+      const bool masked = !span.Unmasked(n0, kBlockN);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int col = n0 + j * 8 + 2 * t + (e & 1);
+            float logit = variant.Logit(sc[mt][j][e], pos[mt][r], col);
+            if (masked && (col < key_begin[mt][r] || col >= key_end[mt][r])) logit = -__int_as_float(0x7f800000);
+            sc[mt][j][e] = logit;
+          }
+        }
+        float rescale[2];
+        softmax[mt].Update(sc[mt], rescale);
+#pragma unroll
+        for (int j = 0; j < kDvP / 8; ++j) {
+          o[mt][j][0] *= rescale[0];
+          o[mt][j][1] *= rescale[0];
+          o[mt][j][2] *= rescale[1];
+          o[mt][j][3] *= rescale[1];
+        }
+      }
+
+      // o += p v: p's accumulator layout is already the A fragment layout; each v fragment feeds kMT mma pairs.
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          a[mt][0] = Element::Pack(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+          a[mt][1] = Element::Pack(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+          a[mt][2] = Element::Pack(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+          a[mt][3] = Element::Pack(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int nn = 0; nn < kDvP / 16; ++nn) {
+          uint32_t bb[4];
+          v_tile[stage].LoadBKN(kk * 16, nn * 16, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Mma16816<Element>(o[mt][2 * nn], a[mt], bb[0], bb[1]);
+            Mma16816<Element>(o[mt][2 * nn + 1], a[mt], bb[2], bb[3]);
+          }
+        }
+      }
+    }
+    CpAsyncWait<0>();
+
+    const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
+    uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(b) * s.seqlen_q * o_stride + head * kDv;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      float inv_sum[2], lse[2];
+      softmax[mt].Finish(inv_sum, lse);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (row[mt][r] >= s.seqlen_q) continue;
+        uint16_t* out_row = out + row[mt][r] * o_stride;
+#pragma unroll
+        for (int j = 0; j < kDvP / 8; ++j) {
+          const int col = j * 8 + 2 * t;
+          if (col < kDv) {
+            const uint32_t packed =
+                len.invalid ? kPackedNaN
+                            : Element::Pack(o[mt][j][2 * r] * inv_sum[r], o[mt][j][2 * r + 1] * inv_sum[r]);
+            *reinterpret_cast<uint32_t*>(out_row + col) = packed;
+          }
+        }
+        if (t == 0) {
+          args.lse[(static_cast<int64_t>(b) * s.num_heads + head) * s.seqlen_q + row[mt][r]] =
+              len.invalid ? __int_as_float(0x7fffffff) : lse[r];
+        }
+      }
+    }
+  }
+};
+
+}  // namespace te_jax::cuda::sm80

@@ -1,0 +1,87 @@
+// Which tiles a CTA visits. Every mask leaves each query row a contiguous key range (cpp/visible_keys.h) whose ends
+// never decrease with the row, so the keys any row of a query tile sees form one range, and so do the queries that see
+// any key of a key tile. Tiles outside are skipped entirely (causal and window masks); tiles inside every row's range
+// need no per-element mask; only tiles that straddle a range edge are masked element by element.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/visible_keys.h"
+
+namespace te_jax::cuda::sm80 {
+
+// The batch's lengths. Out-of-range values (outside [0, S]) are clamped, so nothing reads out of bounds, and flagged:
+// the kernels then write NaN to every output of that batch (the CPU backend raises instead; the Python layer checks
+// concrete lengths before the call).
+struct BatchLengths {
+  int q_len;
+  int kv_len;
+  bool invalid;
+};
+
+__device__ __forceinline__ BatchLengths ReadLengths(const ShapeArgs& s, const int32_t* q_seqlens,
+                                                    const int32_t* kv_seqlens, int b) {
+  const int q = q_seqlens[b];
+  const int kv = kv_seqlens[b];
+  BatchLengths r;
+  r.invalid = q < 0 || q > s.seqlen_q || kv < 0 || kv > s.seqlen_kv;
+  r.q_len = q < 0 ? 0 : (q > s.seqlen_q ? s.seqlen_q : q);
+  r.kv_len = kv < 0 ? 0 : (kv > s.seqlen_kv ? s.seqlen_kv : kv);
+  return r;
+}
+
+__device__ __forceinline__ RowMask MakeMask(const ShapeArgs& s, const BatchLengths& len) {
+  return MakeRowMask(static_cast<MaskType>(s.mask_type), len.q_len, len.kv_len, s.window_left, s.window_right);
+}
+
+// Query rows [m0, m0 + rows): the union of their key ranges, and the keys every one of them sees.
+struct KeySpan {
+  int begin, end;            // union; empty when end <= begin
+  int full_begin, full_end;  // intersection over the rows (only meaningful when all rows are valid)
+  bool all_rows_valid;
+
+  __device__ __forceinline__ int FirstTile(int tile) const { return begin / tile; }
+  __device__ __forceinline__ int EndTile(int tile) const { return end > begin ? (end + tile - 1) / tile : begin / tile; }
+  // Whether keys [n0, n0 + n) are visible to every row, so the tile needs no per-element mask.
+  __device__ __forceinline__ bool Unmasked(int n0, int n) const {
+    return all_rows_valid && n0 >= full_begin && n0 + n <= full_end;
+  }
+};
+
+__device__ __forceinline__ KeySpan KeysOfRows(const RowMask& mask, int m0, int rows) {
+  KeySpan span{0, 0, 0, 0, false};
+  const int valid = static_cast<int>(mask.q_len) - m0 < rows ? static_cast<int>(mask.q_len) - m0 : rows;
+  if (valid <= 0) return span;
+  const KeyRange first = mask.Keys(m0);
+  const KeyRange last = mask.Keys(m0 + valid - 1);
+  span.begin = static_cast<int>(first.begin);
+  span.end = static_cast<int>(last.end);
+  span.full_begin = static_cast<int>(last.begin);
+  span.full_end = static_cast<int>(first.end);
+  span.all_rows_valid = valid == rows;
+  return span;
+}
+
+// Keys [n0, n1): the query rows [begin, end) that may see any of them (a superset is harmless: masked per element).
+struct RowSpan {
+  int begin, end;
+};
+
+__device__ __forceinline__ RowSpan RowsOfKeys(const RowMask& mask, int n0, int n1) {
+  const int q_len = static_cast<int>(mask.q_len);
+  const int off = static_cast<int>(mask.diag_offset);
+  RowSpan r{0, q_len};
+  if (n0 >= mask.kv_len) return RowSpan{0, 0};
+  if (mask.causal && n0 - off > r.begin) r.begin = n0 - off;                      // end_i = p + 1 > n0
+  if (mask.window_right >= 0 && n0 - off - mask.window_right > r.begin) {         // end_i = p + wr + 1 > n0
+    r.begin = n0 - off - static_cast<int>(mask.window_right);
+  }
+  if (mask.window_left >= 0 && n1 - off + mask.window_left < r.end) {             // begin_i = p - wl < n1
+    r.end = n1 - off + static_cast<int>(mask.window_left);
+  }
+  if (r.end < r.begin) r.end = r.begin;
+  return r;
+}
+
+__device__ __forceinline__ bool Visible(const KeyRange& keys, int j) { return j >= keys.begin && j < keys.end; }
+
+}  // namespace te_jax::cuda::sm80

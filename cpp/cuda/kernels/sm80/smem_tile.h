@@ -1,0 +1,55 @@
+// A [kRows x kCols] tile of 16-bit elements in shared memory, rows padded by 16 bytes so the 8 row addresses of an
+// ldmatrix land in 8 different bank groups (row pitch an odd multiple of 16 bytes). kCols is the head dim padded to
+// 16; the padding columns and rows past the valid length are zero-filled by the loader, so they add nothing.
+#pragma once
+
+#include "cpp/cuda/kernels/sm80/cp_async.h"
+
+namespace te_jax::cuda::sm80 {
+
+template <int kRows, int kCols>
+struct SmemTile {
+  static constexpr int kPitch = kCols + 8;  // elements
+  static constexpr int kBytes = kRows * kPitch * 2;
+  static_assert(kCols % 16 == 0, "tile columns are padded to the mma k extent");
+
+  uint16_t* data;
+
+  __device__ __forceinline__ uint32_t Address(int row, int col) const { return SmemAddress(data + row * kPitch + col); }
+
+  // Asynchronously copies rows [row0, row0 + kRows) of a row-major global tensor with `row_stride` elements between
+  // rows and `cols` valid columns (a multiple of 8) per row; rows at or past `valid_rows` and columns past `cols` are
+  // zero-filled. Every thread of the CTA calls it.
+  template <int kThreads>
+  __device__ __forceinline__ void AsyncLoad(const uint16_t* base, int64_t row_stride, int row0, int valid_rows,
+                                            int cols, int tid) const {
+    constexpr int kChunksPerRow = kCols / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int c = tid; c < kChunks; c += kThreads) {
+      const int r = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 8;
+      const bool valid = row0 + r < valid_rows && col < cols;
+      const uint16_t* src = valid ? base + static_cast<int64_t>(row0 + r) * row_stride + col : base;
+      CpAsync16(Address(r, col), src, valid);
+    }
+  }
+
+  // A fragment (16 x 16) at (row, col) of a row-major tile: matrices (r0-7,c0-7) (r8-15,c0-7) (r0-7,c8-15) (r8-15,c8-15).
+  __device__ __forceinline__ void LoadA(int row, int col, int lane, uint32_t (&a)[4]) const {
+    LdMatrixX4(Address(row + (lane & 15), col + (lane >> 4) * 8), a);
+  }
+
+  // B fragments of two n8 tiles (n 0..15) and k 0..15 from a tile stored [n][k]: b[0], b[1] for n 0..7 and b[2], b[3]
+  // for n 8..15.
+  __device__ __forceinline__ void LoadBNK(int n, int k, int lane, uint32_t (&b)[4]) const {
+    LdMatrixX4(Address(n + (lane & 7) + (lane >> 4) * 8, k + ((lane >> 3) & 1) * 8), b);
+  }
+
+  // The same two n8 B tiles from a tile stored [k][n] (ldmatrix.trans).
+  __device__ __forceinline__ void LoadBKN(int k, int n, int lane, uint32_t (&b)[4]) const {
+    LdMatrixX4Trans(Address(k + (lane & 7) + ((lane >> 3) & 1) * 8, n + (lane >> 4) * 8), b);
+  }
+};
+
+}  // namespace te_jax::cuda::sm80

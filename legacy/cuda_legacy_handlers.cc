@@ -1,0 +1,57 @@
+#include "legacy/cuda_legacy_handlers.h"
+
+#include "cpp/cuda/attention_cuda.h"
+#include "cpp/cuda/dynamic_libs.h"
+#include "legacy/descriptor.h"
+#include "legacy/legacy_buffers.h"
+#include "legacy/legacy_failure.h"
+
+namespace te_jax::legacy {
+namespace {
+
+template <int kNumInputs, int kNumOutputs, typename OutputBytes, typename Run>
+void RunLegacyCuda(const char* target, CUstream stream, void** buffers, const char* opaque, size_t opaque_len,
+                   OutputBytes output_bytes, Run run) {
+  AttentionParams params;
+  Status status = UnpackDescriptor(opaque, opaque_len, &params);
+  if (!status.ok()) {
+    RecordLegacyFailure(target, status);  // without params the output sizes are unknown: nothing can be poisoned
+    return;
+  }
+  const void* const* inputs = buffers;
+  void* const* outputs = buffers + kNumInputs;
+  status = run(params, inputs, outputs);
+  if (status.ok()) return;
+  size_t bytes[kNumOutputs];
+  output_bytes(params, bytes);
+  const cuda::DriverApi* driver = nullptr;
+  if (cuda::GetDriver(&driver).ok()) {
+    for (int i = 0; i < kNumOutputs; ++i) {
+      if (bytes[i] > 0) driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(outputs[i]), 0xFF, bytes[i], stream);
+    }
+  }
+  RecordLegacyFailure(target, status);
+}
+
+}  // namespace
+}  // namespace te_jax::legacy
+
+extern "C" void TeJaxLegacyAttentionForwardCuda(CUstream stream, void** buffers, const char* opaque, size_t opaque_len,
+                                                XlaCustomCallStatus*) {
+  using namespace te_jax;
+  legacy::RunLegacyCuda<legacy::kForwardInputs, legacy::kForwardOutputs>(
+      "te_jax_attention_forward_cuda_legacy", stream, buffers, opaque, opaque_len, legacy::ForwardOutputBytes,
+      [&](const AttentionParams& params, const void* const* in, void* const* out) {
+        return cuda::AttentionForward(params, legacy::ForwardBuffersFromLegacy(in, out), stream);
+      });
+}
+
+extern "C" void TeJaxLegacyAttentionBackwardCuda(CUstream stream, void** buffers, const char* opaque,
+                                                 size_t opaque_len, XlaCustomCallStatus*) {
+  using namespace te_jax;
+  legacy::RunLegacyCuda<legacy::kBackwardInputs, legacy::kBackwardOutputs>(
+      "te_jax_attention_backward_cuda_legacy", stream, buffers, opaque, opaque_len, legacy::BackwardOutputBytes,
+      [&](const AttentionParams& params, const void* const* in, void* const* out) {
+        return cuda::AttentionBackward(params, legacy::BackwardBuffersFromLegacy(in, out), stream);
+      });
+}

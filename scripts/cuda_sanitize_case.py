@@ -1,0 +1,28 @@
+"""A tiny forward + backward run for compute-sanitizer (memcheck / racecheck): ragged padding + causal + window + GQA +
+softcap + ALiBi, and a D != Dv causal case. Exit status 1 on non-finite results."""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import te_jax
+import te_jax._cuda  # noqa: F401
+
+ok = True
+for d, dv, mask, extra in ((64, 64, "padding_causal", True), (40, 72, "causal_bottom_right", False)):
+  rng = np.random.default_rng(0)
+  b, sq, skv, h, hkv = 2, 70, 90, 4, 2
+  q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((b, skv, hkv, d)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((b, skv, hkv, dv)), jnp.bfloat16)
+  kw = dict(mask_type=mask)
+  if extra:
+    kw.update(q_seqlens=jnp.asarray([70, 33], jnp.int32), kv_seqlens=jnp.asarray([90, 41], jnp.int32),
+              window_size=(20, 5), softcap=15.0, alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.2, (h,)), jnp.float32))
+  f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, **kw), q, k, v)[1](
+      jnp.ones((b, sq, h, dv), jnp.bfloat16)))
+  grads = jax.block_until_ready(f(q, k, v))
+  ok &= all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+print("sanitize case finite:", ok)
+sys.exit(0 if ok else 1)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call: build te_jax (offline), run the CUDA tests, compute-sanitizer on a tiny case, JIT timings and the
+# cuDNN benchmark. Logs under $OUT (default /tmp/te_jax_out). Usage: bash scripts/gpu_check.sh [tests|sanitize|jit|bench]...
+# Sections default to all. TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/te_jax_out}
+mkdir -p "$OUT"
+export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
+SECTIONS=${*:-tests sanitize jit bench}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+
+t0=$(date +%s)
+(cd "$REPO" && python3 -m pip install -q --no-build-isolation --no-deps . ) > "$OUT/build.log" 2>&1 \
+  || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+cd /tmp  # import the installed package, not the source tree
+python3 -c "import te_jax._cuda, te_jax._te_jax_cuda as e; print('te_jax cuda ext ok,', e.nvrtc_version(), 'cache', e.cache_dir())"
+
+t0=$(date +%s)
+python3 -m te_jax.aot --set tests,bench --jobs 16 > "$OUT/aot.log" 2>&1; tail -1 "$OUT/aot.log"
+echo "aot precompile: $(( $(date +%s) - t0 )) s"
+
+for s in $SECTIONS; do
+  case $s in
+  tests)
+    t0=$(date +%s)
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rA "$REPO"/tests/test_cuda_attention.py 2>&1 \
+      | tee "$OUT/tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|: out=" | tail -45
+    echo "tests: $(( $(date +%s) - t0 )) s" ;;
+  sanitize)
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in memcheck racecheck; do
+      t0=$(date +%s)
+      timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_attention --print-limit 20 python3 "$REPO/scripts/cuda_sanitize_case.py" \
+        > "$OUT/sanitize_$tool.log" 2>&1
+      echo "sanitizer $tool rc=$? ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid' "$OUT/sanitize_$tool.log" | head -3 | tr '\n' ' ')"
+    done ;;
+  jit)
+    # Compile time per configuration into an empty cache, then cache-hit time (compile + load) in a fresh process.
+    FRESH=$(mktemp -d)
+    TE_JAX_CACHE_DIR=$FRESH python3 -m te_jax.aot --set bench --arch sm_90a --jobs 1 2>&1 | tee "$OUT/jit.log" | tail -7
+    TE_JAX_CACHE_DIR=$FRESH python3 - <<'PY' 2>&1 | tee -a "$OUT/jit.log"
+import time; t = time.perf_counter()
+import jax, jax.numpy as jnp, te_jax, te_jax._cuda
+from te_jax import _te_jax_cuda as ext
+t_import = time.perf_counter() - t
+p = dict(batch=1, seqlen_q=128, seqlen_kv=128, num_heads=2, num_kv_heads=2, head_dim=128, head_dim_v=128, dtype=1,
+         mask_type=1, window_left=-1, window_right=-1, scale=0.1, softcap=0.0, has_alibi=False)
+jax.devices()
+t = time.perf_counter(); r = ext.prepare(p, "forward"); t_fwd = time.perf_counter() - t
+t = time.perf_counter(); r2 = ext.prepare(p, "backward"); t_bwd = time.perf_counter() - t
+print(f"fresh process cache hit: prepare fwd {t_fwd*1e3:.1f} ms ({r['origin']}, read {r['seconds']*1e3:.1f} ms), bwd {t_bwd*1e3:.1f} ms ({r2['origin']})")
+PY
+    ;;
+  bench)
+    timeout 500 python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning ;;
+  esac
+done

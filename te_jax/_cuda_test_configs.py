@@ -1,0 +1,31 @@
+"""The cases of tests/test_cuda_attention.py, here so `python -m te_jax.aot --set tests` can precompile exactly the
+kernels the GPU tests use. Each case: dtype, b, sq, skv, h, hkv, d, dv, mask, window, softcap, alibi, ragged."""
+
+CASES = [
+    # name,                   dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,                          window,  cap,  alibi, ragged
+    ("plain_d64",             "bfloat16", 2, 128, 128, 4, 4,   64,  64,  "no_mask",                     (-1, -1), 0.0, False, False),
+    ("causal_d128",           "bfloat16", 2, 200, 200, 4, 2,   128, 128, "causal",                      (-1, -1), 0.0, False, False),
+    ("causal_br_d128",        "bfloat16", 2, 70,  190, 4, 1,   128, 128, "causal_bottom_right",         (-1, -1), 0.0, False, False),
+    ("causal_br_sq_gt_skv",   "bfloat16", 1, 150, 60,  2, 2,   64,  64,  "causal_bottom_right",         (-1, -1), 0.0, False, False),
+    ("padding_ragged_fp16",   "float16",  3, 130, 150, 4, 2,   64,  64,  "padding",                     (-1, -1), 0.0, False, True),
+    ("padding_causal_ragged", "bfloat16", 3, 160, 160, 2, 2,   128, 128, "padding_causal",              (-1, -1), 0.0, False, True),
+    ("padding_causal_br",     "float16",  3, 100, 180, 4, 4,   64,  64,  "padding_causal_bottom_right", (-1, -1), 0.0, False, True),
+    ("window_causal",         "bfloat16", 2, 300, 300, 4, 2,   64,  64,  "causal",                      (40, 0),  0.0, False, False),
+    ("window_both",           "float16",  2, 200, 260, 2, 1,   128, 128, "no_mask",                     (17, 33), 0.0, False, False),
+    ("softcap_d128",          "bfloat16", 2, 150, 150, 4, 4,   128, 128, "causal",                      (-1, -1), 30.0, False, False),
+    ("alibi_d64",             "float16",  2, 140, 140, 4, 2,   64,  64,  "causal",                      (-1, -1), 0.0, True, False),
+    ("softcap_alibi_window",  "bfloat16", 2, 180, 180, 4, 4,   64,  64,  "padding_causal",              (32, -1), 20.0, True, True),
+    ("mqa_d_ne_dv",           "bfloat16", 2, 100, 120, 8, 1,   40,  72,  "no_mask",                     (-1, -1), 0.0, False, False),
+    ("d_ne_dv_causal_fp16",   "float16",  1, 90,  90,  2, 2,   96,  32,  "causal",                      (-1, -1), 0.0, False, False),
+    ("d8",                    "bfloat16", 2, 64,  64,  2, 2,   8,   8,   "causal",                      (-1, -1), 0.0, False, False),
+    ("d256",                  "bfloat16", 1, 200, 200, 2, 2,   256, 256, "causal",                      (-1, -1), 0.0, False, False),
+    ("d256_fp16_padding",     "float16",  2, 96,  96,  2, 1,   256, 256, "padding",                     (-1, -1), 0.0, False, True),
+    ("d_ne_dv_big",           "bfloat16", 1, 100, 100, 2, 2,   256, 128, "no_mask",                     (-1, -1), 0.0, False, False),
+]
+
+_DTYPE_CODES = {"bfloat16": 1, "float16": 2}
+
+CONFIGS = sorted({(direction, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
+                  for c in CASES for direction in ("forward", "backward")})
+CONFIGS = [dict(direction=dr, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
+           for dr, dt, d, dv, sc, al in CONFIGS]

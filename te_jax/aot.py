@@ -1,0 +1,85 @@
+"""Ahead-of-time compilation of te_jax's CUDA kernels: `python -m te_jax.aot [--set NAME] [--arch sm_90a] [--jobs N]`.
+
+Compiles a named set of configurations in parallel into the disk cache ($TE_JAX_CACHE_DIR), for production images
+(later processes find every kernel in milliseconds) and for CI (NVRTC runs without a GPU, so this proves that every
+shipped configuration compiles). Exit status 1 if any configuration fails, with NVRTC's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import sys
+import time
+
+DTYPES = {"bfloat16": 1, "float16": 2}
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+COMMON_HEAD_DIMS = [(64, 64), (128, 128), (256, 256)]
+
+
+def config_set(name: str, arch: str) -> list[dict]:
+  """Named sets: 'common' (bf16/fp16, D = Dv in 64/128/256, every variant, both directions), 'all-head-dims' (bf16,
+  every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'."""
+  def make(direction, dtype, d, dv, softcap=False, alibi=False):
+    return dict(direction=direction, dtype=DTYPES[dtype], head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi,
+                arch=arch)
+
+  both = ("forward", "backward")
+  if name == "common":
+    return [make(dr, dt, d, dv, sc, al) for dr, dt, (d, dv), (sc, al) in
+            itertools.product(both, DTYPES, COMMON_HEAD_DIMS, VARIANTS)]
+  if name == "all-head-dims":
+    return [make(dr, "bfloat16", d, d) for dr in both for d in range(8, 257, 8)]
+  if name == "ci":
+    return [make(dr, dt, d, dv, sc, al) for dr in both for dt, d, dv, sc, al in
+            (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True), ("bfloat16", 40, 72, True, False),
+             ("bfloat16", 256, 256, False, True), ("float16", 8, 8, False, False))]
+  if name == "bench":
+    return [make(dr, "bfloat16", d, d) for dr in both for d in (64, 128, 256)]
+  if name == "tests":
+    from te_jax import _cuda_test_configs
+    return [dict(c, arch=arch) for c in _cuda_test_configs.CONFIGS]
+  raise ValueError(f"unknown configuration set {name!r}; known: common, all-head-dims, ci, bench, tests")
+
+
+def compile_all(configs: list[dict], jobs: int, log=print) -> list[tuple[dict, str]]:
+  """Compiles configurations in parallel threads (NVRTC releases the GIL); returns the failures."""
+  from te_jax import _cuda  # noqa: F401  (sets the kernel root and NVRTC search paths)
+  from te_jax import _te_jax_cuda as ext
+
+  failures = []
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    futures = {pool.submit(ext.compile, c): c for c in configs}
+    for future in concurrent.futures.as_completed(futures):
+      config = futures[future]
+      try:
+        report = future.result()
+        log(f"{report['origin']:>8}  {report['seconds']:7.2f} s  {report['name']}")
+      except Exception as e:  # noqa: BLE001 - report every failure, then exit non-zero
+        failures.append((config, str(e)))
+        log(f"  FAILED  {ext.kernel_name(config)}: {e}")
+  return failures
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m te_jax.aot", description=__doc__.splitlines()[0])
+  parser.add_argument("--set", default="common", help="configuration set (common, all-head-dims, ci, bench, tests)")
+  parser.add_argument("--arch", default="sm_90a", help="NVRTC --gpu-architecture (sm_80, sm_86, sm_89, sm_90a, ...)")
+  parser.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: CPU count)")
+  args = parser.parse_args(argv)
+  import os
+  jobs = args.jobs or os.cpu_count() or 1
+  configs = []
+  for name in args.set.split(","):
+    configs += config_set(name, args.arch)
+  start = time.perf_counter()
+  failures = compile_all(configs, jobs)
+  from te_jax import _te_jax_cuda as ext
+  print(f"{len(configs) - len(failures)}/{len(configs)} configurations ready in {time.perf_counter() - start:.1f} s "
+        f"({ext.nvrtc_version()}, cache {ext.cache_dir()})")
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

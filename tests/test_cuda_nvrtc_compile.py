@@ -1,0 +1,83 @@
+"""CPU CI: every shipped kernel configuration compiles with NVRTC (no GPU needed), and the JIT disk cache behaves:
+hits are found, corrupt entries are rebuilt, concurrent compiles of one key are safe."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ext = pytest.importorskip("te_jax._te_jax_cuda", reason="te_jax was built without its CUDA backend")
+from te_jax import _cuda  # noqa: E402,F401
+from te_jax import aot  # noqa: E402
+
+
+def _nvrtc_or_skip():
+  try:
+    return ext.nvrtc_version()
+  except RuntimeError as e:
+    pytest.skip(f"NVRTC not available (pip install nvidia-cuda-nvrtc): {e}")
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("TE_JAX_CACHE_DIR", str(tmp_path))
+  return tmp_path
+
+
+def test_ci_configurations_compile(cache_dir):
+  _nvrtc_or_skip()
+  configs = aot.config_set("ci", "sm_90a") + aot.config_set("ci", "sm_80")[:2]
+  assert aot.compile_all(configs, jobs=os.cpu_count() or 1, log=lambda s: None) == []
+  assert len(list(pathlib.Path(cache_dir).glob("*.cubin"))) == len(configs)
+
+
+def _fresh_process_compile(config, env):
+  code = ("import sys, json; from te_jax import _cuda; from te_jax import _te_jax_cuda as ext; "
+          f"print(json.dumps(ext.compile({config!r})))")
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+  import json
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_disk_cache_hit_and_corruption(cache_dir):
+  _nvrtc_or_skip()
+  config = dict(direction="forward", dtype=2, head_dim=16, head_dim_v=16, softcap=False, alibi=False, arch="sm_80")
+  env = dict(os.environ, TE_JAX_CACHE_DIR=str(cache_dir))
+  first = _fresh_process_compile(config, env)
+  assert first["origin"] == "compiled"
+  second = _fresh_process_compile(config, env)
+  assert second["origin"] == "disk" and second["seconds"] < 1.0
+  path = pathlib.Path(second["path"])
+  data = bytearray(path.read_bytes())
+  data[-10] ^= 0xFF  # corrupt the payload: the checksum must catch it
+  path.write_bytes(bytes(data))
+  third = _fresh_process_compile(config, env)
+  assert third["origin"] == "compiled"
+  assert _fresh_process_compile(config, env)["origin"] == "disk"
+
+
+def test_concurrent_compiles_of_one_key(cache_dir):
+  _nvrtc_or_skip()
+  config = dict(direction="forward", dtype=1, head_dim=24, head_dim_v=24, softcap=True, alibi=False, arch="sm_80")
+  env = dict(os.environ, TE_JAX_CACHE_DIR=str(cache_dir))
+  code = ("from te_jax import _cuda; from te_jax import _te_jax_cuda as ext; "
+          f"print(ext.compile({config!r})['origin'])")
+  procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+  assert all(p.wait() == 0 for p in procs)
+  files = list(pathlib.Path(cache_dir).iterdir())
+  assert len(files) == 1 and files[0].suffix == ".cubin", files  # no temporary files left behind
+  assert _fresh_process_compile(config, env)["origin"] == "disk"
+
+
+def test_compile_error_is_a_python_exception(cache_dir):
+  _nvrtc_or_skip()
+  with pytest.raises(ValueError):
+    ext.compile(dict(direction="forward", dtype=0, head_dim=64, head_dim_v=64, softcap=False, alibi=False,
+                     arch="sm_90a"))
+  with pytest.raises(RuntimeError, match="NVRTC"):
+    ext.compile(dict(direction="forward", dtype=1, head_dim=64, head_dim_v=64, softcap=False, alibi=False,
+                     arch="sm_not_an_arch"))
