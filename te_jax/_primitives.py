@@ -65,25 +65,27 @@ def register_lowering(platform: str) -> None:
     mlir.register_lowering(prim, partial(_lowering, direction=direction, platform=platform), platform=platform)
 
 
-# vmap folds the mapped axis into the batch axis: every operand has batch first, so [N, B, ...] -> [N * B, ...].
 def _fold_into_batch(args, dims, size):
+  """vmap: operands [B, ...] mapped over N -> [B * N, ...], batch-major, so a sharded batch stays sharded (folding
+  the mapped axis in front would split the batch's shards, and XLA would all-gather them)."""
   folded = []
   for x, d in zip(args, dims):
-    x = jnp.broadcast_to(x, (size,) + x.shape) if d is batching.not_mapped else jnp.moveaxis(x, d, 0)
-    folded.append(x.reshape((size * x.shape[1],) + x.shape[2:]))
+    x = jnp.broadcast_to(x[:, None], (x.shape[0], size) + x.shape[1:]) if d is None else jnp.moveaxis(x, d, 1)
+    folded.append(x.reshape((x.shape[0] * size,) + x.shape[2:]))
   return folded
 
 
-def _batch_rule(prim, args, dims, *, config):
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
-  outs = prim.bind(*_fold_into_batch(args, dims, size), config=config)
-  return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0] * len(outs)
+def batch_rule(prim, args, dims, **params):
+  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  outs = prim.bind(*_fold_into_batch(args, dims, size), **params)
+  return [o.reshape((o.shape[0] // size, size) + o.shape[1:]) for o in outs], [1] * len(outs)
 
 
 for _prim, _abstract in ((attention_forward_p, _forward_abstract_eval),
                          (attention_backward_p, _backward_abstract_eval)):
   _prim.def_impl(partial(dispatch.apply_primitive, _prim))
   _prim.def_abstract_eval(_abstract)
-  batching.primitive_batchers[_prim] = partial(_batch_rule, _prim)
+  batching.primitive_batchers[_prim] = partial(batch_rule, _prim)
 
 register_lowering("cpu")

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax import _primitives
+from te_jax import context_parallel as _context_parallel  # [sharding] issue 4
+from te_jax import sharding as _sharding  # [sharding] issue 4
 from te_jax.attention_config import DTYPE_CODES, AttentionConfig
 from te_jax.mask_type import MaskType
 
@@ -19,7 +21,8 @@ MAX_HEAD_DIM = 256  # cpp/validate.h: kMaxHeadDim
 
 def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None, kv_seqlens=None,
                window_size: tuple[int, int] = (-1, -1), scale: float | None = None, softcap: float = 0.0,
-               alibi_slopes=None, return_lse: bool = False):
+               alibi_slopes=None, return_lse: bool = False, context_parallel_axis: str | None = None,
+               context_parallel_strategy: str = "all_gather", context_parallel_load_balanced: bool = False):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -33,6 +36,12 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     softcap: if > 0, logits become softcap * tanh(logits / softcap).
     alibi_slopes: float32 [H] or [B, H]; adds slope * (key position - query position) to the logits.
     return_lse: also return the float32 log-sum-exp of the logits, [B, H, Sq].
+    context_parallel_axis: name of a mesh axis the sequence dimension of q, k and v is sharded over (context
+      parallelism; needs a mesh in context: `with jax.set_mesh(mesh)`, or shard_map). None: no context parallelism
+      (batch and head sharding work without it). See docs/SHARDING.md.
+    context_parallel_strategy: "all_gather" (gather K/V, compute the local query rows) or "ring" (K/V blocks passed
+      around the axis with collective permutes, results merged by log-sum-exp).
+    context_parallel_load_balanced: q, k, v (and so out, lse) are in te_jax.reorder_for_load_balancing order.
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
@@ -52,26 +61,32 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
                            has_alibi=alibi_slopes is not None)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
-  out, lse = _attention(config, q, k, v, q_seqlens, kv_seqlens, alibi)
+  # [sharding] issue 4: context parallelism (te_jax/context_parallel.py); None when context_parallel_axis is None.
+  cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
+  if cp is not None:
+    _context_parallel.check_supported(config, cp, q.shape, k.shape)
+    _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)
   return (out, lse) if return_lse else out
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(config, q, k, v, q_seqlens, kv_seqlens, alibi):
-  return tuple(_primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config))
+# [sharding] issue 4: `cp` (a ContextParallel or None) is a second static argument, and both directions bind the
+# partitioned primitives of te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
+  return _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)
 
 
-def _attention_fwd(config, q, k, v, q_seqlens, kv_seqlens, alibi):
-  out, lse = _attention(config, q, k, v, q_seqlens, kv_seqlens, alibi)
+def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)
   return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi)
 
 
-def _attention_bwd(config, residuals, cotangents):
+def _attention_bwd(config, cp, residuals, cotangents):
   q, k, v, out, lse, q_seqlens, kv_seqlens, alibi = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout.astype(out.dtype),
-                                                     dlse.astype(jnp.float32), q_seqlens, kv_seqlens, alibi,
-                                                     config=config)
+  dq, dk, dv = _sharding.backward(config, cp, q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
+                                  q_seqlens, kv_seqlens, alibi)
   return dq, dk, dv, None, None, None
 
 
@@ -147,16 +162,23 @@ def _check_scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
   if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
     raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
-  if not (math.isfinite(scale) and scale > 0):
-    raise ValueError(f"scale must be a finite positive number, got {scale}")
+  if not (math.isfinite(scale) and _as_float32(scale) > 0 and math.isfinite(_as_float32(scale))):
+    raise ValueError(f"scale must be a finite positive number within float32 range, got {scale}")
   return float(scale)
+
+
+def _as_float32(x) -> float:
+  """x as the kernels receive it (float32): 1e39 becomes inf and 1e-50 becomes 0, which they must refuse."""
+  with np.errstate(over="ignore", under="ignore"):
+    return float(np.float32(x))
 
 
 def _check_softcap(softcap) -> float:
   if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
     raise TypeError(f"softcap must be a Python float, got {type(softcap).__name__}")
-  if not (math.isfinite(softcap) and softcap >= 0):
-    raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+  if not (math.isfinite(softcap) and softcap >= 0 and math.isfinite(_as_float32(softcap))) or (
+      softcap > 0 and _as_float32(softcap) == 0):
+    raise ValueError(f"softcap must be 0 (off) or a positive number within float32 range, got {softcap}")
   return float(softcap)
 
 

@@ -1,0 +1,449 @@
+"""Context (sequence) parallelism: the per-shard computation that runs on one device's slice of the sequence.
+
+Each device holds a contiguous shard of q, k and v along the sequence (or, with load balancing, two chunks: see
+te_jax/load_balancing.py). The kernel has no position-offset operand, so each (query block, key block) pair is
+expressed with the padding/bottom-right machinery of the core (docs/SHARDING.md derives it):
+
+  For a query block whose first row sits at global position qo and a key block starting at ko, let, per batch b,
+  delta_b = kv_seqlens[b] - q_seqlens[b] for bottom-right masks (else 0), D_b = qo - ko + delta_b,
+  A_b = clip(q_seqlens[b] - qo, 0, Lq) (valid local rows) and C_b = clip(kv_seqlens[b] - ko, 0, Lk) (valid keys).
+  * "full" blocks (non-causal masks, or a causal query block strictly after its key block): mask "padding" with
+    local lengths (A_b, C_b).
+  * "causal" blocks: mask "padding_causal_bottom_right" with local lengths (A_b, clip(A_b + D_b, 0, C_b)): the
+    kernel's diagonal p_i = i + skv_l - sq_l = i + D_b is exactly the global one, and the window applies around it.
+    Exact whenever A_b + D_b <= C_b, which holds for every case accepted below.
+  * ALiBi adds slope * (j - p_i); a kernel diagonal that differs from the true one by a per-row constant only shifts
+    lse by slope * (D_kernel - D_b), which is corrected here (out is unchanged), and undone for the backward.
+
+Strategies:
+  all_gather: gather K and V over the axis (tiled all-gather), compute the local query rows against the whole
+    sequence; the backward re-gathers K/V and reduce-scatters dK/dV (float32) back to their owners.
+  ring: N steps; at step s a device computes its queries against the K/V block that started on device (r - s) mod N
+    while the next block is already travelling (collective-permute); blocks entirely in the causal future are skipped
+    (lax.switch), the partial results are merged by log-sum-exp in float32. The backward runs the same ring with the
+    final out/lse (so the softmax is exact per block); dK/dV accumulators (float32) travel with their K/V block and
+    one last permute returns them to their owners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_jax import _primitives
+from te_jax.attention_config import AttentionConfig
+from te_jax.load_balancing import load_balanced_chunk_order
+from te_jax.mask_type import MaskType
+
+STRATEGIES = ("all_gather", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """The static context-parallel layout of one fused_attn call."""
+  axis: str  # the mesh axis the sequence is sharded over
+  strategy: str  # "all_gather" | "ring"
+  load_balanced: bool  # inputs are in reorder_for_load_balancing order
+  size: int  # the size of `axis` (number of sequence shards)
+  manual: bool = False  # fused_attn was called inside shard_map with `axis` manual: it sees local shapes
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checks done once, at trace time, by fused_attn.
+
+def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_shape) -> None:
+  """Raises ValueError/NotImplementedError for what context parallelism does not support (docs/SHARDING.md)."""
+  local = cp.size if cp.manual else 1  # inside shard_map the shapes are the local shards
+  seqlen_q, seqlen_kv = q_shape[1] * local, k_shape[1] * local
+  where = f"context parallelism over mesh axis {cp.axis!r} ({cp.strategy})"
+  if seqlen_q != seqlen_kv:
+    raise NotImplementedError(f"{where} needs self-attention shapes Sq == Skv; got Sq={seqlen_q}, Skv={seqlen_kv}")
+  chunks = cp.size * (2 if cp.load_balanced else 1)
+  if seqlen_q % chunks:
+    raise ValueError(f"{where}: the sequence length {seqlen_q} must be a multiple of {chunks} (the axis size "
+                     f"{cp.size}{' times 2 chunks per shard for load balancing' if cp.load_balanced else ''})")
+  mask = config.mask_type
+  has_window = config.window_left >= 0 or config.window_right >= 0
+  if has_window and not mask.is_causal:
+    raise NotImplementedError(
+        f"{where}: a sliding window needs a causal mask type (window_size={config.window_left, config.window_right}, "
+        f"mask_type={mask.name.lower()!r}). A non-causal window around a shifted diagonal cannot be expressed with the "
+        "core's padding/bottom-right masks; it needs a query-position-offset operand in the kernel.")
+  if has_window and cp.strategy == "ring":
+    raise NotImplementedError(
+        f"{where}: sliding windows are supported with context_parallel_strategy='all_gather' only (a ring block "
+        "that is both in the past and cut by the window cannot be expressed without a position-offset operand)")
+
+
+def unsupported_lengths(config: AttentionConfig, cp: ContextParallel, q_seqlens, kv_seqlens):
+  """bool [B]: batch entries whose (global) lengths this layout cannot compute exactly, or None if there are none.
+
+  padding_causal (top-left) needs q_seqlens <= kv_seqlens; with the ring, padding_causal_bottom_right needs
+  q_seqlens == kv_seqlens (it then equals padding_causal). fused_attn raises for concrete lengths; traced lengths
+  that break the rule give NaN in out, lse and the gradients of those batch entries (never a silently wrong value).
+  """
+  mask = config.mask_type
+  if not (mask.is_padding and mask.is_causal):
+    return None
+  if mask.is_bottom_right:
+    return (q_seqlens != kv_seqlens) if cp.strategy == "ring" else None
+  return q_seqlens > kv_seqlens
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One block.
+
+def _kernel_configs(config: AttentionConfig):
+  full = dataclasses.replace(config, mask_type=MaskType.PADDING, window_left=-1, window_right=-1)
+  causal = dataclasses.replace(config, mask_type=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT)
+  return full, causal
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """Local lengths and the diagonal correction of one (query block, key block) pair for one kernel config."""
+  sq: jax.Array  # int32 [B]
+  skv: jax.Array  # int32 [B]
+  lse_shift: jax.Array | None  # f32 [B, H, 1]: lse_true - lse_kernel (ALiBi only)
+
+
+def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
+  delta = (kv_seqlens - q_seqlens) if config.mask_type.is_bottom_right else 0
+  d = jnp.broadcast_to(qo - ko + delta, q_seqlens.shape)
+  a = jnp.clip(q_seqlens - qo, 0, lq)
+  c = jnp.clip(kv_seqlens - ko, 0, lk)
+  if kind == "full":
+    sq, skv, d_kernel = a, c, 0
+  else:
+    sq, skv = a, jnp.clip(a + d, 0, c)
+    d_kernel = skv - sq
+  shift = None
+  if config.has_alibi:
+    shift = (alibi * jnp.asarray(d_kernel - d, jnp.float32)[:, None])[..., None]
+  return _Block(sq.astype(jnp.int32), skv.astype(jnp.int32), shift)
+
+
+def _block_forward(config, kind, q, k, v, blk: _Block, alibi):
+  full, causal = _kernel_configs(config)
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi,
+                                                  config=full if kind == "full" else causal)
+  if blk.lse_shift is not None:
+    lse = lse + blk.lse_shift
+  return out, lse
+
+
+def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, alibi):
+  full, causal = _kernel_configs(config)
+  if blk.lse_shift is not None:
+    lse = lse - blk.lse_shift
+  return _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
+                                               config=full if kind == "full" else causal)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+  """Merges two partial attentions over disjoint key sets (out float32, lse float32 [B,H,S]); -inf lse is a no-op."""
+  m = jnp.maximum(lse_a, lse_b)
+  finite = jnp.isfinite(m)
+  safe_m = jnp.where(finite, m, 0.0)
+  wa, wb = jnp.exp(lse_a - safe_m), jnp.exp(lse_b - safe_m)
+  total = wa + wb
+  lse = jnp.where(finite, safe_m + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
+  inv = jnp.where(finite, 1.0 / jnp.where(finite, total, 1.0), 0.0)
+  to_out = lambda w: jnp.swapaxes(w * inv, 1, 2)[..., None]  # [B,H,S] -> [B,S,H,1]
+  return to_out(wa) * out_a + to_out(wb) * out_b.astype(jnp.float32), lse
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Layout helpers.
+
+def _chunk_ids(cp: ContextParallel, rank):
+  """Natural chunk indices (of cp.size or 2*cp.size chunks) held by shard `rank` (traced), in local order."""
+  if not cp.load_balanced:
+    return [rank]
+  return [rank, 2 * cp.size - 1 - rank]
+
+
+def _split(x, n, axis):
+  return jnp.split(x, n, axis=axis) if n > 1 else [x]
+
+
+def _to_natural(x, cp: ContextParallel, axis=1):
+  """A gathered array in device order -> natural sequence order (a static chunk permutation, no communication)."""
+  if not cp.load_balanced:
+    return x
+  order = np.argsort(load_balanced_chunk_order(cp.size))
+  chunks = _split(x, 2 * cp.size, axis)
+  return jnp.concatenate([chunks[i] for i in order], axis=axis)
+
+
+def _to_device_order(x, cp: ContextParallel, axis=1):
+  if not cp.load_balanced:
+    return x
+  chunks = _split(x, 2 * cp.size, axis)
+  return jnp.concatenate([chunks[i] for i in load_balanced_chunk_order(cp.size)], axis=axis)
+
+
+def _poison(bad, *xs):
+  """NaN in the batch entries marked bad (see unsupported_lengths)."""
+  if bad is None:
+    return xs
+  return tuple(jnp.where(bad.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.asarray(jnp.nan, x.dtype), x) for x in xs)
+
+
+def _global_lengths(config, cp, q, q_seqlens, kv_seqlens):
+  """Without a padding mask fused_attn fills the lengths from the shapes it saw (local ones inside shard_map)."""
+  if config.mask_type.is_padding:
+    return q_seqlens, kv_seqlens  # the caller's lengths are global sequence lengths
+  full = jnp.full(q_seqlens.shape, q.shape[1] * cp.size, jnp.int32)
+  return full, full
+
+
+def _check_axis_size(cp: ContextParallel):
+  size = lax.axis_size(cp.axis)
+  if size != cp.size:
+    raise ValueError(f"context_parallel_axis {cp.axis!r} has size {size} here but fused_attn was traced for {cp.size}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The per-shard forward and backward (they run inside shard_map or a custom_partitioning lowering).
+
+def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *, config: AttentionConfig, cp: ContextParallel):
+  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse."""
+  q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
+  _check_axis_size(cp)
+  rank = lax.axis_index(cp.axis)
+  n_local = 2 if cp.load_balanced else 1
+  chunk = q.shape[1] // n_local
+  q_chunks = _split(q, n_local, 1)
+  q_ids = _chunk_ids(cp, rank)
+  bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
+  outs, lses = [], []
+  if cp.strategy == "all_gather":
+    k_all = _to_natural(lax.all_gather(k, cp.axis, axis=1, tiled=True), cp)
+    v_all = _to_natural(lax.all_gather(v, cp.axis, axis=1, tiled=True), cp)
+    kind = "causal" if config.mask_type.is_causal else "full"
+    for qc, qid in zip(q_chunks, q_ids):
+      blk = _geometry(config, kind, qid * chunk, 0, chunk, k_all.shape[1], q_seqlens, kv_seqlens, alibi)
+      out, lse = _block_forward(config, kind, qc, k_all, v_all, blk, alibi)
+      outs.append(out)
+      lses.append(lse)
+  else:
+    outs, lses = _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk)
+  out = jnp.concatenate(outs, axis=1) if n_local > 1 else outs[0]
+  lse = jnp.concatenate(lses, axis=2) if n_local > 1 else lses[0]
+  return _poison(bad, out.astype(q.dtype), lse)
+
+
+def _ring_perm(cp):
+  return [(i, (i + 1) % cp.size) for i in range(cp.size)]
+
+
+def _ring_kind(config, qid, kid):
+  """0: skip, 1: full, 2: causal (diagonal) for a ring block; q/k chunk ids are traced scalars."""
+  if not config.mask_type.is_causal:
+    return None
+  return jnp.where(qid > kid, 1, jnp.where(qid == kid, 2, 0))
+
+
+def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk):
+  n_local = len(q_chunks)
+  outs = [jnp.zeros(qc.shape[:3] + (v.shape[3],), jnp.float32) for qc in q_chunks]
+  lses = [jnp.full((qc.shape[0], qc.shape[2], qc.shape[1]), -jnp.inf, jnp.float32) for qc in q_chunks]
+  k_cur, v_cur = k, v
+  for step in range(cp.size):
+    if step < cp.size - 1:  # issued first: the next block travels while this one computes
+      k_next = lax.ppermute(k_cur, cp.axis, _ring_perm(cp))
+      v_next = lax.ppermute(v_cur, cp.axis, _ring_perm(cp))
+    src = (rank - step) % cp.size
+    for kc, vc, kid in zip(_split(k_cur, n_local, 1), _split(v_cur, n_local, 1), _chunk_ids(cp, src)):
+      for t, (qc, qid) in enumerate(zip(q_chunks, q_ids)):
+        out, lse = _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi)
+        outs[t], lses[t] = merge(outs[t], lses[t], out, lse)
+    if step < cp.size - 1:
+      k_cur, v_cur = k_next, v_next
+  return outs, lses
+
+
+def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi):
+  qo, ko = qid * chunk, kid * chunk
+
+  def run(kind):
+    blk = _geometry(config, kind, qo, ko, chunk, chunk, q_seqlens, kv_seqlens, alibi)
+    return _block_forward(config, kind, qc, kc, vc, blk, alibi)
+
+  def skip():
+    return (jnp.zeros(qc.shape[:3] + (vc.shape[3],), qc.dtype),
+            jnp.full((qc.shape[0], qc.shape[2], qc.shape[1]), -jnp.inf, jnp.float32))
+
+  index = _ring_kind(config, qid, kid)
+  if index is None:
+    return run("full")
+  return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
+
+
+def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *, config: AttentionConfig,
+                   cp: ContextParallel):
+  """Local shards -> local dq, dk, dv (each block uses the final out and lse, so its softmax is exact)."""
+  q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
+  _check_axis_size(cp)
+  rank = lax.axis_index(cp.axis)
+  n_local = 2 if cp.load_balanced else 1
+  chunk = q.shape[1] // n_local
+  q_ids = _chunk_ids(cp, rank)
+  per_q = list(zip(_split(q, n_local, 1), _split(out, n_local, 1), _split(lse, n_local, 2),
+                   _split(dout, n_local, 1), _split(dlse, n_local, 2), q_ids))
+  bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
+  if cp.strategy == "all_gather":
+    k_all = _to_natural(lax.all_gather(k, cp.axis, axis=1, tiled=True), cp)
+    v_all = _to_natural(lax.all_gather(v, cp.axis, axis=1, tiled=True), cp)
+    kind = "causal" if config.mask_type.is_causal else "full"
+    dqs, dk_all, dv_all = [], None, None
+    for qc, oc, lc, doc, dlc, qid in per_q:
+      blk = _geometry(config, kind, qid * chunk, 0, chunk, k_all.shape[1], q_seqlens, kv_seqlens, alibi)
+      dq_c, dk_c, dv_c = _block_backward(config, kind, qc, k_all, v_all, oc, lc, doc, dlc, blk, alibi)
+      dqs.append(dq_c)
+      dk_all = dk_c.astype(jnp.float32) if dk_all is None else dk_all + dk_c
+      dv_all = dv_c.astype(jnp.float32) if dv_all is None else dv_all + dv_c
+    dk = lax.psum_scatter(_to_device_order(dk_all, cp), cp.axis, scatter_dimension=1, tiled=True)
+    dv = lax.psum_scatter(_to_device_order(dv_all, cp), cp.axis, scatter_dimension=1, tiled=True)
+  else:
+    dqs, dk, dv = _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk)
+  dq = jnp.concatenate(dqs, axis=1) if n_local > 1 else dqs[0]
+  return _poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+
+
+def _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk):
+  n_local = len(per_q)
+  dqs = [jnp.zeros(p[0].shape, jnp.float32) for p in per_q]
+  k_cur, v_cur = k, v
+  dk_acc, dv_acc = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+  perm = _ring_perm(cp)
+  for step in range(cp.size):
+    if step < cp.size - 1:
+      k_next = lax.ppermute(k_cur, cp.axis, perm)
+      v_next = lax.ppermute(v_cur, cp.axis, perm)
+    src = (rank - step) % cp.size
+    dk_parts, dv_parts = [], []
+    for kc, vc, kid in zip(_split(k_cur, n_local, 1), _split(v_cur, n_local, 1), _chunk_ids(cp, src)):
+      dk_c = jnp.zeros(kc.shape, jnp.float32)
+      dv_c = jnp.zeros(vc.shape, jnp.float32)
+      for t, (qc, oc, lc, doc, dlc, qid) in enumerate(per_q):
+        dq_b, dk_b, dv_b = _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens,
+                                                kv_seqlens, alibi)
+        dqs[t] = dqs[t] + dq_b
+        dk_c, dv_c = dk_c + dk_b, dv_c + dv_b
+      dk_parts.append(dk_c)
+      dv_parts.append(dv_c)
+    dk_acc = dk_acc + (jnp.concatenate(dk_parts, axis=1) if n_local > 1 else dk_parts[0])
+    dv_acc = dv_acc + (jnp.concatenate(dv_parts, axis=1) if n_local > 1 else dv_parts[0])
+    # The accumulators travel with their K/V block; after the last step this permute returns them to their owner.
+    dk_acc = lax.ppermute(dk_acc, cp.axis, perm)
+    dv_acc = lax.ppermute(dv_acc, cp.axis, perm)
+    if step < cp.size - 1:
+      k_cur, v_cur = k_next, v_next
+  return dqs, dk_acc, dv_acc
+
+
+def _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi):
+  qo, ko = qid * chunk, kid * chunk
+
+  def run(kind):
+    blk = _geometry(config, kind, qo, ko, chunk, chunk, q_seqlens, kv_seqlens, alibi)
+    grads = _block_backward(config, kind, qc, kc, vc, oc, lc, doc, dlc, blk, alibi)
+    return tuple(g.astype(jnp.float32) for g in grads)
+
+  def skip():
+    return (jnp.zeros(qc.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
+
+  index = _ring_kind(config, qid, kid)
+  if index is None:
+    return run("full")
+  return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The unpartitioned meaning (one device holds everything): undo the load-balancing order, attend, redo it.
+
+def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *, config, cp):
+  from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
+  if cp is not None and cp.load_balanced:
+    q, k, v = (inv(x, cp.size, 1) for x in (q, k, v))
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config)
+  if cp is not None:
+    bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
+    if cp.load_balanced:
+      out, lse = fwd(out, cp.size, 1), fwd(lse, cp.size, 2)
+    out, lse = _poison(bad, out, lse)
+  return out, lse
+
+
+def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *, config, cp):
+  from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
+  if cp is not None and cp.load_balanced:
+    q, k, v, out, dout = (inv(x, cp.size, 1) for x in (q, k, v, out, dout))
+    lse, dlse = inv(lse, cp.size, 2), inv(dlse, cp.size, 2)
+  dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
+                                                     config=config)
+  if cp is not None:
+    bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
+    if cp.load_balanced:
+      dq, dk, dv = (fwd(x, cp.size, 1) for x in (dq, dk, dv))
+    dq, dk, dv = _poison(bad, dq, dk, dv)
+  return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# fused_attn's arguments -> ContextParallel.
+
+def current_axis_size(axis: str) -> int | None:
+  """The size of mesh axis `axis` in the mesh in context (jax.set_mesh / shard_map / `with mesh:`), or None."""
+  for mesh in (jax.sharding.get_abstract_mesh(), _physical_mesh()):
+    if mesh is not None and not mesh.empty and axis in mesh.axis_names:
+      return int(dict(zip(mesh.axis_names, mesh.axis_sizes))[axis])
+  return None
+
+
+def _physical_mesh():
+  from jax._src import mesh as mesh_lib
+  return mesh_lib.thread_resources.env.physical_mesh
+
+
+def make(axis, strategy, load_balanced) -> ContextParallel | None:
+  """Checks fused_attn's context_parallel_* arguments; None when context parallelism is off."""
+  if not isinstance(load_balanced, (bool, np.bool_)):
+    raise TypeError(f"context_parallel_load_balanced must be a bool, got {load_balanced!r}")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}")
+  if axis is None:
+    if load_balanced or strategy != "all_gather":
+      raise ValueError("context_parallel_strategy / context_parallel_load_balanced need context_parallel_axis")
+    return None
+  if not isinstance(axis, str):
+    raise TypeError(f"context_parallel_axis must be a mesh axis name (str) or None, got {axis!r}")
+  size, manual = current_axis_size(axis), axis in _manual_axes()
+  if size is None:
+    raise ValueError(f"context_parallel_axis {axis!r} is not an axis of the mesh in context; call fused_attn under "
+                     "`with jax.set_mesh(mesh):` (or `with mesh:`), or inside shard_map over a mesh with that axis")
+  return ContextParallel(axis=axis, strategy=strategy, load_balanced=bool(load_balanced), size=size, manual=manual)
+
+
+def _manual_axes() -> frozenset:
+  mesh = jax.sharding.get_abstract_mesh()
+  return frozenset() if mesh is None or mesh.empty else frozenset(getattr(mesh, "manual_axes", ()))
+
+
+def check_lengths(config: AttentionConfig, cp: ContextParallel, q_seqlens, kv_seqlens) -> None:
+  """Raises for concrete lengths that unsupported_lengths() flags (traced ones give NaN in those batch entries)."""
+  if isinstance(q_seqlens, jax.core.Tracer) or isinstance(kv_seqlens, jax.core.Tracer):
+    return
+  bad = unsupported_lengths(config, cp, np.asarray(q_seqlens), np.asarray(kv_seqlens))
+  if bad is not None and bad.any():
+    rule = ("q_seqlens <= kv_seqlens" if not config.mask_type.is_bottom_right else "q_seqlens == kv_seqlens")
+    raise NotImplementedError(
+        f"context parallelism ({cp.strategy}) with mask_type {config.mask_type.name.lower()!r} needs {rule} in every "
+        f"batch entry; entries {np.flatnonzero(bad).tolist()} break it")

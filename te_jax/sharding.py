@@ -1,0 +1,350 @@
+"""SPMD partitioning of fused_attn: custom_partitioning rules for the forward and backward primitives.
+
+te_jax.attention binds the two primitives defined here (sharded_forward_p, sharded_backward_p). They have the same
+operands and results as te_jax._primitives' attention_forward_p / attention_backward_p (the kernels), plus a static
+`cp` parameter (a te_jax.context_parallel.ContextParallel or None). Their lowering wraps the kernel primitives in a
+jax.experimental.custom_partitioning with a Shardy sharding rule, so under jit on a mesh:
+
+  * batch sharding (data parallel / FSDP) and head sharding (tensor parallel) stay local: every device runs the kernel
+    on its own batch and head slice, with no collective. GQA/MQA k/v heads shard with their group of query heads; if
+    the query heads of one group are split over devices (more head shards than k/v heads), k/v are replicated over the
+    extra axes and dK/dV are summed over them (an all-reduce in the backward only).
+  * with context parallelism, the sequence dimension is sharded over the context-parallel axis and each device runs
+    te_jax.context_parallel.local_forward/local_backward (all-gather or ring).
+  * anything else (a sharded head dim D/Dv, a sequence sharded without context_parallel_axis, k/v sharded
+    differently from q, sizes that do not divide) is resharded by XLA to the layout above, with a ReshardWarning that
+    names the array, the axes and the bytes that move.
+
+Inside shard_map (the context-parallel axis manual), the lowering runs the per-shard context-parallel code directly.
+The vmap rule folds mapped axes into the batch dimension, as for the kernel primitives.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch
+from jax._src import sharding_impls
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from te_jax import _primitives
+from te_jax import context_parallel as cpmod
+from te_jax.attention_config import AttentionConfig
+
+
+class ReshardWarning(UserWarning):
+  """fused_attn's operands arrive with a sharding the kernel cannot use in place; XLA moves data to fix it."""
+
+
+sharded_forward_p = Primitive("te_jax_sharded_attention_forward")
+sharded_forward_p.multiple_results = True
+sharded_backward_p = Primitive("te_jax_sharded_attention_backward")
+sharded_backward_p.multiple_results = True
+
+
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config, cp=cp))
+
+
+def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi):
+  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config=config,
+                                       cp=cp))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sharding plan: which mesh axes shard batch, heads and (with context parallelism) the sequence.
+
+def _spec_dims(sharding, ndim: int) -> list[tuple[str, ...]]:
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  return [() if s is None else ((s,) if isinstance(s, str) else tuple(s)) for s in spec]
+
+
+def _size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _nbytes(shape, dtype) -> int:
+  return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+class _Plan:
+  """Target layout of one call: mesh axes of the batch, query heads, k/v heads, sequence; axes to sum dK/dV over."""
+
+  def __init__(self, config, cp, mesh, arg_shapes, emit_warnings: bool):
+    q, k, v = arg_shapes[:3]
+    self.mesh = mesh
+    self.notes: list[str] = []
+    batch, seqlen_q, num_heads, _ = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qd = _spec_dims(q.sharding, 4)
+    kd, vd = _spec_dims(k.sharding, 4), _spec_dims(v.sharding, 4)
+    cp_axes = (cp.axis,) if cp is not None else ()
+    # Batch: q's batch axes (k/v follow q). Drop axes that do not divide or that are the context-parallel axis.
+    b_axes = tuple(a for a in qd[0] if a not in cp_axes)
+    if batch % _size(mesh, b_axes):
+      self.notes.append(f"the batch size {batch} is not divisible by the {_size(mesh, b_axes)} shards of mesh axes "
+                        f"{b_axes}; the batch is gathered")
+      b_axes = ()
+    h_axes = tuple(a for a in qd[2] if a not in cp_axes and a not in b_axes)
+    n_h = _size(mesh, h_axes)
+    kv_axes, g_axes = h_axes, ()
+    if num_heads % n_h:
+      self.notes.append(f"the {num_heads} query heads are not divisible by the {n_h} shards of mesh axes {h_axes}; "
+                        "the heads are gathered")
+      h_axes, kv_axes = (), ()
+    elif num_kv_heads % n_h:
+      # Query heads of one k/v group are split over devices: k/v shard over the leading axes whose product is
+      # num_kv_heads and are replicated over the rest (g_axes), where dK/dV are summed.
+      prod, split = 1, None
+      for i, a in enumerate(h_axes):
+        if prod == num_kv_heads:
+          split = i
+          break
+        prod *= mesh.shape[a]
+      if split is not None and (num_heads // n_h) and group % (num_heads // n_h) == 0:
+        kv_axes, g_axes = h_axes[:split], h_axes[split:]
+      else:
+        self.notes.append(f"the {n_h} head shards over mesh axes {h_axes} do not split the {num_kv_heads} k/v heads "
+                          f"(groups of {group} query heads) into whole groups or whole shards of one group; the "
+                          "heads are gathered")
+        h_axes, kv_axes = (), ()
+    self.b_axes, self.h_axes, self.kv_axes, self.g_axes = b_axes, h_axes, kv_axes, g_axes
+    # Sequence: the context-parallel axis, or whole.
+    self.s_axes = cp_axes
+    if cp is not None and (mesh.shape.get(cp.axis) != cp.size):
+      raise ValueError(f"context_parallel_axis {cp.axis!r} has size {mesh.shape.get(cp.axis)} in the mesh the call "
+                       f"is partitioned on, but fused_attn was traced for size {cp.size}")
+    self.targets = {
+        "q": (b_axes, self.s_axes, h_axes, ()),
+        "kv": (b_axes, self.s_axes, kv_axes, ()),
+    }
+    if emit_warnings:
+      for name, x, dims, target in (("q", q, qd, self.targets["q"]), ("k", k, kd, self.targets["kv"]),
+                                    ("v", v, vd, self.targets["kv"])):
+        self._note_reshard(name, x, dims, target, cp)
+      for note in self.notes:
+        warnings.warn(f"te_jax.fused_attn: {note}.", ReshardWarning, stacklevel=2)
+
+  def _note_reshard(self, name, x, dims, target, cp):
+    dim_names = ("batch", "sequence", "head", "head-dim")
+    for dim, (have, want) in enumerate(zip(dims, target)):
+      if have == tuple(want) or not have or set(have) <= set(want) and tuple(want[:len(have)]) == have:
+        continue  # already right, or replicated / a prefix of the target (the partitioner slices locally: free)
+      extra = [a for a in have if a not in want]
+      n = _size(self.mesh, extra)
+      moved = _nbytes(x.shape, x.dtype) * (n - 1) // (n * _size(self.mesh, [a for t in self.targets.get(
+          "q" if name == "q" else "kv") for a in t]))
+      hint = ""
+      if dim == 1 and cp is None:
+        hint = "; pass context_parallel_axis= to fused_attn to keep the sequence sharded"
+      elif dim == 1:
+        hint = f"; shard the sequence over the context-parallel axis {cp.axis!r} only"
+      elif dim == 3:
+        hint = "; shard the heads, not the head dim"
+      self.notes.append(f"{name} {tuple(x.shape)} is sharded along its {dim_names[dim]} dimension over mesh axes "
+                        f"{have}, but the kernel needs it {'sharded over ' + str(tuple(want)) if want else 'whole'} "
+                        f"there: XLA reshards it first (about {moved} bytes gathered per device per call){hint}")
+
+  def named(self, *dims):
+    return NamedSharding(self.mesh, P(*[d if d else None for d in dims]))
+
+  def forward_shardings(self):
+    b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
+    args = (self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, s, kv, ()), self.named(b),
+            self.named(b), self.named(b, h))
+    results = (self.named(b, s, h, ()), self.named(b, h, s))
+    return args, results
+
+  def backward_shardings(self):
+    b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
+    qs, kvs, lses = self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, h, s)
+    args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h))
+    return args, (qs, kvs, kvs)
+
+
+def _mesh_ok(mesh, arg_shapes) -> bool:
+  return (mesh is not None and not mesh.empty and
+          all(isinstance(a.sharding, NamedSharding) for a in jax.tree.leaves(arg_shapes, is_leaf=_is_shape)))
+
+
+def _is_shape(x):
+  return hasattr(x, "sharding") and hasattr(x, "shape")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# custom_partitioning of the forward.
+
+def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, config, cp):
+  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, config=config, cp=cp)
+
+
+def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config, cp):
+  return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config=config,
+                                      cp=cp)
+
+
+def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
+  """No usable mesh (e.g. a partially manual shard_map): keep the shardings XLA proposes for q and replicate."""
+  arg_shardings = jax.tree.map(lambda a: a.sharding, arg_shapes, is_leaf=_is_shape)
+  result_shardings = jax.tree.map(lambda a: a.sharding, result_shape, is_leaf=_is_shape)
+  return mesh, fn, result_shardings, arg_shardings
+
+
+def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
+  if not _mesh_ok(mesh, arg_shapes):
+    if cp is not None:
+      raise ValueError(f"te_jax.fused_attn: context_parallel_axis={cp.axis!r} needs a named mesh; call it under "
+                       "`with jax.set_mesh(mesh)` (or `with mesh:`) with NamedSharding inputs, or inside shard_map")
+    return _replicated_fallback(mesh, arg_shapes, result_shape,
+                                partial(_unpartitioned_forward, config=config, cp=None))
+  plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=True)
+  args, results = plan.forward_shardings()
+  if cp is None:
+    def lower(q, k, v, q_seqlens, kv_seqlens, alibi):
+      return tuple(_primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config))
+  else:
+    lower = partial(cpmod.local_forward, config=config, cp=cp)
+  return mesh, lower, results, args
+
+
+def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
+  if not _mesh_ok(mesh, arg_shapes):
+    if cp is not None:
+      raise ValueError(f"te_jax.fused_attn: context_parallel_axis={cp.axis!r} needs a named mesh")
+    return _replicated_fallback(mesh, arg_shapes, result_shape,
+                                partial(_unpartitioned_backward, config=config, cp=None))
+  plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=False)  # the forward already warned
+  args, results = plan.backward_shardings()
+  g_axes = plan.g_axes
+
+  def lower(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi):
+    if cp is None:
+      dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                         alibi, config=config)
+    else:
+      dq, dk, dv = cpmod.local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config=config,
+                                        cp=cp)
+    if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
+      dk = jax.lax.psum(dk.astype(jnp.float32), g_axes).astype(k.dtype)
+      dv = jax.lax.psum(dv.astype(jnp.float32), g_axes).astype(v.dtype)
+    return dq, dk, dv
+
+  return mesh, lower, results, args
+
+
+def _infer_forward(config, cp, mesh, arg_shapes, result_shape):
+  """GSPMD (jax_use_shardy_partitioner=False) result shardings."""
+  if not _mesh_ok(mesh, arg_shapes):
+    return jax.tree.map(lambda a: a.sharding, arg_shapes[:1] * 2, is_leaf=_is_shape)
+  return _Plan(config, cp, mesh, arg_shapes, emit_warnings=False).forward_shardings()[1]
+
+
+def _infer_backward(config, cp, mesh, arg_shapes, result_shape):
+  if not _mesh_ok(mesh, arg_shapes):
+    return jax.tree.map(lambda a: a.sharding, arg_shapes[:3], is_leaf=_is_shape)
+  return _Plan(config, cp, mesh, arg_shapes, emit_warnings=False).backward_shardings()[1]
+
+
+def _shapes(types):
+  from jax._src.lib.mlir import ir
+  return [tuple(ir.RankedTensorType(t).shape) for t in types]
+
+
+def _heads_rule(value_types):
+  q_shape, k_shape = _shapes(value_types[:2])
+  group = q_shape[2] // k_shape[2]
+  if group == 1:
+    return "hk", {}
+  if k_shape[2] == 1:  # MQA: Shardy refuses a size-1 factor in a compound; the query heads are their own factor
+    return "h", {}
+  return "(hk g)", {"g": group}
+
+
+def _forward_rule(config, cp, mesh, value_types, result_types):
+  h, sizes = _heads_rule(value_types)
+  if cp is None:
+    rule = (f"b sq {h} d, b skv hk d, b skv hk dv, b, b, b {h} -> b sq {h} dv, b {h} sq")
+    return rule, dict(need_replication_factors=("sq", "d", "skv", "dv"), **sizes)
+  rule = f"b s {h} d, b s hk d, b s hk dv, b, b, b {h} -> b s {h} dv, b {h} s"
+  return rule, dict(need_replication_factors=("d", "dv"), **sizes)
+
+
+def _backward_rule(config, cp, mesh, value_types, result_types):
+  h, sizes = _heads_rule(value_types)
+  s, skv = ("sq", "skv") if cp is None else ("s", "s")
+  rule = (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}"
+          f" -> b {s} {h} d, b {skv} hk d, b {skv} hk dv")
+  need = ("sq", "d", "skv", "dv") if cp is None else ("d", "dv")
+  return rule, dict(need_replication_factors=need, **sizes)
+
+
+_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(6, 7))
+_partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
+                                   sharding_rule=_forward_rule)
+_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(10, 11))
+_partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
+                                    sharding_rule=_backward_rule)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The primitives.
+
+def _cp_axis_is_manual(ctx, cp) -> bool:
+  axis_context = ctx.module_context.axis_context
+  return (cp is not None and isinstance(axis_context, sharding_impls.SPMDAxisContext) and
+          cp.axis in axis_context.manual_axes)
+
+
+def _forward_lowering(ctx, *args, config, cp):
+  if _cp_axis_is_manual(ctx, cp):  # inside shard_map: the operands are already the local shards
+    fn = partial(cpmod.local_forward, config=config, cp=cp)
+  else:
+    fn = lambda *a: _partitioned_forward(*a, config, cp)
+  return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _backward_lowering(ctx, *args, config, cp):
+  if _cp_axis_is_manual(ctx, cp):
+    fn = partial(cpmod.local_backward, config=config, cp=cp)
+  else:
+    fn = lambda *a: _partitioned_backward(*a, config, cp)
+  return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _with_manual_axes(outs, avals):
+  """Inside shard_map, results vary over the manual axes the operands vary over (check_vma)."""
+  carriers = [a for a in avals if getattr(a, "manual_axis_type", None) is not None
+              and getattr(a.manual_axis_type, "varying", None)]
+  if not carriers:
+    return outs
+  a = max(carriers, key=lambda a: len(a.manual_axis_type.varying))
+  return [jax.core.ShapedArray(o.shape, o.dtype, sharding=NamedSharding(a.sharding.mesh, P()),
+                               manual_axis_type=a.manual_axis_type) for o in outs]
+
+
+def _forward_abstract_eval(*avals, config, cp):
+  del cp
+  return _with_manual_axes(_primitives.attention_forward_p.abstract_eval(*avals, config=config)[0], avals)
+
+
+def _backward_abstract_eval(*avals, config, cp):
+  del cp
+  return _with_manual_axes(_primitives.attention_backward_p.abstract_eval(*avals, config=config)[0], avals)
+
+
+for _prim, _abstract, _lowering in ((sharded_forward_p, _forward_abstract_eval, _forward_lowering),
+                                    (sharded_backward_p, _backward_abstract_eval, _backward_lowering)):
+  _prim.def_impl(partial(dispatch.apply_primitive, _prim))
+  dispatch.prim_requires_devices_during_lowering.add(_prim)  # the custom_partitioning lowering needs the devices
+  _prim.def_abstract_eval(_abstract)
+  batching.primitive_batchers[_prim] = partial(_primitives.batch_rule, _prim)
+  mlir.register_lowering(_prim, _lowering)

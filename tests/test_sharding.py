@@ -1,0 +1,352 @@
+"""fused_attn under SPMD meshes of 8 CPU devices: batch/head partitioning, context parallelism (all-gather and ring,
+every mask type, GQA, load balancing, windows), shard_map and vmap; results and gradients equal to the unsharded
+call, and the compiled HLO has exactly the collectives each layout should have.
+
+The module needs 8 CPU devices. It asks for them (jax_num_cpu_devices) when it is imported; if JAX was already
+initialised with fewer (another test module ran first), the whole module re-runs itself in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import jax
+
+_NEEDED = 8
+try:
+  jax.config.update("jax_num_cpu_devices", _NEEDED)
+except Exception:  # the backend is already initialised  # noqa: BLE001
+  pass
+_IN_PROCESS = jax.device_count() >= _NEEDED and jax.default_backend() == "cpu"
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import te_jax  # noqa: E402
+from te_jax.reference import attention_reference  # noqa: E402
+from te_jax.sharding import ReshardWarning  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _pure_jax_attention  # noqa: E402
+
+if not _pure_jax_attention.extension_available():  # lets the module run before the C++ extension is built
+  _pure_jax_attention.install_cpu_lowering()
+
+in_process = pytest.mark.skipif(not _IN_PROCESS, reason="needs 8 CPU devices in this process (see test_subprocess)")
+
+TOL = dict(rtol=2e-5, atol=2e-5)  # float32, against the unsharded te_jax call and the float64 reference
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def test_subprocess():
+  """Runs this module in a fresh interpreter when this one could not get 8 devices."""
+  if _IN_PROCESS:
+    pytest.skip("8 devices are available in-process")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                          capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Helpers.
+
+def make_mesh(shape):
+  return jax.make_mesh(shape, ("dp", "cp", "tp"), axis_types=(AxisType.Auto,) * 3)
+
+
+def collectives(hlo_text: str) -> set[str]:
+  return set(re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text))
+
+
+def inputs(batch=4, seqlen=32, heads=4, kv_heads=2, head_dim=8, seed=0, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, seqlen, heads, head_dim)).astype(dtype)
+  k = rng.standard_normal((batch, seqlen, kv_heads, head_dim)).astype(dtype)
+  v = rng.standard_normal((batch, seqlen, kv_heads, head_dim)).astype(dtype)
+  dout = rng.standard_normal((batch, seqlen, heads, head_dim)).astype(dtype)
+  return q, k, v, dout
+
+
+def lengths(mask, batch, seqlen):
+  if not te_jax.MaskType.parse(mask).is_padding:
+    return {}
+  lens = np.array([seqlen, seqlen - 7, 9, 1, seqlen - 12, 0, seqlen, 5][:batch], np.int32)
+  return dict(q_seqlens=lens, kv_seqlens=lens)
+
+
+def attention_and_grads(q, k, v, dout, **kwargs):
+  """(out, dq, dk, dv) through a VJP with a given cotangent: no reduction of its own, so the HLO holds only the
+  attention's collectives."""
+  out, vjp = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, **kwargs), q, k, v)
+  return (out,) + vjp(dout)
+
+
+def run_sharded(mesh, spec, q, k, v, dout, kv_spec=None, **kwargs):
+  """jit on `mesh` with q/dout sharded as `spec` and k/v as `kv_spec`; returns (results, compiled HLO text)."""
+  kv_spec = spec if kv_spec is None else kv_spec
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec), shard(dout, spec))
+  with jax.set_mesh(mesh):
+    fn = jax.jit(lambda q, k, v, d: attention_and_grads(q, k, v, d, **kwargs))
+    compiled = fn.lower(*args).compile()
+    results = compiled(*args)
+  return [np.asarray(r) for r in results], compiled.as_text()
+
+
+def unsharded(q, k, v, dout, **kwargs):
+  return [np.asarray(r) for r in jax.jit(lambda *a: attention_and_grads(*a, **kwargs))(q, k, v, dout)]
+
+
+def check_against_unsharded(results, q, k, v, dout, **kwargs):
+  expected = unsharded(q, k, v, dout, **kwargs)
+  for name, got, want in zip(("out", "dq", "dk", "dv"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
+  return expected
+
+
+def check_against_reference(results, q, k, v, dout, **kwargs):
+  ref = attention_reference(q, k, v, dout=dout, **kwargs)
+  for name, got in zip(("out", "dq", "dk", "dv"), results):
+    np.testing.assert_allclose(got, ref[name], err_msg=name, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Batch and head sharding: local, no collectives.
+
+@in_process
+@pytest.mark.parametrize("mesh_shape,spec,kv_spec,heads,kv_heads,all_reduce", [
+    ((8, 1, 1), P("dp"), P("dp"), 4, 2, False),  # data parallel
+    ((2, 2, 2), P(("dp", "cp"), None, "tp"), P(("dp", "cp"), None, "tp"), 4, 2, False),  # data x tensor, GQA
+    # 8 head shards, 4 k/v heads: k/v shard over cp, the 2 query heads of a group sit on the 2 tp devices.
+    ((1, 4, 2), P(None, None, ("cp", "tp")), P(None, None, "cp"), 8, 4, True),
+    ((2, 1, 2), P("dp", None, "tp"), P("dp"), 4, 1, True),  # MQA: the one k/v head replicated over tp
+])
+def test_batch_and_head_sharding_is_local(mesh_shape, spec, kv_spec, heads, kv_heads, all_reduce):
+  """No collective at all, except the sum of dK/dV over devices that share one k/v head (backward only)."""
+  q, k, v, dout = inputs(batch=8, heads=heads, kv_heads=kv_heads)
+  mesh = make_mesh(mesh_shape)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    results, hlo = run_sharded(mesh, spec, q, k, v, dout, kv_spec=kv_spec, mask_type="causal")
+  check_against_unsharded(results, q, k, v, dout, mask_type="causal")
+  assert collectives(hlo) == ({"all-reduce"} if all_reduce else set()), collectives(hlo)
+  if all_reduce:  # and it is in the backward only
+    _, fwd_hlo = run_forward(mesh, spec, kv_spec, q, k, v, mask_type="causal")
+    assert collectives(fwd_hlo) == set()
+
+
+def run_forward(mesh, spec, kv_spec, q, k, v, **kwargs):
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec))
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, **kwargs)).lower(*args).compile()
+    return np.asarray(compiled(*args)), compiled.as_text()
+
+
+@in_process
+def test_mismatched_kv_sharding_is_resharded_with_a_warning():
+  q, k, v, dout = inputs(batch=8)
+  mesh = make_mesh((2, 2, 2))
+  with pytest.warns(ReshardWarning, match=r"k \(8, 32, 2, 8\) is sharded along its batch dimension over mesh axes "
+                                          r"\('cp',\).*bytes gathered per device"):
+    results, _ = run_sharded(mesh, P("dp", None, "tp"), q, k, v, dout, kv_spec=P("cp", None, "tp"),
+                             mask_type="causal")
+  check_against_unsharded(results, q, k, v, dout, mask_type="causal")
+
+
+@in_process
+@pytest.mark.parametrize("spec,match", [
+    (P(None, "cp"), r"sequence dimension over mesh axes \('cp',\).*pass context_parallel_axis="),
+    (P(None, None, None, "tp"), r"head-dim dimension over mesh axes \('tp',\).*shard the heads, not the head dim"),
+])
+def test_unsupported_shardings_warn_and_stay_correct(spec, match):
+  q, k, v, dout = inputs()
+  with pytest.warns(ReshardWarning, match=match):
+    results, _ = run_sharded(make_mesh((2, 2, 2)), spec, q, k, v, dout, mask_type="causal")
+  check_against_unsharded(results, q, k, v, dout, mask_type="causal")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Context parallelism.
+
+MASKS = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right")
+MESHES = ((2, 2, 2), (1, 4, 2), (1, 8, 1))
+CP_CASES = []
+for _i, (_strategy, _mask) in enumerate([(s, m) for s in ("all_gather", "ring") for m in MASKS]):
+  _mesh = MESHES[_i % len(MESHES)]
+  _lb = "causal" in _mask and _mesh != (1, 8, 1)  # load balancing at cp=8 compiles slowly: covered at 4
+  CP_CASES.append(pytest.param(_strategy, _mask, _mesh, _lb, 2, id=f"{_strategy}-{_mask}-{_mesh}-lb{int(_lb)}"))
+CP_CASES += [
+    pytest.param("all_gather", "causal", (1, 8, 1), True, 1, id="all_gather-causal-mqa-lb1"),
+    pytest.param("ring", "causal", (2, 2, 2), True, 4, id="ring-causal-mha-(2,2,2)-lb1"),
+    pytest.param("ring", "padding_causal", (1, 4, 2), True, 1, id="ring-padding_causal-mqa-(1,4,2)-lb1"),
+]
+
+
+def cp_spec(mesh_shape):
+  return P("dp" if mesh_shape[0] > 1 else None, "cp", "tp" if mesh_shape[2] > 1 else None)
+
+
+def sharded_cp_call(strategy, mask, mesh_shape, load_balanced, kv_heads=2, seed=0, batch=4, **extra):
+  q, k, v, dout = inputs(batch=batch, kv_heads=kv_heads, seed=seed)
+  kwargs = dict(mask_type=mask, **lengths(mask, q.shape[0], q.shape[1]), **extra)
+  mesh = make_mesh(mesh_shape)
+  cp = mesh.shape["cp"]
+  reorder = (lambda x: np.asarray(te_jax.reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  undo = (lambda x: np.asarray(te_jax.inverse_reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  spec = cp_spec(mesh_shape)
+  kv_spec = spec if kv_heads >= mesh_shape[2] else P(spec[0], "cp")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    results, hlo = run_sharded(mesh, spec, *(reorder(x) for x in (q, k, v, dout)), kv_spec=kv_spec,
+                               context_parallel_axis="cp", context_parallel_strategy=strategy,
+                               context_parallel_load_balanced=load_balanced, **kwargs)
+  return [undo(r) for r in results], hlo, (q, k, v, dout), kwargs
+
+
+def check_cp_collectives(hlo, strategy, mesh_shape, kv_heads):
+  found = collectives(hlo)
+  expected = {"all_gather": {"all-gather", "reduce-scatter"}, "ring": {"collective-permute"}}[strategy]
+  if kv_heads < mesh_shape[2]:  # query heads of one k/v group on several devices: dK/dV summed over them
+    expected = expected | {"all-reduce"}
+  assert found == expected, (strategy, found)
+  if strategy == "ring":  # K/V travel by collective-permute, never gathered
+    assert "all-gather" not in hlo
+
+
+@in_process
+@pytest.mark.parametrize("strategy,mask,mesh_shape,load_balanced,kv_heads", CP_CASES)
+def test_context_parallel(strategy, mask, mesh_shape, load_balanced, kv_heads):
+  results, hlo, (q, k, v, dout), kwargs = sharded_cp_call(strategy, mask, mesh_shape, load_balanced, kv_heads)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+  check_against_reference(results, q, k, v, dout, **kwargs)
+  check_cp_collectives(hlo, strategy, mesh_shape, kv_heads)
+
+
+@in_process
+@pytest.mark.parametrize("mask,window,load_balanced", [("causal", (5, 0), True),
+                                                       ("padding_causal_bottom_right", (3, 2), False)])
+def test_context_parallel_sliding_window_all_gather(mask, window, load_balanced):
+  results, hlo, (q, k, v, dout), kwargs = sharded_cp_call("all_gather", mask, (2, 4, 1), load_balanced,
+                                                          window_size=window)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+  check_cp_collectives(hlo, "all_gather", (2, 4, 1), 2)
+
+
+@in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_alibi_softcap(strategy):
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+  results, _, (q, k, v, dout), kwargs = sharded_cp_call(strategy, "causal", (1, 4, 2), True, alibi_slopes=slopes,
+                                                        softcap=5.0)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+
+
+@in_process
+def test_padding_with_unequal_lengths_all_gather():
+  """padding_causal_bottom_right with q_seqlens != kv_seqlens is exact with the all-gather strategy."""
+  q, k, v, dout = inputs()
+  kwargs = dict(mask_type="padding_causal_bottom_right", q_seqlens=np.array([32, 10, 3, 20], np.int32),
+                kv_seqlens=np.array([30, 25, 32, 20], np.int32))
+  results, _ = run_sharded(make_mesh((1, 4, 2)), P(None, "cp", "tp"), q, k, v, dout, context_parallel_axis="cp",
+                           **kwargs)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# shard_map and vmap.
+
+@in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_inside_shard_map(strategy):
+  """A user calling fused_attn on local shards inside shard_map (every mesh axis manual)."""
+  q, k, v, dout = inputs(batch=4)
+  mesh = make_mesh((2, 2, 2))
+  spec = P("dp", "cp", "tp")
+  kwargs = dict(mask_type="causal")
+
+  def local(q, k, v, d):
+    return attention_and_grads(q, k, v, d, context_parallel_axis="cp", context_parallel_strategy=strategy, **kwargs)
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+  results = [np.asarray(r) for r in fn(q, k, v, dout)]
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+
+
+@in_process
+def test_batch_sharding_inside_shard_map_without_cp():
+  q, k, v, dout = inputs(batch=8)
+  mesh = make_mesh((8, 1, 1))
+  fn = jax.jit(jax.shard_map(lambda *a: attention_and_grads(*a, mask_type="causal"), mesh=mesh,
+                             in_specs=(P("dp"),) * 4, out_specs=(P("dp"),) * 4))
+  check_against_unsharded([np.asarray(r) for r in fn(q, k, v, dout)], q, k, v, dout, mask_type="causal")
+
+
+@in_process
+def test_vmap_over_a_leading_axis_with_context_parallelism():
+  q, k, v, dout = (np.stack([x, x[::-1]]) for x in inputs(batch=2))  # [2, B, S, H, D]
+  mesh = make_mesh((2, 2, 2))
+  spec = P(None, "dp", "cp", "tp")
+  kwargs = dict(mask_type="causal")
+  shard = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  with jax.set_mesh(mesh):
+    fn = jax.jit(jax.vmap(lambda *a: attention_and_grads(*a, context_parallel_axis="cp",
+                                                         context_parallel_strategy="ring", **kwargs)))
+    compiled = fn.lower(*map(shard, (q, k, v, dout))).compile()
+    results = [np.asarray(r) for r in compiled(*map(shard, (q, k, v, dout)))]
+  expected = [np.asarray(r) for r in jax.jit(jax.vmap(lambda *a: attention_and_grads(*a, **kwargs)))(q, k, v, dout)]
+  for got, want in zip(results, expected):
+    np.testing.assert_allclose(got, want, **TOL)
+  assert collectives(compiled.as_text()) == {"collective-permute"}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Refusals, load-balancing helpers.
+
+@in_process
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mask_type="no_mask", window_size=(4, 4)), NotImplementedError, "needs a causal mask type"),
+    (dict(mask_type="causal", window_size=(4, 0), context_parallel_strategy="ring"), NotImplementedError,
+     "all_gather' only"),
+    (dict(mask_type="padding_causal", q_seqlens=np.array([9, 9, 9, 9], np.int32),
+          kv_seqlens=np.array([9, 5, 9, 9], np.int32)), NotImplementedError, r"q_seqlens <= kv_seqlens.*\[1\]"),
+    (dict(mask_type="padding_causal_bottom_right", q_seqlens=np.array([9, 9, 9, 9], np.int32),
+          kv_seqlens=np.array([9, 12, 9, 9], np.int32), context_parallel_strategy="ring"), NotImplementedError,
+     r"q_seqlens == kv_seqlens"),
+    (dict(context_parallel_axis="sp"), ValueError, "'sp' is not an axis of the mesh in context"),
+    (dict(context_parallel_strategy="tree"), ValueError, "context_parallel_strategy must be one of"),
+    (dict(context_parallel_load_balanced=True, seqlen=24), ValueError, "must be a multiple of 16"),
+])
+def test_context_parallel_refusals(kwargs, error, match):
+  kwargs = dict(kwargs)
+  q, k, v, _ = inputs(seqlen=kwargs.pop("seqlen", 32))
+  kwargs.setdefault("context_parallel_axis", "cp")
+  with jax.set_mesh(make_mesh((1, 8, 1))):
+    with pytest.raises(error, match=match):
+      te_jax.fused_attn(q, k, v, **kwargs)
+
+
+def test_context_parallel_arguments_need_an_axis():
+  q, k, v, _ = inputs(seqlen=16)
+  with pytest.raises(ValueError, match="need context_parallel_axis"):
+    te_jax.fused_attn(q, k, v, context_parallel_load_balanced=True)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_load_balancing_round_trip_and_layout(cp_size):
+  x = np.arange(2 * 8 * cp_size * 3).reshape(2, 8 * cp_size, 3)
+  y = np.asarray(te_jax.reorder_for_load_balancing(x, cp_size))
+  np.testing.assert_array_equal(np.asarray(te_jax.inverse_reorder_for_load_balancing(y, cp_size)), x)
+  chunk = 4
+  shard0 = y[:, : 8, 0] // 3  # shard 0 holds the first and the last chunk
+  np.testing.assert_array_equal(shard0[0], np.r_[0:chunk, 8 * cp_size - chunk:8 * cp_size])
+  with pytest.raises(ValueError, match="not a multiple of"):
+    te_jax.reorder_for_load_balancing(x[:, :-1], cp_size)
