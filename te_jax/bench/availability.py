@@ -1,0 +1,66 @@
+"""Availability is proven, not assumed: a backend is available when it runs a tiny case and agrees with the float64
+reference. Importable-but-failing and importable-but-wrong backends are unavailable, with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from te_jax.bench.cases import Case
+from te_jax.bench.registry import Backend
+
+
+@dataclasses.dataclass
+class Availability:
+  name: str
+  available: bool
+  reason: str = ""  # why not, or a note (e.g. the backward failed) when available
+  modes: tuple[str, ...] = ()  # the modes proven to work
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def probe_case(backend: Backend, platform: str) -> Case:
+  dtype = backend.caps.platforms[platform][0]
+  return Case(batch=1, seq_q=128, seq_kv=128, heads=2, kv_heads=2, head_dim=64, dtype=dtype)
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split()) or repr(e)
+  text = f"{type(e).__name__}: {text}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def probe(backend: Backend, platform: str, need_backward: bool = True) -> Availability:
+  """need_backward=False (a forward-only run) skips proving the backward."""
+  from te_jax.bench.accuracy import measure_errors
+  reason = backend.not_installed()
+  if reason:
+    return Availability(backend.name, False, reason)
+  try:
+    reason = backend.platform_reason(platform)
+  except Exception as e:
+    reason = f"check failed: {short_error(e)}"
+  if reason:
+    return Availability(backend.name, False, reason)
+  case = probe_case(backend, platform)
+  try:
+    errors = measure_errors(backend, case, "fwd")
+  except Exception as e:
+    return Availability(backend.name, False, f"forward fails: {short_error(e)}")
+  if not errors.ok:
+    return Availability(backend.name, False, f"wrong forward result: {errors.describe()}")
+  modes = ("fwd",)
+  note = ""
+  if not need_backward:
+    return Availability(backend.name, True, "backward not checked (forward-only run)", modes)
+  if "fwd+bwd" in backend.caps.modes or "bwd" in backend.caps.modes:
+    try:
+      errors = measure_errors(backend, case, "fwd+bwd")
+      if errors.ok:
+        modes = tuple(m for m in ("fwd", "bwd", "fwd+bwd") if m in backend.caps.modes)
+      else:
+        note = f"backward unavailable: wrong result: {errors.describe()}"
+    except Exception as e:
+      note = f"backward unavailable: {short_error(e)}"
+  return Availability(backend.name, True, note, modes)

@@ -1,0 +1,223 @@
+"""JAX backends: te_jax (FFI and legacy custom calls), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash
+attention and flash-attn-jax. All are timed and measured by JaxPrepared, so they differ only in the attention call."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import time
+
+import numpy as np
+
+from te_jax.bench.cases import Case
+from te_jax.bench.registry import Backend, Capabilities, Prepared, register
+
+ALL = ("float32", "bfloat16", "float16")
+HALF = ("bfloat16", "float16")
+# Calls of one timing sample keep their outputs alive until the sample ends; bound what that can hold.
+_MAX_LIVE_OUTPUT_BYTES = 2 << 30
+
+
+class JaxPrepared(Prepared):
+  """Inputs placed on the default device once, the mode's function compiled ahead of time (so no compile can land in
+  the timed region), and calls dispatched back to back with one block at the end."""
+
+  def __init__(self, backend: "JaxBackend", inputs, mode: str, num_sets: int):
+    import jax
+    case = inputs.case
+    self._jax = jax
+    fn = backend.attention_fn(case, inputs.alibi)
+    sets = [tuple(jax.device_put(np.asarray(x)) for x in (s.q, s.k, s.v, s.dout)) for s in inputs.sets[:num_sets]]
+    with backend.lowering_context():
+      if mode == "fwd":
+        args = [s[:3] for s in sets]
+        compiled = jax.jit(fn).lower(*args[0]).compile()
+        self._names = ("out",)
+      elif mode == "fwd+bwd":
+        def fwd_bwd(q, k, v, dout):
+          return jax.vjp(fn, q, k, v)[1](dout)
+        args = sets
+        compiled = jax.jit(fwd_bwd).lower(*args[0]).compile()
+        self._names = ("dq", "dk", "dv")
+      elif mode == "bwd":
+        # The forward runs here, in setup; only the backward (the VJP applied to saved residuals) is timed. Every set's
+        # residuals have the same structure, so one compiled backward serves them all.
+        fwd = jax.jit(fn)
+        args, treedef0 = [], None
+        for q, k, v, dout in sets:
+          _, vjp = jax.vjp(fwd, q, k, v)
+          leaves, treedef = jax.tree_util.tree_flatten(vjp)
+          treedef0 = treedef0 or treedef
+          args.append((leaves, dout))
+        jax.block_until_ready(args)
+        compiled = jax.jit(lambda leaves, dout: jax.tree_util.tree_unflatten(treedef0, leaves)(dout)).lower(
+            *args[0]).compile()
+        self._names = ("dq", "dk", "dv")
+      else:
+        raise ValueError(f"unknown mode {mode!r}")
+    self._compiled, self._args, self._next = compiled, args, 0
+    self._out_bytes = None
+    try:
+      stats = compiled.memory_analysis()
+      self.memory_bytes = int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+                              - stats.alias_size_in_bytes)
+      self.memory_source = "xla"
+      self._out_bytes = int(stats.output_size_in_bytes)
+    except Exception:  # not every platform or version reports it
+      self.memory_bytes = None
+
+  def max_calls(self) -> int:
+    return max(1, _MAX_LIVE_OUTPUT_BYTES // max(1, self._out_bytes or 1))
+
+  def run_calls(self, n: int) -> float:
+    compiled, args, k = self._compiled, self._args, len(self._args)
+    start = self._next
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(start, start + n):
+      outs.append(compiled(*args[i % k]))
+    self._jax.block_until_ready(outs)
+    elapsed = time.perf_counter() - t0
+    self._next = (start + n) % k
+    return elapsed
+
+  def outputs(self) -> dict:
+    result = self._compiled(*self._args[0])
+    result = result if isinstance(result, (tuple, list)) else (result,)
+    return {name: np.asarray(np.asarray(x).astype(np.float32), np.float64) for name, x in zip(self._names, result)}
+
+  def close(self) -> None:
+    self._compiled = self._args = None
+
+
+class JaxBackend(Backend):
+  framework = "jax"
+  requires = ("jax",)
+
+  def attention_fn(self, case: Case, alibi):
+    """A JAX-traceable (q, k, v) -> out in [B, S, H, D] layout."""
+    raise NotImplementedError
+
+  def lowering_context(self):
+    return contextlib.nullcontext()
+
+  def platform_reason(self, platform: str) -> str | None:
+    return super().platform_reason(platform)
+
+  def prepare(self, inputs, mode: str, num_sets: int) -> Prepared:
+    return JaxPrepared(self, inputs, mode, num_sets)
+
+
+class TeJaxBackend(JaxBackend):
+  def __init__(self, path: str):
+    self.path = path
+    self.name = f"te_jax-{path}"
+    self.label = f"te_jax ({path})"
+    self.url = "te_jax.fused_attn"
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True)
+
+  def attention_fn(self, case: Case, alibi):
+    import jax.numpy as jnp
+    import te_jax
+    kwargs = case.te_jax_kwargs()
+    slopes = None if alibi is None else jnp.asarray(alibi)
+
+    def fn(q, k, v):
+      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, **kwargs)
+    return fn
+
+  def lowering_context(self):
+    import te_jax
+    return te_jax.custom_call_path(self.path)
+
+
+def _jax_nn_kwargs() -> set[str]:
+  import jax
+  return set(inspect.signature(jax.nn.dot_product_attention).parameters)
+
+
+class JaxNNBackend(JaxBackend):
+  def __init__(self, implementation: str):
+    self.implementation = implementation
+    self.name = f"jax-{implementation}"
+    self.label = f"JAX {'cuDNN' if implementation == 'cudnn' else 'XLA'}"
+    self.url = f'jax.nn.dot_product_attention(implementation="{implementation}")'
+    if implementation == "cudnn":
+      # cuDNN flash attention: fp16/bf16, D <= 256 on Hopper (128 before), windows only as (left, 0).
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, window_needs_causal=True)
+    else:
+      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, window=True)
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    params = _jax_nn_kwargs()
+    if "implementation" not in params:
+      return "this JAX's dot_product_attention has no implementation= argument"
+    if case.window is not None and "local_window_size" not in params:
+      return "this JAX's dot_product_attention has no local_window_size"
+    return None
+
+  def attention_fn(self, case: Case, alibi):
+    import jax
+    kwargs = dict(is_causal=case.causal, implementation=self.implementation)
+    if case.window is not None:
+      kwargs["local_window_size"] = case.window
+
+    def fn(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, **kwargs)
+    return fn
+
+
+class PallasBackend(JaxBackend):
+  name = "pallas"
+  label = "Pallas GPU flash"
+  url = "jax.experimental.pallas.ops.gpu.attention.mha"
+  # Same-size Q/K/V heads, block sizes dividing the sequences, Sq == Skv for the fused backward.
+  caps = Capabilities(platforms={"gpu": HALF + ("float32",)}, gqa=False, seq_multiple=128, equal_seq_for_bwd=True,
+                      causal_cross=False)
+
+  def attention_fn(self, case: Case, alibi):
+    # The signature has moved between JAX releases (block_q/block_k ints, then a BlockSizes dataclass); adapt to it.
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    mha = pallas_attention.mha
+    params = inspect.signature(mha).parameters
+    kwargs = dict(sm_scale=1.0 / math.sqrt(case.head_dim), causal=case.causal)
+    small_tiles = case.head_dim > 128  # 128x128 tiles of a 256-wide head exceed shared memory; use 64x64
+    if "block_sizes" in params:
+      sizes_cls = getattr(pallas_attention, "BlockSizes", None)
+      if sizes_cls is not None and hasattr(sizes_cls, "get_default"):
+        block_sizes = sizes_cls.get_default()
+        if small_tiles and dataclasses.is_dataclass(block_sizes):
+          fields = {f.name for f in dataclasses.fields(block_sizes)}
+          block_sizes = dataclasses.replace(block_sizes, **{f: 64 for f in ("block_q", "block_k") if f in fields})
+        kwargs["block_sizes"] = block_sizes
+    elif small_tiles and "block_q" in params and "block_k" in params:
+      kwargs.update(block_q=64, block_k=64)
+
+    def fn(q, k, v):
+      return mha(q, k, v, None, **kwargs)
+    return fn
+
+
+class FlashAttnJaxBackend(JaxBackend):
+  name = "flash-attn-jax"
+  label = "flash-attn-jax"
+  requires = ("flash_attn_jax",)
+  url = "flash_attn_jax.flash_mha"
+  caps = Capabilities(platforms={"gpu": HALF}, window=True, causal_cross=False)
+
+  def attention_fn(self, case: Case, alibi):
+    from flash_attn_jax import flash_mha
+    kwargs = dict(softmax_scale=1.0 / math.sqrt(case.head_dim), is_causal=case.causal)
+    if case.window is not None:
+      kwargs["window_size"] = case.window
+
+    def fn(q, k, v):
+      return flash_mha(q, k, v, **kwargs)
+    return fn
+
+
+for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), JaxNNBackend("cudnn"), JaxNNBackend("xla"),
+                 PallasBackend(), FlashAttnJaxBackend()):
+  register(_backend)

@@ -1,0 +1,37 @@
+"""The FLOP model: 4 * B * H * Sq * Skv * D for the forward (two matmuls, 2 FLOPs per multiply-add), halved for a causal
+square mask (the FlashAttention convention), counted by visible (query, key) pairs for windows and for causal masks
+with Sq != Skv; the backward is 2.5x the forward (five matmuls instead of two) and fwd+bwd 3.5x."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from te_jax.bench.cases import Case
+
+MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def visible_pairs(seq_q: int, seq_kv: int, causal: bool, window: tuple[int, int] | None) -> int:
+  """The exact number of (query, key) pairs a top-left-aligned mask lets through."""
+  left, right = window if window is not None else (-1, -1)
+  i = np.arange(seq_q, dtype=np.int64)
+  lo = np.zeros_like(i) if left < 0 else np.maximum(i - left, 0)
+  hi = np.full_like(i, seq_kv - 1)
+  if causal:
+    hi = np.minimum(hi, i)
+  if right >= 0:
+    hi = np.minimum(hi, i + right)
+  return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def effective_pairs(case: Case) -> float:
+  """Pairs the FLOP count charges for: Sq*Skv, half of it for a causal square mask without a window, else exact."""
+  if case.window is None and not case.causal:
+    return float(case.seq_q * case.seq_kv)
+  if case.window is None and case.causal and case.seq_q == case.seq_kv:
+    return case.seq_q * case.seq_kv / 2.0
+  return float(visible_pairs(case.seq_q, case.seq_kv, case.causal, case.window))
+
+
+def attention_flops(case: Case, mode: str = "fwd") -> float:
+  return 4.0 * case.batch * case.heads * case.head_dim * effective_pairs(case) * MODE_FACTORS[mode]

@@ -1,0 +1,101 @@
+"""Presets: sweeps of cases. Command-line flags override a preset's fields (and --batch/--heads switch off the
+token/hidden-size rules that derive batch and heads from the sequence length and head dim)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from te_jax.bench.cases import Case
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  name: str
+  heads: int
+  kv_heads: int
+  head_dim: int
+  window: tuple[int, int] | None = None
+  softcap: float = 0.0
+
+
+# Attention shapes of common models (per layer, bf16). Windows count the key itself: a 4096-token window is (4095, 0).
+LLAMA_MODELS = (
+    Model("Llama-3.2-1B", 32, 8, 64),
+    Model("Llama-3.1-8B", 32, 8, 128),
+    Model("Llama-3.1-70B", 64, 8, 128),
+    Model("Qwen2.5-7B", 28, 4, 128),
+    Model("Mistral-7B-v0.1 (SWA)", 32, 8, 128, window=(4095, 0)),
+    Model("Gemma-2-9B (global)", 16, 8, 256, softcap=50.0),
+)
+
+
+@dataclasses.dataclass
+class Sweep:
+  seqs: list[int]
+  head_dims: list[int] = dataclasses.field(default_factory=lambda: [128])
+  causal: list[bool] = dataclasses.field(default_factory=lambda: [False])
+  modes: list[str] = dataclasses.field(default_factory=lambda: ["fwd", "fwd+bwd"])
+  seqs_kv: list[int] | None = None  # None: Skv = Sq
+  batch: int | None = None
+  tokens: int | None = None  # batch = tokens // seq when batch is None
+  heads: int | None = None
+  hidden: int | None = None  # heads = hidden // head_dim when heads is None
+  kv_heads: int | None = None  # None: = heads
+  models: tuple[Model, ...] | None = None  # instead of heads/kv_heads/head_dims
+  window: tuple[int, int] | None = None
+  softcap: float = 0.0
+  alibi: bool = False
+  dtypes: list[str] | None = None  # None: the platform's default
+
+  def cases(self, platform: str) -> list[Case]:
+    dtypes = self.dtypes or [default_dtype(platform)]
+    shapes = []
+    if self.models:
+      shapes = [(m.name, m.heads, m.kv_heads, m.head_dim, m.window, m.softcap) for m in self.models]
+    else:
+      for d in self.head_dims:
+        heads = self.heads if self.heads is not None else max(1, (self.hidden or 2048) // d)
+        kv = self.kv_heads if self.kv_heads is not None else heads
+        shapes.append(("", heads, kv, d, self.window, self.softcap))
+    cases = []
+    for dtype in dtypes:
+      for label, heads, kv_heads, d, window, softcap in shapes:
+        for causal in self.causal:
+          for seq in self.seqs:
+            for seq_kv in (self.seqs_kv or [seq]):
+              batch = self.batch if self.batch is not None else max(1, (self.tokens or 16384) // seq)
+              cases.append(Case(batch=batch, seq_q=seq, seq_kv=seq_kv, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                causal=causal, window=self.window or window, softcap=self.softcap or softcap,
+                                alibi=self.alibi, dtype=dtype, label=label))
+    return cases
+
+
+def default_dtype(platform: str) -> str:
+  return "bfloat16" if platform == "gpu" else "float32"
+
+
+def quick(platform: str) -> Sweep:
+  """The no-argument run: about a minute on a 2-core CPU, a few seconds of measurement per backend on a GPU."""
+  if platform == "gpu":
+    return Sweep(seqs=[1024, 2048, 4096], head_dims=[128], causal=[False, True], tokens=16384, hidden=2048)
+  return Sweep(seqs=[512, 1024, 2048], head_dims=[64], batch=1, heads=8)
+
+
+def fa(platform: str) -> Sweep:
+  """FlashAttention's benchmark grid: 16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / D)."""
+  return Sweep(seqs=[512, 1024, 2048, 4096, 8192, 16384], head_dims=[64, 128, 256], causal=[False, True],
+               tokens=16384, hidden=2048)
+
+
+def llama(platform: str) -> Sweep:
+  """GQA (and SWA / softcap) shapes of common models, causal, 16k tokens per batch."""
+  return Sweep(seqs=[1024, 2048, 4096, 8192], causal=[True], tokens=16384, models=LLAMA_MODELS)
+
+
+def decode(platform: str) -> Sweep:
+  """One new query token against a long KV cache (Llama-3.1-8B heads), batch 8, forward only."""
+  return Sweep(seqs=[1], seqs_kv=[1024, 4096, 16384, 65536], head_dims=[128], batch=8, heads=32, kv_heads=8,
+               modes=["fwd"])
+
+
+PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode}

@@ -1,0 +1,354 @@
+"""te_jax.bench: the FLOP model, presets, the registry's declared limits ("why not"), availability proven by running
+(wrong or failing backends are unavailable with the reason), timing arithmetic, inputs and result files. CPU only."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_jax.bench import registry
+from te_jax.bench.accuracy import measure_errors
+from te_jax.bench.availability import Availability, probe
+from te_jax.bench.backends_jax import JaxBackend
+from te_jax.bench.cases import Case, parse_dtype, parse_mode
+from te_jax.bench.flops import attention_flops, visible_pairs
+from te_jax.bench.inputs import make_inputs, rotation_sets
+from te_jax.bench.presets import PRESETS
+from te_jax.bench.registry import Capabilities
+from te_jax.bench.results import Result, apply_speedups
+from te_jax.bench.runner import Options, SweepStopped, run_sweep
+from te_jax.bench.timing import TimingPlan, measure
+from te_jax.reference import visible_mask
+
+ALL = ("float32", "bfloat16", "float16")
+
+
+def case(**kw):
+  base = dict(batch=1, seq_q=64, seq_kv=64, heads=2, head_dim=32, dtype="float32")
+  base.update(kw)
+  base.setdefault("kv_heads", base["heads"])
+  return Case(**base)
+
+
+# ---------------------------------------------------------------- FLOP model
+
+def test_flops_known_cases():
+  c = case(seq_q=4, seq_kv=4, heads=1, head_dim=8)
+  assert attention_flops(c, "fwd") == 4 * 4 * 4 * 8 == 512
+  assert attention_flops(case(seq_q=4, seq_kv=4, heads=1, head_dim=8, causal=True), "fwd") == 256
+  # causal + window (1, 0): the rows see 1, 2, 2, 2 keys.
+  assert attention_flops(case(seq_q=4, seq_kv=4, heads=1, head_dim=8, causal=True, window=(1, 0)), "fwd") == 4 * 7 * 8
+  # The fa preset's largest point: B = 1, S = 16k, H = 16, D = 128 is exactly 2^41 FLOPs forward.
+  fa = Case(batch=1, seq_q=16384, seq_kv=16384, heads=16, kv_heads=16, head_dim=128)
+  assert attention_flops(fa, "fwd") == 2.0 ** 41
+  assert attention_flops(fa, "bwd") == 2.5 * 2.0 ** 41
+  assert attention_flops(fa, "fwd+bwd") == 3.5 * 2.0 ** 41
+  # Batch and heads scale linearly, kv heads do not count (GQA does the same math per query head).
+  assert attention_flops(case(batch=3, heads=8, kv_heads=2)) == 3 * 4 * attention_flops(case())
+
+
+@pytest.mark.parametrize("sq,skv,causal,window", [(7, 7, True, None), (5, 9, True, None), (9, 5, True, None),
+                                                   (8, 8, False, (2, 1)), (6, 10, False, (0, 3)), (10, 6, True, (3, 0)),
+                                                   (16, 16, True, (-1, 0)), (3, 3, False, (5, 5))])
+def test_visible_pairs_matches_reference_mask(sq, skv, causal, window):
+  mask = visible_mask("causal" if causal else "no_mask", sq, skv, [sq], [skv], window or (-1, -1))
+  assert visible_pairs(sq, skv, causal, window) == int(mask.sum())
+
+
+def test_window_flops_count_visible_pairs():
+  c = case(seq_q=1024, seq_kv=1024, heads=1, head_dim=64, causal=True, window=(127, 0))
+  pairs = sum(min(i + 1, 128) for i in range(1024))
+  assert attention_flops(c) == 4 * 64 * pairs
+  assert attention_flops(c) < attention_flops(case(seq_q=1024, seq_kv=1024, heads=1, head_dim=64, causal=True)) / 3
+
+
+# ---------------------------------------------------------------- presets and cases
+
+def test_fa_preset_shapes():
+  sweep = PRESETS["fa"]("gpu")
+  cases = sweep.cases("gpu")
+  assert len(cases) == 6 * 3 * 2
+  assert {c.seq_q for c in cases} == {512, 1024, 2048, 4096, 8192, 16384}
+  assert {c.head_dim for c in cases} == {64, 128, 256}
+  assert all(c.batch * c.seq_q == 16384 and c.heads * c.head_dim == 2048 for c in cases)
+  assert all(c.dtype == "bfloat16" for c in cases) and {c.causal for c in cases} == {False, True}
+  assert sweep.modes == ["fwd", "fwd+bwd"]
+
+
+def test_llama_and_decode_presets():
+  llama = PRESETS["llama"]("gpu").cases("gpu")
+  assert all(c.causal for c in llama) and any(c.gqa for c in llama)
+  assert any(c.softcap for c in llama) and any(c.window for c in llama)
+  decode = PRESETS["decode"]("cpu").cases("cpu")
+  assert all(c.seq_q == 1 and c.seq_kv >= 1024 and c.gqa for c in decode)
+  assert PRESETS["decode"]("cpu").modes == ["fwd"]
+
+
+def test_quick_cpu_preset_is_small():
+  cases = PRESETS["quick"]("cpu").cases("cpu")
+  assert [c.seq_q for c in cases] == [512, 1024, 2048]
+  assert all(c.dtype == "float32" and c.batch == 1 and c.heads == 8 and c.head_dim == 64 for c in cases)
+
+
+def test_cli_flags_override_preset():
+  from te_jax.bench.__main__ import build_sweep, parse_args
+  args = parse_args(["--preset", "fa", "--seq", "256,512", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                     "--causal", "--window", "31", "--softcap", "30", "--dtype", "bf16", "--mode", "bwd,train"])
+  sweep = build_sweep(args, "cpu")
+  cases = sweep.cases("cpu")
+  assert len(cases) == 2 and sweep.modes == ["bwd", "fwd+bwd"]
+  assert all(c.heads == 4 and c.kv_heads == 2 and c.head_dim == 64 and c.causal and c.window == (31, 0)
+             and c.softcap == 30 and c.dtype == "bfloat16" and c.batch * c.seq_q == 16384 for c in cases)
+  with pytest.raises(ValueError):
+    parse_mode("sideways")
+  assert parse_dtype("fp16") == "float16"
+
+
+def test_small_case_keeps_what_matters():
+  c = Case(batch=16, seq_q=4096, seq_kv=4096, heads=32, kv_heads=8, head_dim=256, causal=True, window=(1023, 0),
+           softcap=50.0, dtype="bfloat16")
+  s = c.small()
+  assert (s.batch, s.seq_q, s.seq_kv) == (1, 256, 256)
+  assert s.heads // s.kv_heads == 4 and s.head_dim == 256 and s.causal and s.softcap == 50.0
+  assert s.dtype == "bfloat16" and s.window == (64, 0)
+
+
+# ---------------------------------------------------------------- registry and reasons
+
+def test_registry_has_every_backend():
+  names = [b.name for b in registry.all_backends()]
+  for expected in ("te_jax-ffi", "te_jax-legacy", "jax-cudnn", "jax-xla", "pallas", "torch-flash", "torch-cudnn",
+                   "torch-efficient", "flash-attn-jax", "flash-attn"):
+    assert expected in names
+  assert registry.default_baseline("cpu") == "jax-xla" and registry.default_baseline("gpu") == "jax-cudnn"
+  with pytest.raises(ValueError, match="unknown backend"):
+    registry.get("nope")
+
+
+def test_te_jax_declares_everything():
+  te = registry.get("te_jax-ffi")
+  assert te.caps.platforms["cpu"] == ALL and te.caps.platforms["gpu"] == ("bfloat16", "float16")
+  full = case(heads=8, kv_heads=2, causal=True, window=(16, 0), softcap=30.0, alibi=True, head_dim=256)
+  for mode in ("fwd", "bwd", "fwd+bwd"):
+    assert te.why_not(full, mode, "cpu") is None
+  assert "fp32 unsupported on gpu" in te.why_not(case(), "fwd", "gpu")
+  assert "head dim 264" in te.why_not(case(head_dim=264), "fwd", "cpu")
+
+
+@pytest.mark.parametrize("name,kw,platform,expected", [
+    ("jax-cudnn", {}, "cpu", "runs on gpu only"),
+    ("jax-cudnn", dict(dtype="float32"), "gpu", "fp32 unsupported on gpu"),
+    ("jax-cudnn", dict(window=(8, 8), dtype="bfloat16"), "gpu", "window must be (left, 0)"),
+    ("jax-xla", dict(softcap=30.0), "cpu", "no logit softcap"),
+    ("jax-xla", dict(alibi=True), "cpu", "no ALiBi"),
+    ("pallas", dict(heads=4, kv_heads=2, seq_q=128, seq_kv=128, dtype="bfloat16"), "gpu", "no GQA"),
+    ("pallas", dict(seq_q=100, seq_kv=100, dtype="bfloat16"), "gpu", "multiples of 128"),
+    ("torch-flash", dict(window=(8, 0), dtype="bfloat16"), "gpu", "no sliding window"),
+])
+def test_why_not_reasons(name, kw, platform, expected):
+  reason = registry.get(name).why_not(case(**kw), "fwd", platform)
+  assert reason is not None and expected in reason
+
+
+def test_pallas_backward_needs_equal_lengths():
+  pallas = registry.get("pallas")
+  c = case(seq_q=128, seq_kv=256, dtype="bfloat16")
+  assert pallas.why_not(c, "fwd", "gpu") is None
+  assert "Sq == Skv" in pallas.why_not(c, "fwd+bwd", "gpu")
+
+
+# ---------------------------------------------------------------- availability is proven by running
+
+class _FakeJax(JaxBackend):
+  caps = Capabilities(platforms={"cpu": ALL})
+
+  def __init__(self, name, fn):
+    self.name, self.label, self._fn = name, name, fn
+
+  def attention_fn(self, case, alibi):
+    return self._fn(case)
+
+
+def _xla(case):
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation="xla")
+
+
+def _wrong(case):
+  return lambda q, k, v: q * 2.0
+
+
+def _raises(case):
+  def fn(q, k, v):
+    raise RuntimeError("boom: kernel not built")
+  return fn
+
+
+def _bad_backward(case):
+  @jax.custom_vjp
+  def f(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+  f.defvjp(lambda q, k, v: (f(q, k, v), (q, k, v)),
+           lambda res, g: tuple(jnp.zeros_like(x) for x in res))
+  return f
+
+
+def _ignores_causal(case):
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def _fails_above_256(case):
+  if case.seq_q > 256:
+    raise RuntimeError("too long for this kernel")
+  return _xla(case)
+
+
+def test_wrong_backend_is_unavailable_with_reason():
+  a = probe(_FakeJax("wrong", _wrong), "cpu")
+  assert not a.available and a.reason.startswith("wrong forward result") and "relative error" in a.reason
+
+
+def test_failing_backend_is_unavailable_with_reason():
+  a = probe(_FakeJax("raises", _raises), "cpu")
+  assert not a.available and "forward fails" in a.reason and "boom: kernel not built" in a.reason
+
+
+def test_missing_package_is_not_installed():
+  fake = _FakeJax("missing", _xla)
+  fake.requires = ("te_jax_no_such_module",)
+  a = probe(fake, "cpu")
+  assert not a.available and a.reason.startswith("not installed")
+  assert "not installed" in probe(registry.get("flash-attn-jax"), "cpu").reason
+
+
+def test_wrong_backward_only_loses_backward():
+  a = probe(_FakeJax("badbwd", _bad_backward), "cpu")
+  assert a.available and a.modes == ("fwd",) and "backward unavailable: wrong result" in a.reason
+
+
+def test_real_cpu_backends_are_available():
+  for name in ("te_jax-ffi", "te_jax-legacy", "jax-xla"):
+    a = probe(registry.get(name), "cpu")
+    assert a.available, a.reason
+    assert a.modes == ("fwd", "bwd", "fwd+bwd")
+  assert "runs on gpu only" in probe(registry.get("jax-cudnn"), "cpu").reason
+
+
+def test_torch_sdpa_path_on_cpu_if_installed():
+  pytest.importorskip("torch")
+  flash = registry.get("torch-flash")
+  a = probe(flash, "cpu")
+  assert a.available and a.modes == ("fwd", "bwd", "fwd+bwd"), a.reason
+  c = case(heads=4, kv_heads=2, causal=True)  # GQA through enable_gqa, [B, H, S, D] layout and back
+  assert flash.why_not(c, "fwd", "cpu") is None
+  for mode in ("fwd", "bwd"):
+    e = measure_errors(flash, c, mode)
+    assert e.ok and e.rel < 1e-4, (mode, e)
+  assert "no sliding window" in flash.why_not(case(window=(8, 0)), "fwd", "cpu")
+
+
+def test_errors_against_reference_for_each_mode():
+  te = registry.get("te_jax-ffi")
+  c = case(heads=4, kv_heads=2, causal=True, window=(8, 0), softcap=20.0, alibi=True)
+  for mode in ("fwd", "bwd", "fwd+bwd"):
+    e = measure_errors(te, c, mode)
+    assert e.ok and e.rel < 1e-5, (mode, e)
+    assert e.worst in (("out",) if mode == "fwd" else ("dq", "dk", "dv"))
+  e = measure_errors(te, case(dtype="bfloat16", causal=True), "fwd+bwd")
+  assert e.ok and 1e-4 < e.rel < 5e-2  # bf16 is measurably less exact, and still within tolerance
+
+
+# ---------------------------------------------------------------- the runner
+
+def _items(cases, modes=("fwd",)):
+  return [(c, m) for c in cases for m in modes]
+
+
+FAST = TimingPlan(sample_s=0.001, samples=2, min_samples=2)
+
+
+def _available(*backends):
+  return {b.name: Availability(b.name, True, "", ("fwd", "bwd", "fwd+bwd")) for b in backends}
+
+
+def test_runner_flags_inaccurate_results():
+  ok, sloppy = _FakeJax("ok", _xla), _FakeJax("sloppy", _ignores_causal)
+  results = run_sweep(_items([case(causal=True)]), [ok, sloppy], _available(ok, sloppy),
+                      Options(platform="cpu", plan=FAST))
+  by = {r.backend: r for r in results}
+  assert by["ok"].status == "ok" and by["ok"].err_ok and by["ok"].tflops > 0 and by["ok"].rel_err < 1e-5
+  assert by["ok"].median_ms > 0 and by["ok"].memory_mib > 0 and by["ok"].samples == 2
+  # Right without a mask (so it passed the probe), wrong with one: measured, and flagged.
+  assert by["sloppy"].status == "ok" and by["sloppy"].err_ok is False and by["sloppy"].rel_err > 0.05
+  assert by["sloppy"].reason.startswith("inaccurate")
+
+
+def test_runner_records_failures_and_unsupported_or_stops():
+  flaky = _FakeJax("flaky", _fails_above_256)
+  nogqa = _FakeJax("nogqa", _xla)
+  nogqa.caps = Capabilities(platforms={"cpu": ALL}, gqa=False)
+  avail = _available(flaky, nogqa)
+  items = _items([case(seq_q=512, seq_kv=512, heads=4, kv_heads=2)])
+  results = run_sweep(items, [flaky, nogqa], avail, Options(platform="cpu", keep_going=True, plan=FAST))
+  by = {r.backend: r for r in results}
+  assert by["flaky"].status == "failed" and "too long for this kernel" in by["flaky"].reason
+  assert by["nogqa"].status == "unsupported" and "no GQA" in by["nogqa"].reason
+  seen = []
+  with pytest.raises(SweepStopped, match="too long for this kernel"):
+    run_sweep(items + items, [flaky, nogqa], avail, Options(platform="cpu", keep_going=False, plan=FAST),
+              on_result=seen.append)
+  assert [r.status for r in seen] == ["failed"]  # stopped at the first failure, which was still reported
+
+
+def test_runner_skips_past_the_budget():
+  ok = _FakeJax("ok", _xla)
+  results = run_sweep(_items([case()]), [ok], _available(ok), Options(platform="cpu", deadline=0.0))
+  assert [r.status for r in results] == ["skipped"] and "budget" in results[0].reason
+
+
+def test_speedups_are_relative_to_the_baseline():
+  c = case()
+  rs = [Result(c, "fwd", "base", "ok", median_ms=2.0), Result(c, "fwd", "fast", "ok", median_ms=0.5),
+        Result(c, "fwd", "broken", "failed")]
+  apply_speedups(rs, "base")
+  assert [r.speedup for r in rs] == [1.0, 4.0, None]
+
+
+# ---------------------------------------------------------------- timing and inputs
+
+class _ScriptedPrepared:
+  """Pretends each call takes 1 ms, except the very first (warm-up, 'compile'), which takes 10 s."""
+
+  def __init__(self):
+    self.calls = 0
+
+  def run_calls(self, n):
+    first = self.calls == 0
+    self.calls += n
+    return 10.0 + (n - 1) * 1e-3 if first else n * 1e-3 * (1.0 + 0.01 * (self.calls % 3))
+
+
+def test_timing_excludes_warmup_and_calibrates_calls():
+  p = _ScriptedPrepared()
+  t = measure(p, num_sets=1, plan=TimingPlan(sample_s=0.02, samples=5))
+  assert t.samples == 5 and 19 <= t.calls_per_sample <= 20
+  assert 1e-3 <= t.median_s <= 1.03e-3 and t.max_s < 0.01
+  assert t.min_s <= t.p25_s <= t.median_s <= t.p75_s <= t.max_s
+
+
+def test_inputs_are_deterministic_and_rotated():
+  c = case(seq_q=256, seq_kv=256, heads=4, kv_heads=4, head_dim=64, dtype="bfloat16")
+  a, b = make_inputs(c, 2, seed=3), make_inputs(c, 2, seed=3)
+  assert a.first.q.dtype.name == "bfloat16"
+  for x, y in zip(a.sets, b.sets):
+    np.testing.assert_array_equal(np.asarray(x.q, np.float32), np.asarray(y.q, np.float32))
+  assert not np.array_equal(np.asarray(a.sets[0].k, np.float32), np.asarray(a.sets[1].k, np.float32))
+  assert not np.array_equal(np.asarray(a.first.q, np.float32), np.asarray(a.first.k, np.float32))
+  assert abs(float(np.asarray(a.first.q, np.float32).std()) - 1.0) < 0.05
+  assert rotation_sets(c, "cpu") == 4  # 512 KiB per set: rotate the maximum
+  big = Case(batch=1, seq_q=16384, seq_kv=16384, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16")
+  assert rotation_sets(big, "gpu") == 1 and math.isclose(rotation_sets(big, "cpu"), 1)

@@ -1,0 +1,101 @@
+"""A short real run of `python -m te_jax.bench` on the CPU: the table, the CSV/JSON/PNG files (written and parseable),
+--list-backends, and --isolate surviving a backend process that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from te_jax.bench import files
+from te_jax.bench.__main__ import main
+
+TINY = ["--seq", "64,128", "--batch", "1", "--heads", "2", "--head-dim", "32", "--samples", "2", "--sample-ms", "2"]
+
+
+def test_short_real_run_writes_table_csv_json_and_plot(tmp_path, capsys):
+  csv_path, json_path, png_path, md_path = (tmp_path / f"r.{ext}" for ext in ("csv", "json", "png", "md"))
+  rc = main(TINY + ["--backends", "te_jax-ffi,jax-xla,jax-cudnn", "--mode", "fwd,fwd+bwd", "--causal",
+                    "--csv", str(csv_path), "--json", str(json_path), "--plot", str(png_path), "--markdown", str(md_path),
+                    "--keep-going"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "te_jax-ffi" in out and "jax-xla (base)" in out and "GFLOP/s" in out
+  assert "jax-cudnn" in out and "runs on gpu only" in out  # unavailable, with the reason
+
+  rows = files.read_csv(str(csv_path))
+  # 2 seqs x 2 modes x 2 available backends (cuDNN is unavailable on the CPU, so not measured).
+  assert len(rows) == 8
+  assert {r["backend"] for r in rows} == {"te_jax-ffi", "jax-xla"}
+  assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+  for r in rows:
+    assert float(r["median_ms"]) > 0 and float(r["tflops"]) > 0 and float(r["rel_err"]) < 1e-4
+    assert r["err_ok"] == "True" and float(r["memory_mib"]) > 0
+    assert r["causal"] == "True" and r["mask"] == "causal"
+    flops = 4 * 1 * 2 * int(r["seq_q"]) ** 2 * 32 * 0.5 * \
+        {"fwd": 1.0, "fwd+bwd": 3.5}[r["mode"]]
+    assert float(r["flops"]) == flops
+    if r["backend"] == "jax-xla":
+      assert float(r["speedup"]) == 1.0
+    else:
+      assert float(r["speedup"]) > 0
+
+  data = json.loads(json_path.read_text())
+  assert data["metadata"]["baseline"] == "jax-xla" and data["metadata"]["platform"] == "cpu"
+  assert data["availability"]["te_jax-ffi"]["available"] is True
+  assert data["availability"]["jax-cudnn"]["available"] is False
+  assert len(data["results"]) == 8
+
+  png = png_path.read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n"
+  import matplotlib.image
+  height, width = matplotlib.image.imread(str(png_path)).shape[:2]
+  assert width > 600 and height > 400
+
+  md = md_path.read_text().splitlines()
+  header = next(l for l in md if l.startswith("| case"))
+  assert header.split("|")[3:5] == [" te_jax-ffi ", " jax-xla (baseline) "]
+  body = [l for l in md if l.startswith("| b1 ")]
+  assert len(body) == 4 and all("(1.00x)" in l.split("|")[4] for l in body)
+
+  # The saved JSON re-renders without measuring anything.
+  assert main(["--from-json", str(json_path), "--csv", str(tmp_path / "again.csv")]) == 0
+  assert files.read_csv(str(tmp_path / "again.csv")) == rows
+
+
+def test_list_backends(capsys):
+  assert main(["--list-backends", "--backends", "te_jax-ffi,pallas,torch,flash-attn-jax"]) == 0
+  out = capsys.readouterr().out
+  lines = {l.split()[0]: l for l in out.splitlines() if l and not l.startswith(" ") and ":" not in l.split()[0]}
+  assert "available" in lines["te_jax-ffi"].split()
+  assert "unavailable" in lines["pallas"] and "gpu only" in lines["pallas"]
+  assert "unavailable" in lines["flash-attn-jax"] and "not installed" in lines["flash-attn-jax"]
+  assert "unavailable" in lines["torch-cudnn"]  # GPU-only, or torch not installed
+
+
+def test_unknown_backend_is_explained():
+  with pytest.raises(SystemExit, match="no backend named"):
+    main(TINY + ["--backends", "no-such-backend"])
+
+
+def test_isolate_survives_a_crashing_backend(tmp_path):
+  import te_jax
+  root = os.path.dirname(os.path.dirname(os.path.abspath(te_jax.__file__)))  # the te_jax this test imported
+  env = dict(os.environ, TE_JAX_BENCH_CRASH_ON="te_jax-ffi:64",
+             PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  csv_path = tmp_path / "iso.csv"
+  cmd = [sys.executable, "-m", "te_jax.bench", "--seq", "64,128", "--batch", "1", "--heads", "2", "--head-dim",
+         "32", "--samples", "2", "--sample-ms", "2", "--mode", "fwd", "--backends", "te_jax-ffi,jax-xla", "--isolate",
+         "--keep-going", "--no-check", "--csv", str(csv_path)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rows = {(r["backend"], int(r["seq_q"])): r for r in files.read_csv(str(csv_path))}
+  assert len(rows) == 4
+  crashed = rows[("te_jax-ffi", 64)]
+  assert crashed["status"] == "failed" and "process died" in crashed["reason"] and "SIGSEGV" in crashed["reason"]
+  assert rows[("te_jax-ffi", 128)]["status"] == "ok"  # the worker was restarted after the crash
+  assert all(rows[("jax-xla", s)]["status"] == "ok" for s in (64, 128))
+  assert float(rows[("jax-xla", 128)]["speedup"]) == 1.0
