@@ -1,0 +1,305 @@
+"""The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
+and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
+
+Wire format, little-endian: u32 magic "TEJD" | u16 version | u16 size | 9 x i64 | 2 x f32 | 4 x u8 | u32 FNV-1a.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+te_jax_cpu = pytest.importorskip("te_jax._te_jax_cpu")
+
+FORMAT = "<4sHH9q2f4BI"
+SIZE = struct.calcsize(FORMAT)
+I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "window_left",
+              "window_right")
+
+PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
+              mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True)
+
+
+def fnv1a(data: bytes) -> int:
+  h = 2166136261
+  for byte in data:
+    h ^= byte
+    h = (h * 16777619) & 0xFFFFFFFF
+  return h
+
+
+def craft(version=1, size=SIZE, magic=b"TEJD", reserved=0, **overrides) -> bytes:
+  """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`)."""
+  p = dict(PARAMS, **overrides)
+  body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
+                     p["dtype"], p["mask_type"], int(p["has_alibi"]), reserved)
+  return body + struct.pack("<I", fnv1a(body))
+
+
+@pytest.fixture(scope="module")
+def packed() -> bytes:
+  return te_jax_cpu.pack_descriptor(PARAMS)
+
+
+def test_size_and_layout(packed):
+  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 96
+  fields = struct.unpack(FORMAT, packed)
+  assert fields[0] == b"TEJD" and fields[1] == 1 and fields[2] == SIZE
+  assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
+  assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
+  assert fields[14:18] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 0)
+  assert fields[18] == fnv1a(packed[:-4])
+  # The Python encoder here agrees with the C++ one byte for byte.
+  assert craft() == packed
+
+
+@pytest.mark.parametrize("params", [
+    PARAMS,
+    dict(PARAMS, dtype=0, mask_type=0, has_alibi=False, window_left=-1, softcap=0.0),
+    dict(PARAMS, dtype=2, mask_type=2, batch=0, seqlen_q=0, window_left=0, window_right=0),
+    dict(PARAMS, batch=2**40, seqlen_kv=2**62, window_right=2**31, scale=np.float32(1e-3).item()),
+], ids=["typical", "defaults", "zeros", "large"])
+def test_round_trip(params):
+  data = te_jax_cpu.pack_descriptor(params)
+  back = te_jax_cpu.unpack_descriptor(data)
+  assert set(back) == set(params)
+  for key, value in params.items():
+    if key in ("scale", "softcap"):
+      assert back[key] == np.float32(value), key  # stored as float32
+    else:
+      assert back[key] == value, key
+  assert te_jax_cpu.pack_descriptor(back) == data
+
+
+def test_scale_is_rounded_to_float32():
+  back = te_jax_cpu.unpack_descriptor(te_jax_cpu.pack_descriptor(dict(PARAMS, scale=0.1)))
+  assert back["scale"] == float(np.float32(0.1)) != 0.1
+
+
+def test_every_truncation_raises(packed):
+  for n in range(len(packed)):
+    with pytest.raises(ValueError, match="legacy descriptor"):
+      te_jax_cpu.unpack_descriptor(packed[:n])
+
+
+@pytest.mark.parametrize("extra", [1, 3, 4, 8, 96, 1000, 70000])
+def test_oversize_raises(packed, extra):
+  with pytest.raises(ValueError, match="size mismatch"):
+    te_jax_cpu.unpack_descriptor(packed + b"\0" * extra)
+  with pytest.raises(ValueError, match="size mismatch"):
+    te_jax_cpu.unpack_descriptor(packed + packed[:extra])
+
+
+@pytest.mark.parametrize("declared", [SIZE - 1, SIZE + 1, SIZE + 4, 0, 0xFFFF])
+def test_consistent_but_wrong_declared_size_raises(declared):
+  """Header size field changed with a recomputed checksum; payload padded/cut to match the declared size."""
+  data = craft(size=declared)
+  payload = (data[:-4] + b"\0" * max(0, declared - SIZE))[: max(declared - 4, 8)]
+  payload += struct.pack("<I", fnv1a(payload))
+  for candidate in (data, payload):
+    with pytest.raises(ValueError, match="size mismatch"):
+      te_jax_cpu.unpack_descriptor(candidate)
+
+
+def test_every_single_byte_corruption_raises(packed):
+  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 96 * 255 corruptions."""
+  buf = bytearray(packed)
+  failures = []
+  for i in range(len(buf)):
+    original = buf[i]
+    for mask in range(1, 256):
+      buf[i] = original ^ mask
+      try:
+        te_jax_cpu.unpack_descriptor(bytes(buf))
+        failures.append((i, mask))
+      except ValueError:
+        pass
+    buf[i] = original
+  assert not failures, f"corruptions accepted (byte, xor): {failures[:10]}"
+  te_jax_cpu.unpack_descriptor(bytes(buf))  # restored buffer still decodes
+
+
+def test_corruption_messages(packed):
+  def corrupt(i):
+    b = bytearray(packed)
+    b[i] ^= 0x01
+    return bytes(b)
+
+  with pytest.raises(ValueError, match="magic"):
+    te_jax_cpu.unpack_descriptor(corrupt(0))
+  with pytest.raises(ValueError, match="version"):
+    te_jax_cpu.unpack_descriptor(corrupt(4))
+  with pytest.raises(ValueError, match="size"):
+    te_jax_cpu.unpack_descriptor(corrupt(6))
+  for i in (8, 50, 80, 91, 92, 95):
+    with pytest.raises(ValueError, match="checksum"):
+      te_jax_cpu.unpack_descriptor(corrupt(i))
+
+
+def test_fuzz_random_bytes():
+  rng = np.random.default_rng(20240601)
+  for _ in range(3000):
+    n = int(rng.choice([rng.integers(0, 200), SIZE]))
+    data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    with pytest.raises(ValueError):
+      te_jax_cpu.unpack_descriptor(data)
+
+
+def test_fuzz_valid_header_random_body():
+  """Past the magic/version/size checks, random bodies must fail the checksum."""
+  rng = np.random.default_rng(7)
+  header = struct.pack("<4sHH", b"TEJD", 1, SIZE)
+  for _ in range(3000):
+    data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
+    with pytest.raises(ValueError, match="checksum"):
+      te_jax_cpu.unpack_descriptor(data)
+
+
+def test_fuzz_random_fields_with_valid_checksum():
+  """Correctly checksummed descriptors with random enum bytes decode iff every enum is in range."""
+  rng = np.random.default_rng(11)
+  for _ in range(2000):
+    dtype, mask, alibi, reserved = (int(x) for x in rng.integers(0, 256, 4))
+    if rng.random() < 0.5:  # make in-range values common too
+      dtype, mask, alibi, reserved = dtype % 3, mask % 6, alibi % 2, 0
+    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, reserved=reserved)
+    valid = dtype < 3 and mask < 6 and alibi < 2 and reserved == 0
+    if valid:
+      back = te_jax_cpu.unpack_descriptor(data)
+      assert (back["dtype"], back["mask_type"], back["has_alibi"]) == (dtype, mask, bool(alibi))
+    else:
+      with pytest.raises(ValueError, match="out-of-range enum"):
+        te_jax_cpu.unpack_descriptor(data)
+
+
+@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+def test_wrong_version_raises(version):
+  with pytest.raises(ValueError, match=f"version {version} is not supported"):
+    te_jax_cpu.unpack_descriptor(craft(version=version))
+
+
+def test_correct_version_crafted_decodes():
+  assert te_jax_cpu.unpack_descriptor(craft())["mask_type"] == PARAMS["mask_type"]
+
+
+@pytest.mark.parametrize("field,value", [("dtype", 3), ("dtype", 255), ("mask_type", 6), ("mask_type", 200),
+                                         ("has_alibi", 2), ("reserved", 1)])
+def test_enum_out_of_range_with_valid_checksum_raises(field, value):
+  with pytest.raises(ValueError, match="out-of-range enum"):
+    te_jax_cpu.unpack_descriptor(craft(**{field: value}))
+
+
+@pytest.mark.parametrize("field,value", [("dtype", 3), ("mask_type", 6)])
+def test_validate_refuses_enum_out_of_range(field, value):
+  with pytest.raises(ValueError, match=field):
+    te_jax_cpu.validate(dict(PARAMS, **{field: value}), 0)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(head_dim=12), "head_dim"), (dict(head_dim_v=264), "head_dim_v"), (dict(head_dim=0), "head_dim"),
+    (dict(num_heads=3), "num_heads"), (dict(num_kv_heads=0), "num_kv_heads"), (dict(batch=-1), "batch"),
+    (dict(seqlen_q=-1), "seqlen_q"), (dict(window_left=-2), "window_size"), (dict(window_right=-3), "window_size"),
+    (dict(scale=0.0), "scale"), (dict(scale=float("nan")), "scale"), (dict(scale=1e39), "scale"),
+    (dict(softcap=-1.0), "softcap"), (dict(softcap=float("inf")), "softcap"),
+])
+def test_validate_refuses_bad_values(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    te_jax_cpu.validate(dict(PARAMS, **overrides), 0)
+
+
+def test_validate_accepts_and_backend_rules():
+  te_jax_cpu.validate(PARAMS, 0)
+  te_jax_cpu.validate(PARAMS, 1)  # bf16 on CUDA is fine
+  with pytest.raises(ValueError, match="float32"):
+    te_jax_cpu.validate(dict(PARAMS, dtype=0), 1)  # CUDA refuses float32
+  te_jax_cpu.validate(dict(PARAMS, dtype=0), 0)
+  for backend in (-1, 2, 99):
+    with pytest.raises(ValueError, match="backend"):
+      te_jax_cpu.validate(PARAMS, backend)
+
+
+def test_values_unpack_accepts_but_validate_refuses():
+  """Framing and values are checked separately: a well-framed descriptor with bad values decodes, then validate
+  (which both custom-call paths run) refuses it."""
+  params = te_jax_cpu.unpack_descriptor(craft(window_left=-7, head_dim=12))
+  assert params["window_left"] == -7
+  with pytest.raises(ValueError):
+    te_jax_cpu.validate(params, 0)
+
+
+@pytest.mark.parametrize("bad", [None, "TEJD", bytearray(96), memoryview(b"x" * 96), 96])
+def test_unpack_wrong_python_type(bad):
+  with pytest.raises(TypeError):
+    te_jax_cpu.unpack_descriptor(bad)
+
+
+def test_pack_missing_field_raises():
+  params = dict(PARAMS)
+  del params["softcap"]
+  with pytest.raises((KeyError, TypeError, ValueError)):
+    te_jax_cpu.pack_descriptor(params)
+
+
+# The legacy handler itself, fed bad descriptors through a test-only primitive that lowers to the legacy forward target
+# with arbitrary backend_config bytes: it must record a failure (never crash, never compute).
+def _bad_descriptor_call(descriptor: bytes):
+  import jax
+  import jax.numpy as jnp
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+
+  from te_jax._backends import backend_for
+
+  prim = Primitive(f"te_jax_test_descriptor_{len(descriptor)}_{hash(descriptor) & 0xFFFF}")
+  prim.multiple_results = True
+
+  def abstract(q, k, v, *rest):
+    return (jax.core.ShapedArray(q.shape[:3] + v.shape[3:], q.dtype),
+            jax.core.ShapedArray((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
+
+  prim.def_abstract_eval(abstract)
+  mlir.register_lowering(prim, jax.ffi.ffi_lowering("te_jax_attention_forward_cpu_legacy", api_version=3,
+                                                    backend_config=descriptor), platform="cpu")
+  backend_for("cpu").ensure_registered()
+  q = jnp.ones((1, 4, 2, 8), jnp.float32)
+  k = jnp.ones((1, 4, 1, 8), jnp.float32)
+  lens = jnp.array([4], jnp.int32)
+  return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2))))(q, k))
+
+
+MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, dtype=0,
+                mask_type=0, window_left=-1, window_right=-1, scale=0.5, softcap=0.0, has_alibi=False)
+
+
+@pytest.mark.parametrize("descriptor,match", [
+    (b"", "truncated: 0 bytes"),
+    (b"TEJD", "truncated: 4 bytes"),
+    (b"x" * SIZE, "wrong magic"),
+    (craft(version=2), "version 2"),
+    (craft(mask_type=9), "out-of-range enum"),
+    (te_jax_cpu.pack_descriptor(MATCHING)[:-1] + b"\0", "checksum"),
+    (te_jax_cpu.pack_descriptor(MATCHING) + b"\0", "size mismatch"),
+], ids=["empty", "header_only", "garbage", "version", "enum", "checksum", "oversize"])
+def test_legacy_handler_refuses_bad_descriptor(descriptor, match, no_pending_legacy_failures):
+  import te_jax
+
+  _bad_descriptor_call(descriptor)
+  with pytest.raises(te_jax.legacy_failures.LegacyCustomCallError,
+                     match=r"te_jax_attention_forward_cpu_legacy: legacy descriptor.*" + match):
+    te_jax.raise_legacy_failures()
+
+
+def test_legacy_handler_validates_descriptor_values(no_pending_legacy_failures):
+  """A well-framed descriptor with a refused value: the handler validates, fills the outputs with NaN, records it."""
+  import te_jax
+
+  out, lse = _bad_descriptor_call(te_jax_cpu.pack_descriptor(dict(MATCHING, window_left=-7)))
+  assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
+  with pytest.raises(te_jax.legacy_failures.LegacyCustomCallError, match="window_size"):
+    te_jax.raise_legacy_failures()
+  # The same call with the matching descriptor computes normally.
+  out, _ = _bad_descriptor_call(te_jax_cpu.pack_descriptor(MATCHING))
+  assert np.allclose(np.asarray(out), 1.0)
+  te_jax.raise_legacy_failures()

@@ -1,0 +1,298 @@
+"""The two custom-call paths: selection (context manager, environment variable), what the lowered HLO shows, jit
+caching per path, bitwise equality of results, and the run-time check of traced seqlens on each path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+from te_jax.legacy_failures import LegacyCustomCallError
+from helpers import Case, assert_bitwise_equal, make_inputs, run_on_path
+
+te_jax_cpu = pytest.importorskip("te_jax._te_jax_cpu")
+
+
+def _small(dtype=jnp.float32, seed=0, b=2, sq=13, skv=21, h=4, hkv=2, d=16, dv=8):
+  rng = np.random.default_rng(seed)
+  arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  return arr(b, sq, h, d), arr(b, skv, hkv, d), arr(b, skv, hkv, dv)
+
+
+def _custom_calls(lowered):
+  """The stablehlo.custom_call ops of a lowered module."""
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          if inner.name == "stablehlo.custom_call":
+            found.append(inner)
+          walk(inner.operation)
+
+  walk(lowered.compiler_ir("stablehlo").operation)
+  return found
+
+
+KW = dict(mask_type="padding_causal_bottom_right", window_size=(3, 1), scale=0.25, softcap=4.0)
+
+
+def _loss_fn(**kw):
+  def loss(q, k, v, alibi, q_seqlens, kv_seqlens):
+    out, lse = te_jax.fused_attn(q, k, v, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, alibi_slopes=alibi,
+                                 return_lse=True, **kw)
+    return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _loss_args():
+  q, k, v = _small()
+  return q, k, v, jnp.linspace(0.1, 0.4, 4), jnp.array([13, 5], jnp.int32), jnp.array([21, 0], jnp.int32)
+
+
+@pytest.mark.skipif(os.environ.get("TE_JAX_CUSTOM_CALL", "ffi") != "ffi", reason="TE_JAX_CUSTOM_CALL is set")
+def test_default_path_is_ffi():
+  assert te_jax.current_custom_call_path() == "ffi"
+
+
+def test_context_manager_nests_and_restores():
+  initial = te_jax.current_custom_call_path()
+  with te_jax.custom_call_path("legacy"):
+    assert te_jax.current_custom_call_path() == "legacy"
+    with te_jax.custom_call_path("ffi"):
+      assert te_jax.current_custom_call_path() == "ffi"
+    assert te_jax.current_custom_call_path() == "legacy"
+  assert te_jax.current_custom_call_path() == initial
+  with pytest.raises(RuntimeError, match="boom"):
+    with te_jax.custom_call_path("legacy"):
+      raise RuntimeError("boom")
+  assert te_jax.current_custom_call_path() == initial
+
+
+@pytest.mark.parametrize("bad", ["bogus", "FFI", "", None, 3])
+def test_unknown_path_raises_naming_allowed_values(bad):
+  initial = te_jax.current_custom_call_path()
+  with pytest.raises(ValueError, match=r"custom_call_path must be one of 'ffi', 'legacy'"):
+    with te_jax.custom_call_path(bad):
+      pass
+  assert te_jax.current_custom_call_path() == initial
+
+
+def test_ffi_hlo():
+  lowered = _loss_fn(**KW).lower(*_loss_args())
+  calls = _custom_calls(lowered)
+  targets = sorted(str(c.attributes["call_target_name"]).strip('"') for c in calls)
+  assert targets == ["te_jax_attention_backward_cpu_ffi", "te_jax_attention_forward_cpu_ffi"]
+  text = lowered.as_text()
+  assert "TEJD" not in text and "_legacy" not in text
+  # Typed attributes, one per option, in the mhlo.backend_config dictionary.
+  assert text.count("mhlo.backend_config = {has_alibi = true, mask_type = 5 : i64, scale = 2.500000e-01 : f32, "
+                    "softcap = 4.000000e+00 : f32, window_left = 3 : i64, window_right = 1 : i64}") == 2
+  hlo = lowered.as_text(dialect="hlo")
+  assert hlo.count("api_version=API_VERSION_TYPED_FFI") == 2  # = 4 in xla::CustomCallApiVersion
+  assert "API_VERSION_STATUS_RETURNING" not in hlo
+
+
+def test_legacy_hlo_and_descriptor_contents():
+  with te_jax.custom_call_path("legacy"):
+    lowered = _loss_fn(**KW).lower(*_loss_args())
+  calls = _custom_calls(lowered)
+  targets = sorted(str(c.attributes["call_target_name"]).strip('"') for c in calls)
+  assert targets == ["te_jax_attention_backward_cpu_legacy", "te_jax_attention_forward_cpu_legacy"]
+  text = lowered.as_text()
+  assert text.count("api_version = 3 : i32") == 2 and text.count('backend_config = "TEJD') == 2
+  assert "mhlo.backend_config" not in text and "_ffi" not in text
+  hlo = lowered.as_text(dialect="hlo")
+  assert hlo.count("api_version=API_VERSION_STATUS_RETURNING_UNIFIED") == 2  # = 3
+  assert "API_VERSION_TYPED_FFI" not in hlo
+  for call in calls:
+    params = te_jax_cpu.unpack_descriptor(call.attributes["backend_config"].value_bytes)
+    assert params == dict(batch=2, seqlen_q=13, seqlen_kv=21, num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
+                          dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True)
+
+
+def test_jitted_function_recompiles_per_path():
+  f = _loss_fn(**KW)
+  args = _loss_args()
+  ffi_text = f.lower(*args).as_text()
+  with te_jax.custom_call_path("legacy"):
+    legacy_text = f.lower(*args).as_text()
+  assert ffi_text != legacy_text
+  grads_ffi = f(*args)
+  assert f._cache_size() == 1
+  with te_jax.custom_call_path("legacy"):
+    grads_legacy = f(*args)
+  assert f._cache_size() == 2, "calling under the other path must compile again"
+  grads_ffi_again = f(*args)
+  assert f._cache_size() == 2
+  te_jax.raise_legacy_failures()
+  for a, b, c in zip(grads_ffi, grads_legacy, grads_ffi_again):
+    assert np.array_equal(np.asarray(a), np.asarray(b)) and np.array_equal(np.asarray(a), np.asarray(c))
+
+
+# A handful of configurations for the bitwise comparison, beyond those test_attention_numerics compares.
+BITWISE_CASES = [
+    Case(batch=2, seqlen_q=33, seqlen_kv=47, heads=4, kv_heads=4, head_dim=64, mask="padding_causal",
+         q_seqlens=(33, 17), kv_seqlens=(0, 47), dtype="float16"),
+    Case(batch=1, seqlen_q=64, seqlen_kv=64, heads=2, kv_heads=1, head_dim=16, head_dim_v=48, window=(7, 0),
+         softcap=1.5, alibi="h", dtype="bfloat16"),
+    Case(batch=3, seqlen_q=70, seqlen_kv=9, heads=3, kv_heads=1, head_dim=24, mask="causal_bottom_right", scale=1.3),
+    Case(batch=2, seqlen_q=1, seqlen_kv=70, heads=4, kv_heads=2, head_dim=40, mask="padding_causal_bottom_right",
+         q_seqlens=(1, 1), kv_seqlens=(70, 33), alibi="bh", dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", BITWISE_CASES, ids=Case.id)
+def test_ffi_and_legacy_bitwise_equal(case):
+  inputs = make_inputs(case)
+  ffi, legacy = run_on_path(case, inputs, "ffi"), run_on_path(case, inputs, "legacy")
+  assert_bitwise_equal(ffi, legacy)
+  assert all(np.isfinite(x.astype(np.float32)).any() for n, x in ffi.items() if x is not None and n != "lse")
+
+
+def test_ffi_and_legacy_bitwise_equal_under_vmap():
+  q, k, v = _small(jnp.bfloat16, seed=5)
+  qs, ks, vs = (jnp.stack([x, x[::-1] * 0.5]) for x in (q, k, v))
+
+  def grads(q, k, v):
+    return jax.grad(lambda q, k, v: (te_jax.fused_attn(q, k, v, mask_type="causal").astype(jnp.float32) ** 2).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+
+  f = jax.jit(jax.vmap(grads))
+  a = f(qs, ks, vs)
+  with te_jax.custom_call_path("legacy"):
+    b = f(qs, ks, vs)
+  te_jax.raise_legacy_failures()
+  for x, y in zip(a, b):
+    assert np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+
+
+SUBPROCESS_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, te_jax
+    q = jnp.ones((1, 4, 1, 8), jnp.float32)
+    f = jax.jit(lambda q: te_jax.fused_attn(q, q, q))
+    print("PATH", te_jax.current_custom_call_path())
+    print("HLO", "TEJD" in f.lower(q).as_text(), "_legacy" in f.lower(q).as_text())
+    with te_jax.custom_call_path("ffi"):
+      print("CTX", te_jax.current_custom_call_path(), "_ffi" in f.lower(q).as_text())
+    print("OUT", float(f(q).sum()))
+    te_jax.raise_legacy_failures()
+""")
+
+
+def _start_python(script, env_value):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("TE_JAX_CUSTOM_CALL", None)
+  if env_value is not None:
+    env["TE_JAX_CUSTOM_CALL"] = env_value
+  return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def test_env_var_in_subprocesses():
+  """TE_JAX_CUSTOM_CALL is read at import: legacy and ffi select the path (the context manager still overrides it);
+  any other value is a ValueError at import naming the variable and the allowed values. The three interpreters run
+  concurrently (starting JAX dominates their cost)."""
+  procs = {value: _start_python(script, value) for value, script in
+           (("legacy", SUBPROCESS_SCRIPT), ("ffi", SUBPROCESS_SCRIPT), ("Legacy", "import te_jax"))}
+  results = {value: (p.wait(timeout=180), *p.communicate()) for value, p in procs.items()}
+
+  rc, out, err = results["legacy"]
+  assert rc == 0, err
+  lines = out.splitlines()
+  assert "PATH legacy" in lines, out
+  assert "HLO True True" in lines, out
+  assert "CTX ffi True" in lines, out  # the context manager overrides the environment
+  assert "OUT 32.0" in lines, out
+
+  rc, out, err = results["ffi"]
+  assert rc == 0, err
+  assert "PATH ffi" in out.splitlines() and "HLO False False" in out.splitlines(), out
+
+  rc, out, err = results["Legacy"]  # values are case-sensitive
+  assert rc != 0
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("ValueError"), err
+  assert "TE_JAX_CUSTOM_CALL" in last and "'ffi', 'legacy'" in last and "'Legacy'" in last, last
+
+
+# Run-time validation of traced seqlens: Python cannot see their values under jit.
+def _padding_fn():
+  return jax.jit(lambda q, k, v, qs, ks: te_jax.fused_attn(q, k, v, mask_type="padding", q_seqlens=qs,
+                                                             kv_seqlens=ks))
+
+
+@pytest.mark.parametrize("q_seqlens,kv_seqlens,match", [
+    ((5, 14), (21, 21), r"q_seqlens\[1\] = 14 is outside \[0, 13\]"),
+    ((-1, 3), (21, 21), r"q_seqlens\[0\] = -1 is outside"),
+    ((13, 13), (22, 0), r"kv_seqlens\[0\] = 22 is outside \[0, 21\]"),
+])
+def test_traced_seqlens_out_of_range_ffi_raises(q_seqlens, kv_seqlens, match, no_pending_legacy_failures):
+  q, k, v = _small()
+  f = _padding_fn()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT: " + match):
+    jax.block_until_ready(f(q, k, v, jnp.array(q_seqlens, jnp.int32), jnp.array(kv_seqlens, jnp.int32)))
+  te_jax.raise_legacy_failures()  # the FFI path records nothing
+
+
+@pytest.mark.parametrize("q_seqlens,kv_seqlens,match", [
+    ((5, 14), (21, 21), r"te_jax_attention_forward_cpu_legacy: q_seqlens\[1\] = 14 is outside \[0, 13\]"),
+    ((13, 13), (22, 0), r"kv_seqlens\[0\] = 22 is outside \[0, 21\]"),
+])
+def test_traced_seqlens_out_of_range_legacy_nan_and_recorded(q_seqlens, kv_seqlens, match,
+                                                              no_pending_legacy_failures):
+  q, k, v = _small()
+  f = _padding_fn()
+  with te_jax.custom_call_path("legacy"):
+    out = np.asarray(f(q, k, v, jnp.array(q_seqlens, jnp.int32), jnp.array(kv_seqlens, jnp.int32)))
+  assert np.isnan(out).all()
+  with pytest.raises(LegacyCustomCallError, match=match):
+    te_jax.raise_legacy_failures()
+  te_jax.raise_legacy_failures()  # taken: a second call raises nothing
+  # A valid call afterwards is clean and records nothing.
+  with te_jax.custom_call_path("legacy"):
+    out = np.asarray(f(q, k, v, jnp.array([13, 0], jnp.int32), jnp.array([21, 4], jnp.int32)))
+  assert not np.isnan(out).any()
+  te_jax.raise_legacy_failures()
+
+
+def test_traced_seqlens_out_of_range_legacy_backward(no_pending_legacy_failures):
+  q, k, v = _small()
+  grad = jax.jit(jax.grad(lambda q, k, v, qs, ks: te_jax.fused_attn(q, k, v, mask_type="padding_causal",
+                                                                      q_seqlens=qs, kv_seqlens=ks).sum(),
+                          argnums=(0, 1, 2)))
+  with te_jax.custom_call_path("legacy"):
+    dq, dk, dv = grad(q, k, v, jnp.array([13, 99], jnp.int32), jnp.array([21, 21], jnp.int32))
+  for x in (dq, dk, dv):
+    assert np.isnan(np.asarray(x)).all()
+  with pytest.raises(LegacyCustomCallError) as info:
+    te_jax.raise_legacy_failures()
+  message = str(info.value)
+  assert "te_jax_attention_forward_cpu_legacy: q_seqlens[1] = 99" in message
+  assert "te_jax_attention_backward_cpu_legacy: q_seqlens[1] = 99" in message
+  te_jax.raise_legacy_failures()
+
+
+def test_same_jitted_function_fails_per_path(no_pending_legacy_failures):
+  """One jitted function, bad traced seqlens: FFI raises, legacy gives NaN. If the path were not part of the jit cache
+  key, the second call would reuse the first executable and behave like it."""
+  q, k, v = _small()
+  f = _padding_fn()
+  bad = (jnp.array([14, 0], jnp.int32), jnp.array([21, 21], jnp.int32))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="q_seqlens"):
+    jax.block_until_ready(f(q, k, v, *bad))
+  with te_jax.custom_call_path("legacy"):
+    assert np.isnan(np.asarray(f(q, k, v, *bad))).all()
+  with pytest.raises(LegacyCustomCallError, match="q_seqlens"):
+    te_jax.raise_legacy_failures()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="q_seqlens"):
+    jax.block_until_ready(f(q, k, v, *bad))
