@@ -3,7 +3,7 @@
 from te_jax.attention import fused_attn
 from te_jax.custom_call_path import current_custom_call_path, custom_call_path
 from te_jax.legacy_failures import raise_legacy_failures
-from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing  # [sharding]
+from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing
 from te_jax.mask_type import MaskType
 
 try:

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax import _primitives
-from te_jax import context_parallel as _context_parallel  # [sharding] issue 4
-from te_jax import sharding as _sharding  # [sharding] issue 4
+from te_jax import context_parallel as _context_parallel
+from te_jax import sharding as _sharding
 from te_jax.attention_config import DTYPE_CODES, AttentionConfig
 from te_jax.mask_type import MaskType
 
@@ -61,7 +60,6 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
                            has_alibi=alibi_slopes is not None)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
-  # [sharding] issue 4: context parallelism (te_jax/context_parallel.py); None when context_parallel_axis is None.
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
@@ -70,8 +68,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   return (out, lse) if return_lse else out
 
 
-# [sharding] issue 4: `cp` (a ContextParallel or None) is a second static argument, and both directions bind the
-# partitioned primitives of te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py.
+# `cp` (a ContextParallel or None) is static like config. Both directions bind the partitioned primitives of
+# te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
   return _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)

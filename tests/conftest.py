@@ -16,6 +16,11 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:  # so `import helpers` works under any import mode / rootdir
   sys.path.insert(0, TESTS_DIR)
 
+# The tests exercise the installed te_jax (with its compiled extensions), never the bare source folder that
+# `python -m pytest` run from the checkout would otherwise put first on sys.path.
+_REPO_ROOT = os.path.dirname(TESTS_DIR)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO_ROOT]
+
 
 @pytest.fixture(params=["ffi", "legacy"])
 def path(request):

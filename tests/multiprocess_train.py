@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import sys
 
 
 def main() -> None:
@@ -36,7 +34,6 @@ def main() -> None:
   import numpy as np
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import te_jax
 
   assert jax.device_count() == 8, jax.devices()

@@ -10,7 +10,6 @@ collective-permute receives its result once; all-reduce (ring algorithm) moves 2
 from __future__ import annotations
 
 import re
-import sys
 
 import numpy as np
 
@@ -34,7 +33,6 @@ def main() -> None:
   jax.config.update("jax_num_cpu_devices", 8)
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  sys.path.insert(0, __file__.rsplit("/", 2)[0])
   import te_jax
 
   batch, seqlen, heads, kv_heads, head_dim = 2, 4096, 8, 2, 64

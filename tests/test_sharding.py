@@ -33,11 +33,6 @@ import te_jax  # noqa: E402
 from te_jax.reference import attention_reference  # noqa: E402
 from te_jax.sharding import ReshardWarning  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _pure_jax_attention  # noqa: E402
-
-if not _pure_jax_attention.extension_available():  # lets the module run before the C++ extension is built
-  _pure_jax_attention.install_cpu_lowering()
 
 in_process = pytest.mark.skipif(not _IN_PROCESS, reason="needs 8 CPU devices in this process (see test_subprocess)")
 

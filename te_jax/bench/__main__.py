@@ -245,7 +245,7 @@ def main(argv=None) -> int:
   if args.baseline and args.baseline not in [b.name for b in backends]:
     backends += select_backends(args.baseline)
   elif not args.baseline:
-    from te_jax.bench.registry import default_baseline, get
+    from te_jax.bench.registry import get
     base = default_baseline(platform)
     if base not in [b.name for b in backends]:
       backends.append(get(base))

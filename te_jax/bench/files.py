@@ -45,7 +45,7 @@ def markdown(results: list[Result], backends: list[str], baseline: str, unit: st
   for r in results:
     rows.setdefault(r.key, {})[r.backend] = r
   notes: dict[str, int] = {}
-  lines = [f"| case | mode | " + " | ".join(f"{b}{' (baseline)' if b == baseline else ''}" for b in columns) + " |",
+  lines = ["| case | mode | " + " | ".join(f"{b}{' (baseline)' if b == baseline else ''}" for b in columns) + " |",
            "|---|---|" + "---:|" * len(columns)]
   for (case, mode), by in rows.items():
     cells = []
