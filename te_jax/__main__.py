@@ -2,7 +2,7 @@
 
 For a few configurations it runs both custom-call paths forward and backward, compares them with the float64
 reference and with each other, and prints a table; then it times te_jax against jax.nn.dot_product_attention at one
-larger size. Exits non-zero if any check fails.
+larger size with the benchmark harness (te_jax.bench). Exits non-zero if any check fails.
 """
 
 from __future__ import annotations
@@ -86,36 +86,22 @@ def check_configs(rng) -> bool:
   return all_ok
 
 
-def compare_speed(rng) -> None:
+def compare_speed() -> None:
+  """One larger size through the benchmark harness: te_jax against the platform's baseline (XLA's attention on the
+  CPU, cuDNN on a GPU), timed the same way in the same process."""
+  from te_jax.bench.__main__ import main as bench_main
+
   on_cpu = jax.devices()[0].platform == "cpu"
-  b, s, h, d = (1, 2048, 8, 64) if on_cpu else (4, 4096, 16, 128)
-  dtype = jnp.float32 if on_cpu else jnp.bfloat16
-  q, k, v, _ = _inputs(rng, b, s, s, h, h, d, d, dtype)
-  flops = 4 * b * h * s * s * d
-  candidates = {
-      "te_jax": jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v)),
-      "jax.nn.dot_product_attention": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)),
-  }
-  print(f"\nforward speed, b={b} s={s} h={h} d={d} {jnp.dtype(dtype).name}, non-causal "
-        f"(median of 5 runs of 3 calls dispatched back to back)")
-  rates = {}
-  for name, fn in candidates.items():
-    jax.block_until_ready(fn(q, k, v))
-    times = []
-    for _ in range(5):
-      start = time.perf_counter()
-      out = [fn(q, k, v) for _ in range(3)]
-      jax.block_until_ready(out)
-      times.append((time.perf_counter() - start) / 3)
-    rates[name] = flops / float(np.median(times)) / 1e9
-    print(f"  {name:30} {rates[name]:8.1f} GFLOP/s")
-  print(f"  te_jax / jax.nn.dot_product_attention = {rates['te_jax'] / rates['jax.nn.dot_product_attention']:.2f}x")
+  shape = ["--batch", "1", "--seq", "2048", "--heads", "8", "--head-dim", "64"] if on_cpu else [
+      "--batch", "4", "--seq", "4096", "--heads", "16", "--head-dim", "128"]
+  print()
+  bench_main(shape + ["--mode", "fwd", "--backends", "te_jax-ffi", "--no-check", "-q"])
 
 
 def main() -> int:
   rng = np.random.default_rng(0)
   ok = check_configs(rng)
-  compare_speed(rng)
+  compare_speed()
   print("\nself-check " + ("passed" if ok else "FAILED"))
   return 0 if ok else 1
 
