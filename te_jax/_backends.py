@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 from typing import Any, Callable
 
 import jax
@@ -28,6 +29,11 @@ class Backend:
     try:
       return importlib.import_module(f"te_jax.{self.extension_name}")
     except ImportError as e:
+      package_dir = os.path.dirname(os.path.abspath(__file__))
+      if os.path.exists(os.path.join(os.path.dirname(package_dir), "CMakeLists.txt")):
+        raise RuntimeError(f"te_jax was imported from its source folder {package_dir}, which has no compiled "
+                           f"extension ({self.extension_name}): run from another directory after `pip install .`, "
+                           "or install in place with `pip install -e .`") from e
       raise RuntimeError(f"te_jax was built without its {self.platform} backend ({self.extension_name}): {e}. "
                          "Reinstall te_jax with `pip install .` on a machine that can build it.") from e
 

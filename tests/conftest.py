@@ -20,6 +20,7 @@ if TESTS_DIR not in sys.path:  # so `import helpers` works under any import mode
 # `python -m pytest` run from the checkout would otherwise put first on sys.path.
 _REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO_ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"  # the same for the Python subprocesses tests start (`python -c` would add the cwd)
 
 
 @pytest.fixture(params=["ffi", "legacy"])
