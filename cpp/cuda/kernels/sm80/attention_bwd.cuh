@@ -23,7 +23,7 @@ struct ProbabilityGrad {
   static __device__ __forceinline__ void Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
                                                int key, bool visible, float lse, float delta) {
     const float x = x_to_p;
-    const float p = visible ? exp2f(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
+    const float p = visible ? Exp2(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
     x_to_p = p;
     dp_to_ds = p * (dp_to_ds - delta) * variant.DLogitDDot(x);
   }
@@ -196,17 +196,29 @@ struct BackwardDkDvKernel {
         }
       }
 
-      const bool masked = !KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM);
+      // Interior steps (every query sees every key of the CTA) skip the per-element mask.
+      if (!KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM)) {
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = j * 8 + 2 * t + (e & 1);  // query within the tile
-          const int row = m0 + qi;
-          const int kj = key[e >> 1];
-          const bool visible = !masked || Visible(mask.Keys(row), kj);
-          ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], row + mask.diag_offset, kj, visible, lse[qi],
-                                          delta[qi]);
+          for (int e = 0; e < 4; ++e) {
+            const int qi = j * 8 + 2 * t + (e & 1);  // query within the tile
+            const int row = m0 + qi;
+            const int kj = key[e >> 1];
+            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], row + mask.diag_offset, kj,
+                                            Visible(mask.Keys(row), kj), lse[qi], delta[qi]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = j * 8 + 2 * t + (e & 1);
+            const int row = m0 + qi;
+            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], row + mask.diag_offset, key[e >> 1], true,
+                                            lse[qi], delta[qi]);
+          }
         }
       }
 
@@ -404,15 +416,26 @@ struct BackwardDqKernel {
       }
 
       const int n0 = tile * kBlockN;
-      const bool masked = !span.Unmasked(n0, kBlockN);
+      if (!span.Unmasked(n0, kBlockN)) {
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          const int col = n0 + j * 8 + 2 * t + (e & 1);
-          const bool visible = !masked || Visible(keys[r], col);
-          ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], pos[r], col, visible, row_lse[r], row_delta[r]);
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int col = n0 + j * 8 + 2 * t + (e & 1);
+            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], pos[r], col, Visible(keys[r], col), row_lse[r],
+                                            row_delta[r]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int col = n0 + j * 8 + 2 * t + (e & 1);
+            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], pos[r], col, true, row_lse[r], row_delta[r]);
+          }
         }
       }
 

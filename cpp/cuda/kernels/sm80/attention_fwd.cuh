@@ -25,7 +25,7 @@ struct ForwardKernel {
   using QTile = SmemTile<kBlockM, kDP>;
   using KTile = SmemTile<kBlockN, kDP>;
   using VTile = SmemTile<kBlockN, kDvP>;
-  static constexpr int kSmemBytes = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes);
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes) + 8 * kBlockM;
   static_assert(kBlockM == 16 * kWarps * kMT, "a warp owns 16 * kMT query rows");
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
 
@@ -68,20 +68,25 @@ struct ForwardKernel {
     variant.slope = 0.0f;
     if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[b * s.num_heads + head];
 
-    int row[kMT][2];
-    int key_begin[kMT][2], key_end[kMT][2], pos[kMT][2];  // 32-bit copies of the row's KeyRange and p_i
+    // Each row's visible key range, for the tiles that straddle a range edge: one row per thread, kept in shared memory
+    // so the main loop holds no per-row mask state in registers (block_m == threads * kRangeRowsPerThread).
+    int2* ranges = reinterpret_cast<int2*>(smem + QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes));
+    for (int i = tid; i < kBlockM; i += kThreads) {
+      const KeyRange keys = mask.Keys(m0 + i);
+      ranges[i] = make_int2(static_cast<int>(keys.begin), static_cast<int>(keys.end));
+    }
+    const int diag = static_cast<int>(mask.diag_offset);
+    // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
+    const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
+    const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
+    // Logits are kept in log2 units (logit * log2 e), so the softmax is exp2 alone; the plain scaled dot product folds
+    // scale * log2 e into one multiply.
+    const float scale_log2 = s.scale * kLog2e;
+
     float o[kMT][kDvP / 8][4];
     OnlineSoftmax<kBlockN / 8> softmax[kMT];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        row[mt][r] = m0 + (warp * kMT + mt) * 16 + g + 8 * r;
-        const KeyRange keys = mask.Keys(row[mt][r]);
-        key_begin[mt][r] = static_cast<int>(keys.begin);
-        key_end[mt][r] = static_cast<int>(keys.end);
-        pos[mt][r] = static_cast<int>(row[mt][r] + mask.diag_offset);
-      }
 #pragma unroll
       for (int j = 0; j < kDvP / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
     }
@@ -89,7 +94,7 @@ struct ForwardKernel {
     for (int tile = tile_begin; tile < tile_end; ++tile) {
       const int stage = (tile - tile_begin) & 1;
       CpAsyncWait<0>();
-      __syncthreads();  // tile's k/v landed for everyone, and everyone is done with the other stage
+      __syncthreads();  // tile's k/v (and the range table) landed for everyone, and everyone is done with the other stage
       if (tile + 1 < tile_end) {
         k_tile[stage ^ 1].template AsyncLoad<kThreads>(k, k_stride, (tile + 1) * kBlockN, len.kv_len, kD, tid);
         v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
@@ -120,20 +125,46 @@ struct ForwardKernel {
       }
 
       const int n0 = tile * kBlockN;
-      const bool masked = !span.Unmasked(n0, kBlockN);
+      // Logits in log2 units. Interior tiles (every row sees every key) skip the per-element mask.
+      if (tile >= full_begin && tile < full_end) {
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+          for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1;
-            const int col = n0 + j * 8 + 2 * t + (e & 1);
-            float logit = variant.Logit(sc[mt][j][e], pos[mt][r], col);
-            if (masked && (col < key_begin[mt][r] || col >= key_end[mt][r])) logit = -__int_as_float(0x7f800000);
-            sc[mt][j][e] = logit;
+            for (int e = 0; e < 4; ++e) {
+              if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
+                sc[mt][j][e] *= scale_log2;
+              } else {
+                const int r = (warp * kMT + mt) * 16 + g + 8 * (e >> 1);
+                sc[mt][j][e] = variant.Logit(sc[mt][j][e], m0 + r + diag, n0 + j * 8 + 2 * t + (e & 1)) * kLog2e;
+              }
+            }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int local = (warp * kMT + mt) * 16 + g + 8 * r;
+            const int2 keys = ranges[local];
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int col = n0 + j * 8 + 2 * t + c;
+                float logit;
+                if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
+                  logit = sc[mt][j][2 * r + c] * scale_log2;
+                } else {
+                  logit = variant.Logit(sc[mt][j][2 * r + c], m0 + local + diag, col) * kLog2e;
+                }
+                sc[mt][j][2 * r + c] = col >= keys.x && col < keys.y ? logit : -__int_as_float(0x7f800000);
+              }
           }
         }
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
         float rescale[2];
         softmax[mt].Update(sc[mt], rescale);
 #pragma unroll
@@ -178,8 +209,9 @@ struct ForwardKernel {
       softmax[mt].Finish(inv_sum, lse);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (row[mt][r] >= s.seqlen_q) continue;
-        uint16_t* out_row = out + row[mt][r] * o_stride;
+        const int row = m0 + (warp * kMT + mt) * 16 + g + 8 * r;
+        if (row >= s.seqlen_q) continue;
+        uint16_t* out_row = out + row * o_stride;
 #pragma unroll
         for (int j = 0; j < kDvP / 8; ++j) {
           const int col = j * 8 + 2 * t;
@@ -191,7 +223,7 @@ struct ForwardKernel {
           }
         }
         if (t == 0) {
-          args.lse[(static_cast<int64_t>(b) * s.num_heads + head) * s.seqlen_q + row[mt][r]] =
+          args.lse[(static_cast<int64_t>(b) * s.num_heads + head) * s.seqlen_q + row] =
               len.invalid ? __int_as_float(0x7fffffff) : lse[r];
         }
       }

@@ -1,6 +1,6 @@
 // Online softmax over key tiles for the two rows (g and g + 8) a thread holds in the m16n8 accumulator layout. Row
 // maxima are shared by the four threads of a quad; row sums stay per-thread partials until Finish, as in
-// FlashAttention-2. Exponentials are exp2 of logits pre-multiplied by log2(e). Rows that have seen no visible key keep
+// FlashAttention-2. The logits arrive in log2 units (pre-multiplied by log2(e)), so each probability is one ex2. Rows that have seen no visible key keep
 // max = -inf; they contribute p = 0 and end with l = 0, which Finish turns into out = 0, lse = -inf.
 #pragma once
 
@@ -21,12 +21,19 @@ __device__ __forceinline__ float QuadSum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// 2^x with flush-to-zero (one MUFU.EX2); 2^-inf = +0. Arguments here are <= 0, so the flush only touches p < 2^-126.
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int kTiles>  // n8 tiles of logits held per thread
 struct OnlineSoftmax {
   float max[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
   float sum[2] = {0.0f, 0.0f};
 
-  // Turns logits s (natural units, -inf where masked) into unnormalised probabilities in place and returns the factor
+  // Turns logits s (log2 units, -inf where masked) into unnormalised probabilities in place and returns the factor
   // each row's running output must be rescaled by.
   __device__ __forceinline__ void Update(float (&s)[kTiles][4], float (&rescale)[2]) {
 #pragma unroll
@@ -36,13 +43,13 @@ struct OnlineSoftmax {
       for (int j = 0; j < kTiles; ++j) m = fmaxf(m, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
       m = QuadMax(m);
       const bool none = m == -__int_as_float(0x7f800000);
-      const float base = none ? 0.0f : m * kLog2e;
-      rescale[r] = none ? 1.0f : exp2f(max[r] * kLog2e - base);
+      const float base = none ? 0.0f : m;
+      rescale[r] = none ? 1.0f : Exp2(max[r] - base);
       float partial = 0.0f;
 #pragma unroll
       for (int j = 0; j < kTiles; ++j) {
-        s[j][2 * r] = exp2f(fmaf(s[j][2 * r], kLog2e, -base));
-        s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], kLog2e, -base));
+        s[j][2 * r] = Exp2(s[j][2 * r] - base);
+        s[j][2 * r + 1] = Exp2(s[j][2 * r + 1] - base);
         partial += s[j][2 * r] + s[j][2 * r + 1];
       }
       sum[r] = sum[r] * rescale[r] + partial;
@@ -56,7 +63,7 @@ struct OnlineSoftmax {
     for (int r = 0; r < 2; ++r) {
       const float l = QuadSum(sum[r]);
       inv_sum[r] = l > 0.0f ? 1.0f / l : 0.0f;
-      lse[r] = l > 0.0f ? max[r] + logf(l) : -__int_as_float(0x7f800000);
+      lse[r] = l > 0.0f ? max[r] * kLn2 + logf(l) : -__int_as_float(0x7f800000);
     }
   }
 };

@@ -25,13 +25,36 @@ struct SmemTile {
                                             int cols, int tid) const {
     constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
+    if constexpr (kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0) {
+      // Each thread copies one column chunk of every (kThreads / kChunksPerRow)-th row. The source pointer advances by
+      // a stride the compiler cannot see through (the empty asm), so it does not keep one 64-bit pointer per chunk
+      // live across the whole kernel (that cost ~30 registers and spills in the main loops).
+      constexpr int kRowStep = kThreads / kChunksPerRow;
+      const int r0 = tid / kChunksPerRow;
+      const int col = (tid % kChunksPerRow) * 8;
+      const bool col_ok = col < cols;
+      int64_t step = kRowStep * row_stride;
+      const uint16_t* src = base + static_cast<int64_t>(row0 + r0) * row_stride + col;
+      const uint32_t dst = Address(r0, col);
 #pragma unroll
-    for (int c = tid; c < kChunks; c += kThreads) {
-      const int r = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * 8;
-      const bool valid = row0 + r < valid_rows && col < cols;
-      const uint16_t* src = valid ? base + static_cast<int64_t>(row0 + r) * row_stride + col : base;
-      CpAsync16(Address(r, col), src, valid);
+      for (int i = 0; i < kRows / kRowStep; ++i) {
+        const bool valid = col_ok && row0 + r0 + i * kRowStep < valid_rows;
+        CpAsync16(dst + i * kRowStep * kPitch * 2, valid ? src : base, valid);
+        asm volatile("" : "+l"(step));
+        src += step;
+      }
+    } else {
+      // A fixed trip count (tid < kThreads), so the loop unrolls completely.
+#pragma unroll
+      for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+        const int c = tid + i * kThreads;
+        if (kChunks % kThreads != 0 && c >= kChunks) break;
+        const int r = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * 8;
+        const bool valid = row0 + r < valid_rows && col < cols;
+        const uint16_t* src = valid ? base + static_cast<int64_t>(row0 + r) * row_stride + col : base;
+        CpAsync16(Address(r, col), src, valid);
+      }
     }
   }
 

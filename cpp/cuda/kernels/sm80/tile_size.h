@@ -53,7 +53,8 @@ TE_JAX_HOST_DEVICE constexpr int TileBytes(int rows, int padded_cols) { return r
 
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv) {
   const TileSize t = ForwardTileSize(d, dv);
-  return TileBytes(t.block_m, PadHeadDim(d)) + 2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv)));
+  return TileBytes(t.block_m, PadHeadDim(d)) + 2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv))) +
+         8 * t.block_m;  // + each row's visible key range (int2)
 }
 
 TE_JAX_HOST_DEVICE constexpr int BackwardDkDvSmemBytes(int d, int dv) {
