@@ -1,7 +1,7 @@
 """Bytes each context-parallel strategy moves per device per training step (forward + backward of one fused_attn),
 read from the compiled HLO of a CPU mesh, next to the analytic figure.
 
-  python tests/sharding_bytes.py            # prints a Markdown table (docs/SHARDING_BENCHMARKS.md)
+  python tests/sharding_bytes.py            # prints a Markdown table (docs/BENCHMARKS.md, last section)
 
 Counting, per device: all-gather receives (n-1)/n of its result; reduce-scatter sends and receives (n-1) results;
 collective-permute receives its result once; all-reduce (ring algorithm) moves 2(n-1)/n of its operand.
