@@ -9,15 +9,6 @@ enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 inline constexpr int kNumDTypes = 3;
 
-inline const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-  }
-  return "unknown";
-}
-
 inline int DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 }  // namespace te_jax

@@ -21,27 +21,12 @@ enum class MaskType : uint8_t {
 
 inline constexpr int kNumMaskTypes = 6;
 
-TE_JAX_HOST_DEVICE bool IsPadding(MaskType m) {
-  return m == MaskType::kPadding || m == MaskType::kPaddingCausal || m == MaskType::kPaddingCausalBottomRight;
-}
 TE_JAX_HOST_DEVICE bool IsCausal(MaskType m) {
   return m == MaskType::kCausal || m == MaskType::kCausalBottomRight || m == MaskType::kPaddingCausal ||
          m == MaskType::kPaddingCausalBottomRight;
 }
 TE_JAX_HOST_DEVICE bool IsBottomRight(MaskType m) {
   return m == MaskType::kCausalBottomRight || m == MaskType::kPaddingCausalBottomRight;
-}
-
-inline const char* MaskTypeName(MaskType m) {
-  switch (m) {
-    case MaskType::kNoMask: return "no_mask";
-    case MaskType::kCausal: return "causal";
-    case MaskType::kCausalBottomRight: return "causal_bottom_right";
-    case MaskType::kPadding: return "padding";
-    case MaskType::kPaddingCausal: return "padding_causal";
-    case MaskType::kPaddingCausalBottomRight: return "padding_causal_bottom_right";
-  }
-  return "unknown";
 }
 
 }  // namespace te_jax
