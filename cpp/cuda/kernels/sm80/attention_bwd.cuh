@@ -23,7 +23,13 @@ struct ProbabilityGrad {
   static __device__ __forceinline__ void Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
                                                int key, bool visible, float lse, float delta) {
     const float x = x_to_p;
-    const float p = visible ? Exp2(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
+    float p;
+    if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
+      // The plain scaled dot product: scale * log2 e folds into the one FMA (both factors are loop invariant).
+      p = visible ? Exp2(fmaf(x, variant.scale * kLog2e, -lse * kLog2e)) : 0.0f;
+    } else {
+      p = visible ? Exp2(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
+    }
     x_to_p = p;
     dp_to_ds = p * (dp_to_ds - delta) * variant.DLogitDDot(x);
   }

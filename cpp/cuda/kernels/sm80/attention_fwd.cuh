@@ -79,9 +79,11 @@ struct ForwardKernel {
     // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
     const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
-    // Logits are kept in log2 units (logit * log2 e), so the softmax is exp2 alone; the plain scaled dot product folds
-    // scale * log2 e into one multiply.
-    const float scale_log2 = s.scale * kLog2e;
+    // The softmax takes the max on unscaled scores and folds the factor to log2 units into its exp2 FMA: the plain scaled
+    // dot product keeps raw q.k (the factor is scale * log2 e; scale > 0 is validated on the host), the other variants
+    // keep natural-unit logits (factor log2 e).
+    constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+    const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
 
     float o[kMT][kDvP / 8][4];
     OnlineSoftmax<kBlockN / 8> softmax[kMT];
@@ -125,21 +127,19 @@ struct ForwardKernel {
       }
 
       const int n0 = tile * kBlockN;
-      // Logits in log2 units. Interior tiles (every row sees every key) skip the per-element mask.
+      // Interior tiles (every row sees every key) skip the per-element mask; raw scores need no per-element work there.
       if (tile >= full_begin && tile < full_end) {
+        if constexpr (!kRawScores) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+          for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j)
+            for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
-                sc[mt][j][e] *= scale_log2;
-              } else {
+              for (int e = 0; e < 4; ++e) {
                 const int r = (warp * kMT + mt) * 16 + g + 8 * (e >> 1);
-                sc[mt][j][e] = variant.Logit(sc[mt][j][e], m0 + r + diag, n0 + j * 8 + 2 * t + (e & 1)) * kLog2e;
+                sc[mt][j][e] = variant.Logit(sc[mt][j][e], m0 + r + diag, n0 + j * 8 + 2 * t + (e & 1));
               }
-            }
+        }
       } else {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
@@ -152,12 +152,8 @@ struct ForwardKernel {
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
                 const int col = n0 + j * 8 + 2 * t + c;
-                float logit;
-                if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
-                  logit = sc[mt][j][2 * r + c] * scale_log2;
-                } else {
-                  logit = variant.Logit(sc[mt][j][2 * r + c], m0 + local + diag, col) * kLog2e;
-                }
+                float logit = sc[mt][j][2 * r + c];
+                if constexpr (!kRawScores) logit = variant.Logit(logit, m0 + local + diag, col);
                 sc[mt][j][2 * r + c] = col >= keys.x && col < keys.y ? logit : -__int_as_float(0x7f800000);
               }
           }
@@ -166,7 +162,7 @@ struct ForwardKernel {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         float rescale[2];
-        softmax[mt].Update(sc[mt], rescale);
+        softmax[mt].Update(sc[mt], log2_scale, rescale);
 #pragma unroll
         for (int j = 0; j < kDvP / 8; ++j) {
           o[mt][j][0] *= rescale[0];

@@ -1,6 +1,8 @@
 // Online softmax over key tiles for the two rows (g and g + 8) a thread holds in the m16n8 accumulator layout. Row
 // maxima are shared by the four threads of a quad; row sums stay per-thread partials until Finish, as in
-// FlashAttention-2. The logits arrive in log2 units (pre-multiplied by log2(e)), so each probability is one ex2. Rows that have seen no visible key keep
+// FlashAttention-2. The scores arrive unscaled: a score x stands for the logit x * log2_scale in log2 units (log2_scale > 0,
+// e.g. softmax scale * log2 e), so the row max is taken on the raw scores and each probability is one FFMA and one ex2,
+// exp2(x * log2_scale - max). The running max is kept in log2 units. Rows that have seen no visible key (x = -inf) keep
 // max = -inf; they contribute p = 0 and end with l = 0, which Finish turns into out = 0, lse = -inf.
 #pragma once
 
@@ -33,23 +35,23 @@ struct OnlineSoftmax {
   float max[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
   float sum[2] = {0.0f, 0.0f};
 
-  // Turns logits s (log2 units, -inf where masked) into unnormalised probabilities in place and returns the factor
-  // each row's running output must be rescaled by.
-  __device__ __forceinline__ void Update(float (&s)[kTiles][4], float (&rescale)[2]) {
+  // Turns raw scores s (-inf where masked) into unnormalised probabilities in place and returns the factor each row's
+  // running output must be rescaled by. log2_scale must be > 0 (the max of x * log2_scale is then max(x) * log2_scale).
+  __device__ __forceinline__ void Update(float (&s)[kTiles][4], float log2_scale, float (&rescale)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float m = max[r];
+      float m = -__int_as_float(0x7f800000);
 #pragma unroll
       for (int j = 0; j < kTiles; ++j) m = fmaxf(m, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      m = QuadMax(m);
+      m = fmaxf(max[r], QuadMax(m) * log2_scale);
       const bool none = m == -__int_as_float(0x7f800000);
       const float base = none ? 0.0f : m;
       rescale[r] = none ? 1.0f : Exp2(max[r] - base);
       float partial = 0.0f;
 #pragma unroll
       for (int j = 0; j < kTiles; ++j) {
-        s[j][2 * r] = Exp2(s[j][2 * r] - base);
-        s[j][2 * r + 1] = Exp2(s[j][2 * r + 1] - base);
+        s[j][2 * r] = Exp2(fmaf(s[j][2 * r], log2_scale, -base));
+        s[j][2 * r + 1] = Exp2(fmaf(s[j][2 * r + 1], log2_scale, -base));
         partial += s[j][2 * r] + s[j][2 * r + 1];
       }
       sum[r] = sum[r] * rescale[r] + partial;

@@ -15,7 +15,14 @@ struct SmemTile {
 
   uint16_t* data;
 
-  __device__ __forceinline__ uint32_t Address(int row, int col) const { return SmemAddress(data + row * kPitch + col); }
+  // Byte offset of (row, col) from the tile's start.
+  static __device__ __forceinline__ uint32_t Offset(int row, int col) {
+    return static_cast<uint32_t>(row * kPitch + col) * 2u;
+  }
+
+  // Shared-window address of (row, col), in 32-bit arithmetic on the converted base (a 64-bit generic add + convert per
+  // access cost ~4 integer instructions per ldmatrix and ~30 registers of addresses).
+  __device__ __forceinline__ uint32_t Address(int row, int col) const { return SmemAddress(data) + Offset(row, col); }
 
   // Asynchronously copies rows [row0, row0 + kRows) of a row-major global tensor with `row_stride` elements between
   // rows and `cols` valid columns (a multiple of 8) per row; rows at or past `valid_rows` and columns past `cols` are
@@ -58,20 +65,22 @@ struct SmemTile {
     }
   }
 
+  // The fragment loaders add the lane's part of the address and the fragment's (row, col) as separate terms, so a
+  // compile-time (row, col) becomes the ldmatrix immediate.
   // A fragment (16 x 16) at (row, col) of a row-major tile: matrices (r0-7,c0-7) (r8-15,c0-7) (r0-7,c8-15) (r8-15,c8-15).
   __device__ __forceinline__ void LoadA(int row, int col, int lane, uint32_t (&a)[4]) const {
-    LdMatrixX4(Address(row + (lane & 15), col + (lane >> 4) * 8), a);
+    LdMatrixX4(SmemAddress(data) + Offset(lane & 15, (lane >> 4) * 8) + Offset(row, col), a);
   }
 
   // B fragments of two n8 tiles (n 0..15) and k 0..15 from a tile stored [n][k]: b[0], b[1] for n 0..7 and b[2], b[3]
   // for n 8..15.
   __device__ __forceinline__ void LoadBNK(int n, int k, int lane, uint32_t (&b)[4]) const {
-    LdMatrixX4(Address(n + (lane & 7) + (lane >> 4) * 8, k + ((lane >> 3) & 1) * 8), b);
+    LdMatrixX4(SmemAddress(data) + Offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8) + Offset(n, k), b);
   }
 
   // The same two n8 B tiles from a tile stored [k][n] (ldmatrix.trans).
   __device__ __forceinline__ void LoadBKN(int k, int n, int lane, uint32_t (&b)[4]) const {
-    LdMatrixX4Trans(Address(k + (lane & 7) + ((lane >> 3) & 1) * 8, n + (lane >> 4) * 8), b);
+    LdMatrixX4Trans(SmemAddress(data) + Offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8) + Offset(k, n), b);
   }
 };
 

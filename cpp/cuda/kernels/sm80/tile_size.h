@@ -21,11 +21,13 @@ struct TileSize {
 // floats. With one m tile per warp every k/v fragment read from shared memory feeds one mma pair and the kernel is
 // bound by shared-memory bandwidth (H200, d = 128: 175 TFLOP/s); two m tiles per warp reuse each fragment twice.
 //   d <= 128: 128 x 64, 4 warps x 2 m tiles (FlashAttention-2's sm80 shape): ~104 KB shared memory.
-//   d <= 256: 64 x 64, 4 warps x 1 m tile: ~165 KB shared memory, one CTA per SM; o alone is 64 registers at dv = 256.
+//   d <= 256: 128 x 64, 8 warps x 1 m tile: ~199 KB shared memory (sm90/sm100 opt-in limit 227 KB), one CTA per SM;
+//     o alone is 128 registers at dv = 256, so a warp owns one m tile, and 8 warps per SM (rather than 4 with the
+//     earlier 64 x 64 CTA) hide the ldmatrix/mma/softmax latencies.
 TE_JAX_HOST_DEVICE constexpr TileSize ForwardTileSize(int d, int dv) {
   const int dmax = PadHeadDim(d) > PadHeadDim(dv) ? PadHeadDim(d) : PadHeadDim(dv);
   if (dmax <= 128) return {4, 128, 64, 1, 2};
-  return {4, 64, 64, 1, 1};
+  return {8, 128, 64, 1, 1};
 }
 
 // Backward dk/dv: a CTA owns 16 * warps keys of one kv head and visits every query tile of its query-head group.
