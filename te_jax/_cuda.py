@@ -9,15 +9,15 @@ GPU, driver or NVRTC: those are loaded on first use, with an error naming what i
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import pathlib
 
+from te_jax import _logging
 from te_jax import _te_jax_cuda as ext  # ImportError when te_jax was built without the CUDA backend
 from te_jax._backends import Backend, register_backend
 from te_jax._primitives import register_lowering
 
-logger = logging.getLogger("te_jax.cuda")
+logger = _logging.logger.getChild("cuda")
 
 
 def _kernel_root() -> str:

@@ -81,3 +81,16 @@ def test_compile_error_is_a_python_exception(cache_dir):
   with pytest.raises(RuntimeError, match="NVRTC"):
     ext.compile(dict(direction="forward", dtype=1, head_dim=64, head_dim_v=64, softcap=False, alibi=False,
                      arch="sm_not_an_arch"))
+
+
+@pytest.mark.parametrize("level,shown", [(None, True), ("WARNING", False)])
+def test_compile_line_reaches_stderr_by_default(level, shown):
+  """A jit-time compile takes seconds, so its line is printed unless the program configured logging or silenced it."""
+  env = {k: v for k, v in os.environ.items() if k != "TE_JAX_LOG_LEVEL"}
+  if level:
+    env["TE_JAX_LOG_LEVEL"] = level
+  code = ("from te_jax import _cuda; _cuda._log_report(dict(origin='compiled', name='fwd_bf16_d64_dv64_scaled_sm_90a', "
+          "seconds=1.5, path='/cache/x.cubin'))")
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+  line = "te_jax: compiled CUDA kernel fwd_bf16_d64_dv64_scaled_sm_90a in 1.50 s"
+  assert (line in result.stderr) == shown, result.stderr
