@@ -4,6 +4,11 @@ dq 0) and of keys no query sees (dk = dv = 0), and that nothing is NaN."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +134,78 @@ DLSE_CASES = [
 @pytest.mark.parametrize("case", DLSE_CASES, ids=Case.id)
 def test_gradients_through_lse_match_reference(case):
   _check_both_paths(case)
+
+
+# deterministic=True: the CPU backward adds dq up in an order fixed by the problem alone (chunks of KV tiles, see
+# cpp/cpu/attention_cpu.cc), so repeated runs, the two paths (XLA's thread pool, te_jax's) and any thread count give
+# the same bits. Every case has several KV tiles (128 keys each), where the default backward's dq order follows the
+# thread scheduling.
+DETERMINISTIC_CASES = [
+    # The shape where the default's dq was seen to vary: 3 KV tiles, 3 chunks of one tile each.
+    Case(batch=2, seqlen_q=300, seqlen_kv=300, heads=4, kv_heads=2, head_dim=32, mask="causal", deterministic=True),
+    Case(batch=2, seqlen_q=100, seqlen_kv=300, heads=4, kv_heads=2, head_dim=32, with_dlse=True, dtype="bfloat16",
+         deterministic=True),
+    # One (batch, KV head): 9 KV tiles in 8 chunks.
+    Case(batch=1, seqlen_q=70, seqlen_kv=1100, heads=2, kv_heads=1, head_dim=16, deterministic=True),
+    # 32 (batch, KV head)s: 2 chunks, of 1 and 2 KV tiles (cut by cost under the causal mask).
+    Case(batch=4, seqlen_q=300, seqlen_kv=300, heads=16, kv_heads=8, head_dim=8, mask="causal", dtype="bfloat16",
+         deterministic=True),
+    # Ragged lengths: each batch cut by its own costs, and batches where no query sees a key.
+    Case(batch=3, seqlen_q=200, seqlen_kv=1100, heads=4, kv_heads=2, head_dim=16, mask="padding_causal_bottom_right",
+         q_seqlens=(200, 50, 0), kv_seqlens=(1100, 0, 700), deterministic=True),
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=Case.id)
+def test_deterministic_backward_is_bitwise_reproducible(case):
+  """Three runs on each path, all bitwise equal, and close to the float64 reference."""
+  inputs = make_inputs(case)
+  runs = [(path, run_on_path(case, inputs, path)) for path in ("ffi", "legacy") for _ in range(3)]
+  check_against_reference(case, inputs, runs[0][1], reference(case, inputs))
+  for i, (path, got) in enumerate(runs[1:], start=1):
+    assert_bitwise_equal(runs[0][1], got, what=f"ffi run 0 vs {path} run {i % 3}")
+
+
+# Runs every DETERMINISTIC_CASES case on the FFI path, whose pool XLA sizes by PJRT_NPROC (default: the CPUs), saves
+# the results and reports the size of XLA's intra-op pool (its threads are named "...XLAEigen"), so the test can tell
+# that the setting took.
+_THREAD_COUNT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from helpers import make_inputs, run_on_path
+    from test_attention_numerics import DETERMINISTIC_CASES
+    results = {}
+    for i, case in enumerate(DETERMINISTIC_CASES):
+      for name, x in run_on_path(case, make_inputs(case), "ffi").items():
+        results[f"{i}_{name}"] = x.view(np.uint8)  # the bits: npz cannot hold bfloat16
+    np.savez(sys.argv[2], **results)
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    print("POOL", sum("XLAEigen" in n for n in names))
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts XLA's pool threads in /proc")
+def test_deterministic_backward_is_independent_of_thread_count(tmp_path):
+  """The FFI path with XLA pools of 1 and 5 threads (subprocesses, started concurrently) agrees bitwise with both paths
+  here (2 threads on the CI's two cores; te_jax's pool on the legacy path is sized by the cores alone)."""
+  procs = {}
+  for threads in (1, 5):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC=str(threads))
+    procs[threads] = subprocess.Popen(
+        [sys.executable, "-c", _THREAD_COUNT_SCRIPT, os.path.dirname(__file__), str(tmp_path / f"{threads}.npz")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  here = {path: [run_on_path(case, make_inputs(case), path) for case in DETERMINISTIC_CASES]
+          for path in ("ffi", "legacy")}
+  for threads, proc in procs.items():
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert f"POOL {threads}" in out.splitlines(), f"PJRT_NPROC={threads} did not set XLA's pool size: {out}"
+    saved = np.load(tmp_path / f"{threads}.npz")
+    for i, case in enumerate(DETERMINISTIC_CASES):
+      other = {name: saved[f"{i}_{name}"].view(x.dtype) for name, x in here["ffi"][i].items()}
+      for path, results in here.items():
+        assert_bitwise_equal(results[i], other, what=f"{case.id()}: {path} here vs ffi with {threads} threads")
 
 
 @pytest.mark.parametrize("path", ["ffi", "legacy"])

@@ -1,7 +1,10 @@
 // Flash-style attention on the CPU. Forward: one work item per (batch, head, Q tile) runs the online softmax over the
-// K/V tiles its rows can see. Backward: one work item per (batch, KV head, KV tile) owns that tile's dK and dV and
-// walks the Q tiles of its head group that see it; dQ, which every KV tile adds to, goes to a private float32 buffer
-// per worker, summed once at the end, so no write is shared and the five products are computed once each.
+// K/V tiles its rows can see. Backward: a KV tile's work owns that tile's dK and dV and walks the Q tiles of its head
+// group that see it; dQ, which every KV tile adds to, goes to float32 partial buffers summed once at the end, so no
+// write is shared and the five products are computed once each. Which KV tiles share a partial buffer fixes the order
+// of dQ's additions: by default one work item per (batch, KV head, KV tile) and one buffer per worker, so the order
+// follows the thread scheduling; with params.deterministic one item per (batch, KV head, chunk of KV tiles) and one
+// buffer per chunk, so the order is a function of the problem alone (see Backward).
 //
 // Score tiles are key-major (scores[key][row]) so query rows are vector lanes (see online_softmax.h), and scores are
 // kept in log2 units: for the plain scaled dot, scale * log2(e) is folded into the packed Q^T.
@@ -10,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -29,6 +33,11 @@ namespace {
 
 constexpr int64_t kTileQ = 64;    // query rows per tile: the lanes of a score tile
 constexpr int64_t kTileKV = 128;  // keys per tile
+// The deterministic backward cuts each (batch, KV head)'s KV tiles into chunks, each with its own float32 copy of dQ:
+// enough chunks for kDeterministicItems (batch, KV head, chunk) items, to keep a many-core machine busy, but at most
+// kMaxDqChunks copies of dQ (the default backward holds one per thread).
+constexpr int64_t kDeterministicItems = 64;
+constexpr int64_t kMaxDqChunks = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -117,7 +126,7 @@ bool Meets(const KeyRange& keys, int64_t begin, int64_t end) {
 }
 
 // A work item and its estimated cost: items run most expensive first, so the long causal rows do not end up alone on
-// one thread at the end.
+// one thread at the end. `tile` is a Q tile (forward), a KV tile or, in the deterministic backward, a chunk of them.
 struct WorkItem {
   int64_t batch, head, tile, cost;
 };
@@ -257,15 +266,16 @@ struct BackwardScratch {
   std::vector<float> dots, probs, dscores;  // key-major [kTileKV, kTileQ]
   std::vector<float> k, v;                  // converted tiles of 16-bit inputs
   std::vector<float> dk, dv;                // this KV tile's gradients
-  std::vector<float> dq;                    // this worker's share of dQ, [B, Sq, H, D]; allocated on first use
   alignas(32) float lse2[kTileQ];           // lse in log2 units; +inf in the lanes past the tile so P = 0 there
   alignas(32) float delta[kTileQ];          // rowsum(dO * O) - dlse
   TileKeyRanges<kTileQ> ranges;
 };
 
+// dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is added to.
 template <typename T, typename Variant>
 void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const MatrixB& k_tile,
-                   const MatrixB& v_tile, int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys) {
+                   const MatrixB& v_tile, int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys,
+                   float* dq_part) {
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
@@ -320,13 +330,14 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
 
   TileGemm(keys, dv, rows, {probs, kTileQ, 1}, dout_rows, {s.dv.data(), dv}, Accumulate::kYes);
   TileGemm(keys, d, rows, {dscores, kTileQ, 1}, q_rows, {s.dk.data(), d}, Accumulate::kYes);
-  float* dq = s.dq.data() + ((b * p.seqlen_q + first_row) * p.num_heads + h) * d;
+  float* dq = dq_part + ((b * p.seqlen_q + first_row) * p.num_heads + h) * d;
   TileGemm(rows, d, keys, {dscores, 1, kTileQ}, k_tile, {dq, p.num_heads * d}, Accumulate::kYes);
 }
 
+// Writes the KV tile's dK and dV and adds its dQ contributions to dq_part, heads and Q tiles in ascending order.
 template <typename T, typename Variant>
 void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<KeyRange>& q_tile_keys,
-                    const WorkItem& item) {
+                    const WorkItem& item, float* dq_part) {
   const AttentionParams& p = args.params;
   const int64_t b = item.batch, kv_head = item.head;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -345,7 +356,7 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
   for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     for (int64_t t = 0; t < q_tiles; ++t) {
       if (!Meets(q_tile_keys[b * q_tiles + t], key0, key0 + keys)) continue;
-      BackwardQTile<T, Variant>(args, s, mask, k_tile, v_tile, b, h, t * kTileQ, key0, keys);
+      BackwardQTile<T, Variant>(args, s, mask, k_tile, v_tile, b, h, t * kTileQ, key0, keys, dq_part);
     }
   }
 
@@ -357,40 +368,115 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
   }
 }
 
+// How many Q tiles of one head meet each KV tile, [B, KV tiles]: a KV tile's cost per head of its group.
+std::vector<int64_t> KVTileCosts(const AttentionParams& p, const std::vector<KeyRange>& q_tile_keys) {
+  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
+  const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
+  std::vector<int64_t> costs(p.batch * kv_tiles, 0);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t t = 0; t < kv_tiles; ++t) {
+      for (int64_t qt = 0; qt < q_tiles; ++qt) {
+        costs[b * kv_tiles + t] += Meets(q_tile_keys[b * q_tiles + qt], t * kTileKV, (t + 1) * kTileKV);
+      }
+    }
+  }
+  return costs;
+}
+
+// The number of chunks of the deterministic backward: a function of the shapes only, never of the thread count, so
+// every pool (XLA's on the FFI path, te_jax's on the legacy path, of any size) adds dQ up in the same order.
+int64_t DeterministicChunks(const AttentionParams& p, int64_t kv_tiles) {
+  const int64_t wanted = CeilDiv(kDeterministicItems, std::max<int64_t>(1, p.batch * p.num_kv_heads));
+  return std::max<int64_t>(1, std::min({wanted, kMaxDqChunks, kv_tiles}));
+}
+
+// The runs of KV tiles the backward's items walk are given as each run's first tile and then the end, [B, runs + 1].
+// By default every KV tile is a run of its own.
+std::vector<int64_t> SingleTileRuns(int64_t batch, int64_t kv_tiles) {
+  std::vector<int64_t> starts(batch * (kv_tiles + 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t <= kv_tiles; ++t) starts[b * (kv_tiles + 1) + t] = t;
+  }
+  return starts;
+}
+
+// With deterministic, each batch's KV tiles are cut into `chunks` contiguous runs of about equal cost (under a causal
+// mask the first tiles cost the most, so equal tile counts would leave one long chunk). A tile joins the chunk its
+// cost's midpoint falls in, or goes by position when no tile costs anything. A run may be empty.
+std::vector<int64_t> BalancedRuns(const std::vector<int64_t>& tile_costs, int64_t batch, int64_t kv_tiles,
+                                  int64_t chunks) {
+  std::vector<int64_t> starts(batch * (chunks + 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* cost = tile_costs.data() + b * kv_tiles;
+    int64_t* start = starts.data() + b * (chunks + 1);
+    const int64_t total = std::accumulate(cost, cost + kv_tiles, int64_t{0});
+    int64_t chunk = 0, before = 0;
+    start[0] = 0;
+    for (int64_t t = 0; t < kv_tiles; ++t) {
+      const int64_t tile_chunk =
+          total > 0 ? std::min(chunks - 1, chunks * (2 * before + cost[t]) / (2 * total)) : t * chunks / kv_tiles;
+      while (chunk < tile_chunk) start[++chunk] = t;
+      before += cost[t];
+    }
+    while (chunk < chunks) start[++chunk] = kv_tiles;
+  }
+  return starts;
+}
+
 template <typename T, typename Variant>
 void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskScheduler* scheduler) {
-  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
   const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const std::vector<KeyRange> q_tile_keys = QTileKeys(p, args.q_seqlens, args.kv_seqlens);
+  const std::vector<int64_t> tile_costs = KVTileCosts(p, q_tile_keys);
+  const int64_t runs = p.deterministic ? DeterministicChunks(p, kv_tiles) : kv_tiles;
+  const std::vector<int64_t> run_starts =
+      p.deterministic ? BalancedRuns(tile_costs, p.batch, kv_tiles, runs) : SingleTileRuns(p.batch, kv_tiles);
+
+  // One item per (batch, KV head, run); item.tile is the run.
   std::vector<WorkItem> items;
-  items.reserve(p.batch * p.num_kv_heads * kv_tiles);
+  items.reserve(p.batch * p.num_kv_heads * runs);
   for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t t = 0; t < kv_tiles; ++t) {
-      int64_t meeting = 0;
-      for (int64_t qt = 0; qt < q_tiles; ++qt) {
-        meeting += Meets(q_tile_keys[b * q_tiles + qt], t * kTileKV, (t + 1) * kTileKV);
-      }
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, h, t, meeting * group});
+    const int64_t* start = run_starts.data() + b * (runs + 1);
+    const int64_t* cost = tile_costs.data() + b * kv_tiles;
+    for (int64_t r = 0; r < runs; ++r) {
+      if (start[r] == start[r + 1]) continue;
+      const int64_t run_cost = std::accumulate(cost + start[r], cost + start[r + 1], int64_t{0}) * group;
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, h, r, run_cost});
     }
   }
   SortByCostDescending(&items);
   const int64_t workers = NumWorkers(scheduler, static_cast<int64_t>(items.size()));
-  const int64_t dq_size = p.batch * p.seqlen_q * p.num_heads * p.head_dim;
   std::vector<BackwardScratch> scratch(workers, BackwardScratch(p));
+
+  // The float32 partial dQs, [B, Sq, H, D] each. Default: one per worker, allocated on its first item, so the memory
+  // grows with the thread count and which KV tiles share a buffer depends on the scheduling. Deterministic: one per
+  // chunk, at most kMaxDqChunks whatever the thread count, each added to only by its chunk's items, which cover
+  // disjoint (batch, KV head) slices of it and walk their KV tiles in ascending order: every element of dQ gets the
+  // same additions in the same order on every run.
+  const int64_t dq_size = p.batch * p.seqlen_q * p.num_heads * p.head_dim;
+  std::vector<std::vector<float>> dq_parts(p.deterministic ? runs : workers);
+  if (p.deterministic) {  // zeroed in parallel, like the default's: first touching fresh pages is slow
+    ParallelFor(scheduler, runs, [&](int64_t chunk) { dq_parts[chunk].assign(dq_size, 0.0f); });
+  }
   ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
-    BackwardScratch& s = scratch[worker];
-    if (s.dq.empty()) s.dq.assign(dq_size, 0.0f);
-    BackwardKVTile<T, Variant>(args, s, q_tile_keys, items[i]);
+    const WorkItem& item = items[i];
+    std::vector<float>& dq_part = dq_parts[p.deterministic ? item.tile : worker];
+    if (!p.deterministic && dq_part.empty()) dq_part.assign(dq_size, 0.0f);
+    const int64_t* start = run_starts.data() + item.batch * (runs + 1);
+    for (int64_t t = start[item.tile]; t < start[item.tile + 1]; ++t) {
+      BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_keys, {item.batch, item.head, t, item.cost},
+                                 dq_part.data());
+    }
   });
 
-  // dQ = the sum of the workers' shares; every element is written, zero where no key contributed.
-  constexpr int64_t kChunk = 16384;
-  ParallelFor(scheduler, CeilDiv(dq_size, kChunk), [&](int64_t chunk) {
-    const int64_t begin = chunk * kChunk, end = std::min(dq_size, begin + kChunk);
+  // dQ = the partial dQs summed in index order; every element is written, zero where no key contributed.
+  constexpr int64_t kSumBlock = 16384;
+  ParallelFor(scheduler, CeilDiv(dq_size, kSumBlock), [&](int64_t block) {
+    const int64_t begin = block * kSumBlock, end = std::min(dq_size, begin + kSumBlock);
     for (int64_t e = begin; e < end; ++e) {
       float sum = 0.0f;
-      for (const BackwardScratch& s : scratch) sum += s.dq.empty() ? 0.0f : s.dq[e];
+      for (const std::vector<float>& part : dq_parts) sum += part.empty() ? 0.0f : part[e];
       args.dq[e] = FromFloat<T>(sum);
     }
   });

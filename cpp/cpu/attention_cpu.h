@@ -11,6 +11,9 @@ namespace te_jax::cpu {
 
 Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buffers, TaskScheduler* scheduler);
 
+// The CPU backward allocates its per-worker scratch itself on the host, so it needs no scratch from XLA.
+inline int64_t BackwardWorkspaceBytes(const AttentionParams&) { return 0; }
+
 Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, TaskScheduler* scheduler);
 
 }  // namespace te_jax::cpu
