@@ -1,8 +1,10 @@
-// The CPU extension module: hands Python the custom-call targets of both paths and the core functions the lowering
-// calls (bindings/core_functions.h).
+// The CPU extension module: hands Python the custom-call targets of both paths and the functions the lowering calls
+// (bindings/core_functions.h, and this backend's backward workspace size).
 #include <nanobind/nanobind.h>
 
 #include "bindings/core_functions.h"
+#include "bindings/params_from_python.h"
+#include "cpp/cpu/attention_cpu.h"
 #include "ffi/cpu_handlers.h"
 #include "legacy/cpu_legacy_handlers.h"
 
@@ -23,4 +25,10 @@ NB_MODULE(_te_jax_cpu, m) {
     return targets;
   });
   te_jax::bindings::DefineCoreFunctions(m);
+  m.def(
+      "backward_workspace_bytes",
+      [](const nb::dict& fields) {
+        return te_jax::cpu::BackwardWorkspaceBytes(te_jax::bindings::ParamsFromDict(fields));
+      },
+      nb::arg("params"));
 }

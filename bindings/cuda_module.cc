@@ -1,6 +1,7 @@
 // The CUDA extension module: the custom-call targets of both paths, the core's validation and descriptor packing (as
-// in the CPU module), and the JIT: prepare (lowering time: compile or find in the disk cache, then load), compile
-// (no GPU needed: CI and `python -m te_jax.aot`), and the kernel-root / NVRTC-path settings the Python layer makes.
+// in the CPU module), the backward workspace size, and the JIT: prepare (lowering time: compile or find in the disk
+// cache, then load), compile (no GPU needed: CI and `python -m te_jax.aot`), and the kernel-root / NVRTC-path settings
+// the Python layer makes.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -15,6 +16,7 @@
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/jit_cache.h"
 #include "cpp/cuda/kernel_registry.h"
+#include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/nvrtc_compiler.h"
 #include "cpp/validate.h"
 #include "ffi/cuda_handlers.h"
@@ -54,7 +56,8 @@ nb::dict ReportDict(const cuda::JitReport& r) {
   return d;
 }
 
-// {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"}.
+// {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
+// backward, optionally "deterministic" (bool, default false).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   cuda::KernelConfig c;
   c.direction = DirectionFromString(nb::cast<std::string>(d["direction"]));
@@ -70,6 +73,13 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   }
   c.softcap = nb::cast<bool>(d["softcap"]);
   c.alibi = nb::cast<bool>(d["alibi"]);
+  const bool deterministic = d.contains("deterministic") && nb::cast<bool>(d["deterministic"]);
+  if (deterministic && c.direction != cuda::Direction::kBackward) {
+    throw nb::value_error("deterministic applies to the backward direction only");
+  }
+  // The module a call with these options runs (the default backward is the deterministic one for large head dims).
+  c.deterministic = c.direction == cuda::Direction::kBackward &&
+                    (deterministic || !cuda::sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;
 }
@@ -82,6 +92,11 @@ NB_MODULE(_te_jax_cuda, m) {
   m.def("ffi_registrations", &bindings::FfiRegistrations);
   m.def("legacy_registrations", &bindings::LegacyRegistrations);
   bindings::DefineCoreFunctions(m);
+
+  m.def(
+      "backward_workspace_bytes",
+      [](const nb::dict& fields) { return cuda::BackwardWorkspaceBytes(bindings::ParamsFromDict(fields)); },
+      nb::arg("params"));
 
   m.def("set_kernel_root", &cuda::SetKernelRoot, nb::arg("root"));
   m.def("set_nvrtc_paths", &cuda::SetNvrtcSearchPaths, nb::arg("paths"));

@@ -47,6 +47,7 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   p.scale = nb::cast<float>(d["scale"]);
   p.softcap = nb::cast<float>(d["softcap"]);
   p.has_alibi = nb::cast<bool>(d["has_alibi"]);
+  p.deterministic = nb::cast<bool>(d["deterministic"]);
   return p;
 }
 
@@ -66,6 +67,7 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["scale"] = p.scale;
   d["softcap"] = p.softcap;
   d["has_alibi"] = p.has_alibi;
+  d["deterministic"] = p.deterministic;
   return d;
 }
 

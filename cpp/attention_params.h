@@ -29,6 +29,11 @@ struct AttentionParams {
   float scale = 0.0f;         // applied to q.k; the Python layer resolves the 1/sqrt(D) default
   float softcap = 0.0f;       // 0: off
   bool has_alibi = false;
+  // Backward only. false: the CUDA backward sums dq over key blocks with float atomics in one pass (fast; the order
+  // of the additions, and so dq's last bits, can differ between runs). true: a second pass recomputes each dq row in
+  // a fixed order (bitwise reproducible, ~1.4x the backward's work). The CPU backward likewise sums dq in an order that
+  // follows the thread scheduling unless this is set (then in chunks of key tiles fixed by the problem alone).
+  bool deterministic = false;
 };
 
 struct ForwardBuffers {
@@ -58,6 +63,10 @@ struct BackwardBuffers {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  // Scratch the backend needs for this call (BackwardWorkspaceBytes of the backend), an extra result of the custom
+  // call on both paths so XLA owns its memory; its contents are undefined on entry and on exit.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 };
 
 }  // namespace te_jax

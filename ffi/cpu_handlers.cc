@@ -26,9 +26,10 @@ class XlaPoolScheduler final : public cpu::TaskScheduler {
 ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, int64_t mask_type,
-                      int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi) {
+                      int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi,
+                      bool deterministic) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   XlaPoolScheduler scheduler(pool);
@@ -37,18 +38,20 @@ ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 }
 
 ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-                       ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
-                       ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                       ffi::Result<ffi::AnyBuffer> dv, int64_t mask_type, int64_t window_left, int64_t window_right,
-                       float scale, float softcap, bool has_alibi) {
+                       ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens,
+                       ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq,
+                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                       ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
+                       int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   XlaPoolScheduler scheduler(pool);
-  return ToFfiError(cpu::AttentionBackward(
-      params, BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *dq, *dk, *dv),
-      &scheduler));
+  return ToFfiError(cpu::AttentionBackward(params,
+                                           BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                                  alibi_slopes, *dq, *dk, *dv, *workspace),
+                                           &scheduler));
 }
 
 }  // namespace

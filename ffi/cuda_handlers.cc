@@ -16,9 +16,9 @@ namespace {
 ffi::Error ForwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seqlens,
                        ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, int64_t mask_type, int64_t window_left, int64_t window_right,
-                       float scale, float softcap, bool has_alibi) {
+                       float scale, float softcap, bool has_alibi, bool deterministic) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   return ToFfiError(cuda::AttentionForward(
@@ -28,15 +28,17 @@ ffi::Error ForwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 ffi::Error BackwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens,
                         ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, int64_t mask_type,
-                        int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi) {
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
+                        int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
-  return ToFfiError(cuda::AttentionBackward(
-      params, BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *dq, *dk, *dv),
-      stream));
+  return ToFfiError(cuda::AttentionBackward(params,
+                                            BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens,
+                                                                   kv_seqlens, alibi_slopes, *dq, *dk, *dv, *workspace),
+                                            stream));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ struct AttentionAttrs {
   float scale;
   float softcap;
   bool has_alibi;
+  bool deterministic;
 };
 
 inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype) {
@@ -82,6 +83,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.scale = attrs.scale;
   p.softcap = attrs.softcap;
   p.has_alibi = attrs.has_alibi;
+  p.deterministic = attrs.deterministic;
   *params = p;
   return Status::Ok();
 }
@@ -110,7 +112,8 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
                                               const xla::ffi::AnyBuffer& q_seqlens,
                                               const xla::ffi::AnyBuffer& kv_seqlens,
                                               const xla::ffi::AnyBuffer& alibi_slopes, xla::ffi::AnyBuffer& dq,
-                                              xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv) {
+                                              xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv,
+                                              xla::ffi::AnyBuffer& workspace) {
   BackwardBuffers b;
   b.q = q.untyped_data();
   b.k = k.untyped_data();
@@ -125,6 +128,8 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
   b.dq = dq.untyped_data();
   b.dk = dk.untyped_data();
   b.dv = dv.untyped_data();
+  b.workspace = workspace.untyped_data();
+  b.workspace_bytes = workspace.size_bytes();
   return b;
 }
 

@@ -24,7 +24,9 @@ void RunLegacyCpu(const char* target, void* out, const char* opaque, size_t opaq
   if (status.ok()) return;
   size_t bytes[kNumOutputs];
   output_bytes(params, bytes);
-  for (int i = 0; i < kNumOutputs; ++i) std::memset(outputs[i], 0xFF, bytes[i]);
+  for (int i = 0; i < kNumOutputs; ++i) {
+    if (bytes[i] > 0) std::memset(outputs[i], 0xFF, bytes[i]);  // a zero-size output may have no address
+  }
   RecordLegacyFailure(target, status);
 }
 
@@ -48,7 +50,8 @@ extern "C" void TeJaxLegacyAttentionBackwardCpu(void* out, const void** in, cons
   legacy::RunLegacyCpu<legacy::kBackwardOutputs>(
       "te_jax_attention_backward_cpu_legacy", out, opaque, opaque_len, legacy::BackwardOutputBytes,
       [&](const AttentionParams& params, void* const* outputs) {
-        return cpu::AttentionBackward(params, legacy::BackwardBuffersFromLegacy(in, outputs),
-                                      cpu::DefaultTaskScheduler());
+        return cpu::AttentionBackward(
+            params, legacy::BackwardBuffersFromLegacy(in, outputs, cpu::BackwardWorkspaceBytes(params)),
+            cpu::DefaultTaskScheduler());
       });
 }

@@ -52,6 +52,7 @@ extern "C" void TeJaxLegacyAttentionBackwardCuda(CUstream stream, void** buffers
   legacy::RunLegacyCuda<legacy::kBackwardInputs, legacy::kBackwardOutputs>(
       "te_jax_attention_backward_cuda_legacy", stream, buffers, opaque, opaque_len, legacy::BackwardOutputBytes,
       [&](const AttentionParams& params, const void* const* in, void* const* out) {
-        return cuda::AttentionBackward(params, legacy::BackwardBuffersFromLegacy(in, out), stream);
+        return cuda::AttentionBackward(
+            params, legacy::BackwardBuffersFromLegacy(in, out, cuda::BackwardWorkspaceBytes(params)), stream);
       });
 }

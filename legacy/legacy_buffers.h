@@ -13,7 +13,7 @@ namespace te_jax::legacy {
 inline constexpr int kForwardInputs = 6;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes
 inline constexpr int kForwardOutputs = 2;  // out, lse
 inline constexpr int kBackwardInputs = 10;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes
-inline constexpr int kBackwardOutputs = 3;  // dq, dk, dv
+inline constexpr int kBackwardOutputs = 4;  // dq, dk, dv, workspace
 
 inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* const* out) {
   ForwardBuffers b;
@@ -28,7 +28,9 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
   return b;
 }
 
-inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* const* out) {
+// Legacy buffers carry no sizes: `workspace_bytes` is the backend's BackwardWorkspaceBytes(params), the size the
+// lowering gave the workspace result from the same params.
+inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* const* out, int64_t workspace_bytes) {
   BackwardBuffers b;
   b.q = in[0];
   b.k = in[1];
@@ -43,10 +45,13 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
   b.dq = out[0];
   b.dk = out[1];
   b.dv = out[2];
+  b.workspace = out[3];
+  b.workspace_bytes = workspace_bytes;
   return b;
 }
 
-// Byte sizes of the outputs, in output order, for poisoning them on failure.
+// Bytes of each output to fill with 0xFF on failure, in output order: every result whole, none of the workspace
+// (scratch that nothing reads).
 inline void ForwardOutputBytes(const AttentionParams& p, size_t bytes[kForwardOutputs]) {
   bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim_v) * DTypeSize(p.dtype);
   bytes[1] = static_cast<size_t>(p.batch * p.num_heads * p.seqlen_q) * sizeof(float);
@@ -57,6 +62,7 @@ inline void BackwardOutputBytes(const AttentionParams& p, size_t bytes[kBackward
   bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim) * elem;
   bytes[1] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim) * elem;
   bytes[2] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim_v) * elem;
+  bytes[3] = 0;
 }
 
 }  // namespace te_jax::legacy

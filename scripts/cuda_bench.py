@@ -1,7 +1,9 @@
 """te_jax CUDA fused attention vs jax.nn.dot_product_attention(implementation="cudnn"), timed the same way: N calls
 dispatched back to back, one block at the end, best of R repeats. bf16, b * s = 16k tokens, hidden 2048 (h = 2048 / d).
 FLOPs: forward 4 * b * h * s^2 * d (halved when causal); fwd+bwd 3.5x forward (2 + 5 matrix products).
-Usage: python scripts/cuda_bench.py [--seqs 512,2048,8192,16384] [--dims 64,128,256] [--json out.json]"""
+te_jax's backward is the default one (dq summed with float atomics); --deterministic also times fused_attn(...,
+deterministic=True) forward+backward.
+Usage: python scripts/cuda_bench.py [--seqs 512,2048,8192,16384] [--dims 64,128,256] [--deterministic] [--json out.json]"""
 
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ def timed(fn, args, n=30, repeats=3):
 
 
 def make_fns(impl, causal):
-  if impl == "te_jax":
-    attn = lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal" if causal else "no_mask")
+  if impl.startswith("te_jax"):
+    attn = lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal" if causal else "no_mask",
+                                             deterministic=impl == "te_jax_det")
   else:
     attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
   fwd = jax.jit(attn)
@@ -49,6 +52,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--seqs", default="512,1024,2048,4096,8192,16384")
   p.add_argument("--dims", default="64,128,256")
+  p.add_argument("--deterministic", action="store_true")
   p.add_argument("--json", default="")
   a = p.parse_args()
   rows = []
@@ -61,10 +65,11 @@ def main():
       for causal in (False, True):
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
         res = {}
-        for impl in ("te_jax", "cudnn"):
+        for impl in ("te_jax", "cudnn") + (("te_jax_det",) if a.deterministic else ()):
           fwd, fwd_bwd = make_fns(impl, causal)
           try:
-            res[impl] = (timed(fwd, (q, k, v)), timed(fwd_bwd, (q, k, v, do)))
+            # The deterministic flag changes only the backward.
+            res[impl] = (float("nan") if impl == "te_jax_det" else timed(fwd, (q, k, v)), timed(fwd_bwd, (q, k, v, do)))
           except Exception as e:  # noqa: BLE001
             print(f"{impl} d={d} s={s} causal={causal} failed: {type(e).__name__}: {str(e)[:200]}")
             res[impl] = (float("nan"), float("nan"))
@@ -73,10 +78,15 @@ def main():
                    te_fb=3.5 * flops / res["te_jax"][1] / 1e12, cudnn_fb=3.5 * flops / res["cudnn"][1] / 1e12)
         row["ratio_fwd"] = row["te_fwd"] / row["cudnn_fwd"]
         row["ratio_fb"] = row["te_fb"] / row["cudnn_fb"]
+        det = ""
+        if a.deterministic:
+          row["te_det_fb"] = 3.5 * flops / res["te_jax_det"][1] / 1e12
+          row["ratio_det_fb"] = row["te_det_fb"] / row["cudnn_fb"]
+          det = f" | deterministic fwd+bwd {row['te_det_fb']:6.1f} ratio {row['ratio_det_fb']:.2f}"
         rows.append(row)
         print(f"d={d:3d} s={s:5d} causal={int(causal)}  fwd te {row['te_fwd']:6.1f} cudnn {row['cudnn_fwd']:6.1f} "
               f"ratio {row['ratio_fwd']:.2f} | fwd+bwd te {row['te_fb']:6.1f} cudnn {row['cudnn_fb']:6.1f} "
-              f"ratio {row['ratio_fb']:.2f}  (TFLOP/s)", flush=True)
+              f"ratio {row['ratio_fb']:.2f}{det}  (TFLOP/s)", flush=True)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,

@@ -1,5 +1,6 @@
 """A tiny forward + backward run for compute-sanitizer (memcheck / racecheck): ragged padding + causal + window + GQA +
-softcap + ALiBi, and a D != Dv causal case. Exit status 1 on non-finite results."""
+softcap + ALiBi, and a D != Dv causal case, each with both backwards (atomic dq and deterministic). Exit status 1 on
+non-finite results."""
 import sys
 
 import jax
@@ -10,13 +11,15 @@ import te_jax
 import te_jax._cuda  # noqa: F401
 
 ok = True
-for d, dv, mask, extra in ((64, 64, "padding_causal", True), (40, 72, "causal_bottom_right", False)):
+for (d, dv, mask, extra), deterministic in ((case, det) for case in ((64, 64, "padding_causal", True),
+                                                                   (40, 72, "causal_bottom_right", False))
+                                            for det in (False, True)):
   rng = np.random.default_rng(0)
   b, sq, skv, h, hkv = 2, 70, 90, 4, 2
   q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
   k = jnp.asarray(rng.standard_normal((b, skv, hkv, d)), jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((b, skv, hkv, dv)), jnp.bfloat16)
-  kw = dict(mask_type=mask)
+  kw = dict(mask_type=mask, deterministic=deterministic)
   if extra:
     kw.update(q_seqlens=jnp.asarray([70, 33], jnp.int32), kv_seqlens=jnp.asarray([90, 41], jnp.int32),
               window_size=(20, 5), softcap=15.0, alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.2, (h,)), jnp.float32))

@@ -47,7 +47,8 @@ import jax, jax.numpy as jnp, te_jax, te_jax._cuda
 from te_jax import _te_jax_cuda as ext
 t_import = time.perf_counter() - t
 p = dict(batch=1, seqlen_q=128, seqlen_kv=128, num_heads=2, num_kv_heads=2, head_dim=128, head_dim_v=128, dtype=1,
-         mask_type=1, window_left=-1, window_right=-1, scale=0.1, softcap=0.0, has_alibi=False)
+         mask_type=1, window_left=-1, window_right=-1, scale=0.1, softcap=0.0, has_alibi=False,
+         deterministic=False)
 jax.devices()
 t = time.perf_counter(); r = ext.prepare(p, "forward"); t_fwd = time.perf_counter() - t
 t = time.perf_counter(); r2 = ext.prepare(p, "backward"); t_bwd = time.perf_counter() - t

@@ -25,7 +25,9 @@ CASES = [
 
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
 
-CONFIGS = sorted({(direction, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
-                  for c in CASES for direction in ("forward", "backward")})
-CONFIGS = [dict(direction=dr, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
-           for dr, dt, d, dv, sc, al in CONFIGS]
+# Both backward kinds: the GPU tests run every case with deterministic=False and True.
+CONFIGS = sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
+                  for c in CASES
+                  for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})
+CONFIGS = [dict(direction=dr, deterministic=det, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
+           for dr, det, dt, d, dv, sc, al in CONFIGS]

@@ -1,9 +1,11 @@
 """The forward and backward attention primitives: abstract evaluation, lowering to either custom-call path, and the
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
-Operands, in the order the C++ handlers bind them (ffi/cpu_handlers.cc, legacy/legacy_buffers.h):
+Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
   forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes            -> out, lse
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv, workspace
+The backward custom call's last result, uint8 [backend.extension.backward_workspace_bytes(params)], is the backend's
+scratch (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitive returns dq, dk, dv.
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
   path = current_custom_call_path()
   target = backend.target_name(direction, path)
   if path == "ffi":
-    return jax.ffi.ffi_lowering(target)(ctx, *operands, **config.ffi_attributes())
-  descriptor = backend.extension.pack_descriptor(params)
-  return jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)(
-      ctx, *operands)
+    lowering, attributes = jax.ffi.ffi_lowering(target), config.ffi_attributes()
+  else:
+    descriptor = backend.extension.pack_descriptor(params)
+    lowering = jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)
+    attributes = {}
+  if direction == "forward":
+    return lowering(ctx, *operands, **attributes)
+  workspace = jax.core.ShapedArray((backend.extension.backward_workspace_bytes(params),), jnp.uint8)
+  return lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *operands, **attributes)[:-1]
 
 
 def register_lowering(platform: str) -> None:

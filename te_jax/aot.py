@@ -19,13 +19,16 @@ COMMON_HEAD_DIMS = [(64, 64), (128, 128), (256, 256)]
 
 
 def config_set(name: str, arch: str) -> list[dict]:
-  """Named sets: 'common' (bf16/fp16, D = Dv in 64/128/256, every variant, both directions), 'all-head-dims' (bf16,
-  every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'."""
+  """Named sets: 'common' (bf16/fp16, D = Dv in 64/128/256, every variant, every direction), 'all-head-dims' (bf16,
+  every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'.
+  Directions: forward, backward and the deterministic backward."""
   def make(direction, dtype, d, dv, softcap=False, alibi=False):
-    return dict(direction=direction, dtype=DTYPES[dtype], head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi,
-                arch=arch)
+    kind, _, det = direction.partition("-")
+    return dict(direction=kind, dtype=DTYPES[dtype], head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi,
+                deterministic=det == "deterministic", arch=arch)
 
-  both = ("forward", "backward")
+  # The backward's two module kinds: atomic dq (the default) and fused_attn(deterministic=True).
+  both = ("forward", "backward", "backward-deterministic")
   if name == "common":
     return [make(dr, dt, d, dv, sc, al) for dr, dt, (d, dv), (sc, al) in
             itertools.product(both, DTYPES, COMMON_HEAD_DIMS, VARIANTS)]

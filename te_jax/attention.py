@@ -20,8 +20,9 @@ MAX_HEAD_DIM = 256  # cpp/validate.h: kMaxHeadDim
 
 def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None, kv_seqlens=None,
                window_size: tuple[int, int] = (-1, -1), scale: float | None = None, softcap: float = 0.0,
-               alibi_slopes=None, return_lse: bool = False, context_parallel_axis: str | None = None,
-               context_parallel_strategy: str = "all_gather", context_parallel_load_balanced: bool = False):
+               alibi_slopes=None, return_lse: bool = False, deterministic: bool = False,
+               context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
+               context_parallel_load_balanced: bool = False):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -35,6 +36,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     softcap: if > 0, logits become softcap * tanh(logits / softcap).
     alibi_slopes: float32 [H] or [B, H]; adds slope * (key position - query position) to the logits.
     return_lse: also return the float32 log-sum-exp of the logits, [B, H, Sq].
+    deterministic: whether the backward must be bitwise reproducible. False (fast): the CUDA backward sums dq with
+      float atomics (for D + Dv <= 256) and the CPU backward in an order that follows its thread scheduling, so dq's
+      last bits may differ from run to run. True: the same bits every run, whatever the thread count; slower.
     context_parallel_axis: name of a mesh axis the sequence dimension of q, k and v is sharded over (context
       parallelism; needs a mesh in context: `with jax.set_mesh(mesh)`, or shard_map). None: no context parallelism
       (batch and head sharding work without it). See docs/SHARDING.md.
@@ -54,11 +58,12 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   q_seqlens = _seqlens_operand(q_seqlens, "q_seqlens", mask, batch, seqlen_q)
   kv_seqlens = _seqlens_operand(kv_seqlens, "kv_seqlens", mask, batch, seqlen_kv)
   window_left, window_right = _check_window(window_size)
-  if not isinstance(return_lse, (bool, np.bool_)):
-    raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+  for flag, name in ((return_lse, "return_lse"), (deterministic, "deterministic")):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
   config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
-                           has_alibi=alibi_slopes is not None)
+                           has_alibi=alibi_slopes is not None, deterministic=bool(deterministic))
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
   if cp is not None:

@@ -21,12 +21,14 @@ class AttentionConfig:
   scale: float
   softcap: float
   has_alibi: bool
+  deterministic: bool = False  # backward only: a bitwise reproducible dq (see fused_attn)
 
   def ffi_attributes(self) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs)."""
     return dict(mask_type=np.int64(int(self.mask_type)), window_left=np.int64(self.window_left),
                 window_right=np.int64(self.window_right), scale=np.float32(self.scale),
-                softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi))
+                softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
+                deterministic=bool(self.deterministic))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype) -> dict:
     """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them)."""
@@ -34,4 +36,5 @@ class AttentionConfig:
     return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=k_shape[1], num_heads=num_heads, num_kv_heads=k_shape[2],
                 head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
                 mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
-                scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi))
+                scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi),
+                deterministic=bool(self.deterministic))

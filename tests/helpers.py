@@ -60,6 +60,7 @@ class Case:
   kv_seqlens: tuple[int, ...] | None = None
   return_lse: bool = True
   with_dlse: bool = False  # with return_lse: a random cotangent for lse too (else zeros, i.e. a loss of out only)
+  deterministic: bool = False
   dtype: str = "float32"
   seed: int = 0
 
@@ -87,6 +88,8 @@ class Case:
       parts.append("nolse")
     elif self.with_dlse:
       parts.append("dlse")
+    if self.deterministic:
+      parts.append("det")
     return "-".join(parts)
 
   def replace(self, **kw) -> "Case":
@@ -132,7 +135,8 @@ def make_inputs(case: Case) -> Inputs:
 
 
 def attn_kwargs(case: Case, inputs: Inputs) -> dict:
-  kw = dict(mask_type=case.mask, window_size=case.window, softcap=case.softcap, return_lse=case.return_lse)
+  kw = dict(mask_type=case.mask, window_size=case.window, softcap=case.softcap, return_lse=case.return_lse,
+            deterministic=case.deterministic)
   if case.scale is not None:
     kw["scale"] = case.scale
   if inputs.alibi is not None:

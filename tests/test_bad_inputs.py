@@ -143,6 +143,10 @@ BAD = [
     ("return_lse_int", _with(return_lse=1), TypeError, r"return_lse must be a bool"),
     ("return_lse_str", _with(return_lse="yes"), TypeError, r"return_lse must be a bool"),
     ("return_lse_none", _with(return_lse=None), TypeError, r"return_lse must be a bool"),
+    # deterministic
+    ("deterministic_int", _with(deterministic=1), TypeError, r"deterministic must be a bool"),
+    ("deterministic_str", _with(deterministic="true"), TypeError, r"deterministic must be a bool"),
+    ("deterministic_none", _with(deterministic=None), TypeError, r"deterministic must be a bool"),
 ]
 
 
@@ -181,6 +185,7 @@ GOOD = [
     ("seqlens_lists", dict(mask_type="padding", q_seqlens=[1, 2], kv_seqlens=(3, 4))),
     ("alibi_h_bf16", dict(alibi_slopes=_arr(H).astype(BF16))),
     ("return_lse_numpy_bool", dict(return_lse=np.bool_(True))),
+    ("deterministic_numpy_bool", dict(deterministic=np.bool_(True))),
     ("padding_edges", dict(mask_type="padding", q_seqlens=_seqlens(0, SQ), kv_seqlens=_seqlens(SKV, 0))),
     ("padding_uint8", dict(mask_type="padding", q_seqlens=_seqlens(1, 2, dtype=np.uint8),
                            kv_seqlens=_seqlens(3, 4, dtype=np.int64))),

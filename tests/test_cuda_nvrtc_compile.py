@@ -30,9 +30,11 @@ def cache_dir(tmp_path, monkeypatch):
 
 def test_ci_configurations_compile(cache_dir):
   _nvrtc_or_skip()
-  configs = aot.config_set("ci", "sm_90a") + aot.config_set("ci", "sm_80")[:2]
+  # sm_80 too (no vector float atomics there), on the cheapest head dim.
+  configs = aot.config_set("ci", "sm_90a") + [c for c in aot.config_set("ci", "sm_80") if c["head_dim"] == 8]
   assert aot.compile_all(configs, jobs=os.cpu_count() or 1, log=lambda s: None) == []
-  assert len(list(pathlib.Path(cache_dir).glob("*.cubin"))) == len(configs)
+  # Configurations that run the same module (e.g. both backwards at d = 256) share one cubin.
+  assert len(list(pathlib.Path(cache_dir).glob("*.cubin"))) == len({ext.kernel_name(c) for c in configs})
 
 
 def _fresh_process_compile(config, env):

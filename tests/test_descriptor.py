@@ -1,7 +1,8 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version | u16 size | 9 x i64 | 2 x f32 | 4 x u8 | u32 FNV-1a.
+Wire format, little-endian: u32 magic "TEJD" | u16 version (2) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
+u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic) | u32 FNV-1a.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "he
               "window_right")
 
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
-              mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True)
+              mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
+              deterministic=True)
 
 
 def fnv1a(data: bytes) -> int:
@@ -30,11 +32,13 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=1, size=SIZE, magic=b"TEJD", reserved=0, **overrides) -> bytes:
-  """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`)."""
+def craft(version=2, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+  """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
+  replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
+  flags = int(p["deterministic"]) if flags is None else flags
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
-                     p["dtype"], p["mask_type"], int(p["has_alibi"]), reserved)
+                     p["dtype"], p["mask_type"], int(p["has_alibi"]), flags)
   return body + struct.pack("<I", fnv1a(body))
 
 
@@ -46,10 +50,10 @@ def packed() -> bytes:
 def test_size_and_layout(packed):
   assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 96
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 1 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 2 and fields[2] == SIZE
   assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
-  assert fields[14:18] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 0)
+  assert fields[14:18] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1)
   assert fields[18] == fnv1a(packed[:-4])
   # The Python encoder here agrees with the C++ one byte for byte.
   assert craft() == packed
@@ -57,7 +61,7 @@ def test_size_and_layout(packed):
 
 @pytest.mark.parametrize("params", [
     PARAMS,
-    dict(PARAMS, dtype=0, mask_type=0, has_alibi=False, window_left=-1, softcap=0.0),
+    dict(PARAMS, dtype=0, mask_type=0, has_alibi=False, window_left=-1, softcap=0.0, deterministic=False),
     dict(PARAMS, dtype=2, mask_type=2, batch=0, seqlen_q=0, window_left=0, window_right=0),
     dict(PARAMS, batch=2**40, seqlen_kv=2**62, window_right=2**31, scale=np.float32(1e-3).item()),
 ], ids=["typical", "defaults", "zeros", "large"])
@@ -150,7 +154,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 1, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 2, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -158,26 +162,42 @@ def test_fuzz_valid_header_random_body():
 
 
 def test_fuzz_random_fields_with_valid_checksum():
-  """Correctly checksummed descriptors with random enum bytes decode iff every enum is in range."""
+  """Correctly checksummed descriptors with random enum and flags bytes decode iff every enum is in range and no
+  unknown flag is set."""
   rng = np.random.default_rng(11)
   for _ in range(2000):
-    dtype, mask, alibi, reserved = (int(x) for x in rng.integers(0, 256, 4))
+    dtype, mask, alibi, flags = (int(x) for x in rng.integers(0, 256, 4))
     if rng.random() < 0.5:  # make in-range values common too
-      dtype, mask, alibi, reserved = dtype % 3, mask % 6, alibi % 2, 0
-    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, reserved=reserved)
-    valid = dtype < 3 and mask < 6 and alibi < 2 and reserved == 0
-    if valid:
+      dtype, mask, alibi, flags = dtype % 3, mask % 6, alibi % 2, flags % 2
+    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags)
+    if dtype < 3 and mask < 6 and alibi < 2 and flags < 2:
       back = te_jax_cpu.unpack_descriptor(data)
-      assert (back["dtype"], back["mask_type"], back["has_alibi"]) == (dtype, mask, bool(alibi))
+      assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"]) == (
+          dtype, mask, bool(alibi), bool(flags))
     else:
-      with pytest.raises(ValueError, match="out-of-range enum"):
+      with pytest.raises(ValueError, match="out-of-range enum|flags has unknown bits"):
         te_jax_cpu.unpack_descriptor(data)
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+# 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False).
+@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported"):
-    te_jax_cpu.unpack_descriptor(craft(version=version))
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 2"):
+    te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_is_flags_bit_0(deterministic):
+  data = te_jax_cpu.pack_descriptor(dict(PARAMS, deterministic=deterministic))
+  assert struct.unpack(FORMAT, data)[17] == int(deterministic)
+  assert te_jax_cpu.unpack_descriptor(data)["deterministic"] is deterministic
+
+
+@pytest.mark.parametrize("flags", [0x02, 0x03, 0x80, 0xFF])
+def test_unknown_flag_bits_raise(flags):
+  with pytest.raises(ValueError, match=rf"legacy descriptor field flags has unknown bits set \({flags}\); only bit 0, "
+                                       r"deterministic, is defined"):
+    te_jax_cpu.unpack_descriptor(craft(flags=flags))
 
 
 def test_correct_version_crafted_decodes():
@@ -185,7 +205,7 @@ def test_correct_version_crafted_decodes():
 
 
 @pytest.mark.parametrize("field,value", [("dtype", 3), ("dtype", 255), ("mask_type", 6), ("mask_type", 200),
-                                         ("has_alibi", 2), ("reserved", 1)])
+                                         ("has_alibi", 2)])
 def test_enum_out_of_range_with_valid_checksum_raises(field, value):
   with pytest.raises(ValueError, match="out-of-range enum"):
     te_jax_cpu.unpack_descriptor(craft(**{field: value}))
@@ -270,18 +290,20 @@ def _bad_descriptor_call(descriptor: bytes):
 
 
 MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, dtype=0,
-                mask_type=0, window_left=-1, window_right=-1, scale=0.5, softcap=0.0, has_alibi=False)
+                mask_type=0, window_left=-1, window_right=-1, scale=0.5, softcap=0.0, has_alibi=False,
+                deterministic=False)
 
 
 @pytest.mark.parametrize("descriptor,match", [
     (b"", "truncated: 0 bytes"),
     (b"TEJD", "truncated: 4 bytes"),
     (b"x" * SIZE, "wrong magic"),
-    (craft(version=2), "version 2"),
+    (craft(version=1), "version 1"),
     (craft(mask_type=9), "out-of-range enum"),
+    (craft(flags=0x10), "flags has unknown bits"),
     (te_jax_cpu.pack_descriptor(MATCHING)[:-1] + b"\0", "checksum"),
     (te_jax_cpu.pack_descriptor(MATCHING) + b"\0", "size mismatch"),
-], ids=["empty", "header_only", "garbage", "version", "enum", "checksum", "oversize"])
+], ids=["empty", "header_only", "garbage", "version", "enum", "flags", "checksum", "oversize"])
 def test_legacy_handler_refuses_bad_descriptor(descriptor, match, no_pending_legacy_failures):
   import te_jax
 

@@ -1,5 +1,7 @@
 #include "cpp/cuda/attention_cuda.h"
 
+#include <string>
+
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
@@ -78,25 +80,53 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
                 module->smem_bytes[0], stream, &args);
 }
 
+namespace {
+
+// The default backward sums dq with atomics where that pays (tile_size.h); the deterministic kernels run otherwise.
+bool AccumulatesDq(const AttentionParams& p) {
+  return !p.deterministic &&
+         sm80::BackwardAccumulatesDq(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+}
+
+}  // namespace
+
+int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
+  if (!AccumulatesDq(p)) return 0;
+  const sm80::DqAccumLayout l =
+      sm80::BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+  const int64_t rows = (p.seqlen_q + l.row_block - 1) / l.row_block * l.row_block;
+  return p.batch * p.num_heads * l.slices * rows * l.cols * static_cast<int64_t>(sizeof(float));
+}
+
 Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
   TE_JAX_RETURN_IF_ERROR(CheckCudaLimits(p));
+  const int64_t workspace_bytes = BackwardWorkspaceBytes(p);
+  if (b.workspace_bytes < workspace_bytes) {
+    return Status::InvalidArgument("the backward's workspace has " + std::to_string(b.workspace_bytes) +
+                                   " bytes; this call needs " + std::to_string(workspace_bytes));
+  }
   const DriverApi* driver = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
   const LoadedModule* module = nullptr;
   TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kBackward, &module));
-  BackwardArgs args{MakeShape(p), b.q,          b.k,         b.v,    b.out,  b.lse, b.dout, b.dlse,
-                    b.q_seqlens,  b.kv_seqlens, b.alibi_slopes, b.dq, b.dk, b.dv, static_cast<float*>(b.dq)};
+  const bool accumulate_dq = AccumulatesDq(p);
+  float* dq_accum = accumulate_dq ? static_cast<float*>(b.workspace) : nullptr;
+  BackwardArgs args{MakeShape(p), b.q,          b.k,         b.v,            b.out, b.lse, b.dout, b.dlse, b.q_seqlens,
+                    b.kv_seqlens, b.alibi_slopes, b.dq, b.dk, b.dv, static_cast<float*>(b.dq), dq_accum};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
-  const int64_t rows = p.batch * p.seqlen_q * p.num_heads;
-  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess",
-                                CeilDiv(rows, sm80::kPreprocessThreads / 32), 1, 1, sm80::kPreprocessThreads,
-                                module->smem_bytes[0], stream, &args));
-  const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv);
+  const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, sm80::kRowKernelThreads / 32);
+  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess", row_blocks, 1, 1,
+                                sm80::kRowKernelThreads, module->smem_bytes[0], stream, &args));
+  const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv, accumulate_dq);
   // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, dkdv.block_m),
                                 static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch * dkdv.slices),
                                 32 * dkdv.warps, module->smem_bytes[1], stream, &args));
+  if (accumulate_dq) {
+    return Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
+                  sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args);
+  }
   const sm80::TileSize dq = sm80::BackwardDqTileSize(d, dv);
   return Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, dq.block_m),
                 static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * dq.warps,

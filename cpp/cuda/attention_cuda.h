@@ -12,6 +12,9 @@
 namespace te_jax::cuda {
 
 Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buffers, CUstream stream);
+// Bytes of BackwardBuffers::workspace the backward of `params` needs (0 when deterministic).
+int64_t BackwardWorkspaceBytes(const AttentionParams& params);
+
 Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, CUstream stream);
 
 // Lowering-time preparation: compiles (or finds in the disk cache) and loads the module of this configuration for

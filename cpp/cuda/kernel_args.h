@@ -54,6 +54,8 @@ struct BackwardArgs {
   // twice as many): the preprocess kernel writes it, the dk/dv kernel reads it, and only then the dq kernel, which
   // recomputes its own rows' delta, overwrites the buffer with dq.
   float* delta_scratch;
+  // The non-deterministic backward's float [B, Sq, H, D] dq accumulator (the call's workspace); null otherwise.
+  float* dq_accum;
 };
 
 }  // namespace te_jax::cuda

@@ -1,11 +1,15 @@
 #include "cpp/cuda/kernel_config.h"
 
+#include "cpp/cuda/kernels/sm80/tile_size.h"
+
 namespace te_jax::cuda {
 namespace {
 
 const char* const kForwardEntries[] = {"te_jax_attention_forward"};
-const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv",
-                                        "te_jax_attention_backward_dq"};
+const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
+                                        "te_jax_attention_backward_dq_convert"};
+const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
+                                                     "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq"};
 
 const char* VariantName(bool softcap, bool alibi) {
   if (softcap) return alibi ? "softcap_alibi" : "softcap";
@@ -14,17 +18,18 @@ const char* VariantName(bool softcap, bool alibi) {
 
 }  // namespace
 
-const char* const* KernelConfig::EntryPoints(Direction direction, int* count) {
+const char* const* KernelConfig::EntryPoints(int* count) const {
   if (direction == Direction::kForward) {
     *count = 1;
     return kForwardEntries;
   }
   *count = 3;
-  return kBackwardEntries;
+  return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
 }
 
 std::string KernelConfig::Name() const {
-  return std::string(direction == Direction::kForward ? "fwd" : "bwd") + "_" +
+  const char* kind = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
+  return std::string(kind) + "_" +
          (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" + std::to_string(head_dim) + "_dv" +
          std::to_string(head_dim_v) + "_" + VariantName(softcap, alibi) + "_" + arch;
 }
@@ -41,16 +46,21 @@ std::string KernelConfig::RenderSource() const {
            "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"
            "te_jax_attention_forward(const te_jax::cuda::ForwardArgs args) { Fwd::Run(args); }\n";
   } else {
+    const std::string dq_kernel = deterministic ? "Dq" : "DqConvert";
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
-           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + std::to_string(head_dim_v) + ">;\n"
-           "using DkDv = te_jax::cuda::sm80::BackwardDkDvKernel<" + element + ", " + dims + ", " + variant + ">;\n"
-           "using Dq = te_jax::cuda::sm80::BackwardDqKernel<" + element + ", " + dims + ", " + variant + ">;\n"
-           "extern \"C\" __global__ void __launch_bounds__(Pre::kThreads)\n"
-           "te_jax_attention_backward_preprocess(const te_jax::cuda::BackwardArgs args) { Pre::Run(args); }\n"
-           "extern \"C\" __global__ void __launch_bounds__(DkDv::kThreads)\n"
-           "te_jax_attention_backward_dkdv(const te_jax::cuda::BackwardArgs args) { DkDv::Run(args); }\n"
-           "extern \"C\" __global__ void __launch_bounds__(Dq::kThreads)\n"
-           "te_jax_attention_backward_dq(const te_jax::cuda::BackwardArgs args) { Dq::Run(args); }\n";
+           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims + ">;\n"
+           "using DkDv = te_jax::cuda::sm80::BackwardDkDvKernel<" + element + ", " + dims + ", " + variant + ", " +
+           (deterministic ? "false" : "true") + ">;\n";
+    src += deterministic
+               ? "using Dq = te_jax::cuda::sm80::BackwardDqKernel<" + element + ", " + dims + ", " + variant + ">;\n"
+               : "using DqConvert = te_jax::cuda::sm80::BackwardDqConvertKernel<" + element + ", " + dims + ">;\n";
+    int count = 0;
+    const char* const* entries = EntryPoints(&count);
+    const std::string kernels[] = {"Pre", "DkDv", dq_kernel};
+    for (int i = 0; i < count; ++i) {
+      src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
+             "(const te_jax::cuda::BackwardArgs args) { " + kernels[i] + "::Run(args); }\n";
+    }
   }
   return src;
 }
@@ -63,6 +73,8 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.head_dim_v = static_cast<int>(params.head_dim_v);
   c.softcap = params.softcap > 0.0f;
   c.alibi = params.has_alibi;
+  c.deterministic = direction == Direction::kBackward &&
+                    (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
   c.arch = arch;
   return c;
 }

@@ -1,5 +1,6 @@
 // One JIT configuration: what a compiled kernel module is specialised on. Masks, windows, lengths, scale and softcap
-// value are run-time arguments, so the set of modules is small: direction x dtype x (D, Dv) x variant x arch.
+// value are run-time arguments, so the set of modules is small: direction (forward, backward, deterministic backward)
+// x dtype x (D, Dv) x variant x arch.
 // A configuration renders to a readable name (e.g. "fwd_bf16_d128_dv128_softcap_sm90a") and to a small translation
 // unit that instantiates the sm80-family templates.
 #pragma once
@@ -20,12 +21,14 @@ struct KernelConfig {
   int head_dim_v = 0;
   bool softcap = false;
   bool alibi = false;
+  bool deterministic = false;  // backward only: the three-kernel backward without atomics (kernels/sm80/attention_bwd.cuh)
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
 
   std::string Name() const;
   std::string RenderSource() const;
-  // Entry points of the module, in launch order (forward: 1, backward: preprocess, dk/dv, dq).
-  static const char* const* EntryPoints(Direction direction, int* count);
+  // Entry points of the module, in launch order (forward: 1; backward: preprocess, dk/dv + dq, dq conversion;
+  // deterministic backward: preprocess, dk/dv, dq).
+  const char* const* EntryPoints(int* count) const;
 };
 
 KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);

@@ -82,8 +82,8 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.direction == Direction::kForward) return sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v);
-  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v);
-  if (index == 2) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v);
+  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
+  if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v);
   return 0;
 }
 
@@ -118,7 +118,7 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
       return Status::Internal("cannot load te_jax kernel " + config.Name() + ": " + driver->ErrorString(r));
     }
     int count = 0;
-    const char* const* names = KernelConfig::EntryPoints(config.direction, &count);
+    const char* const* names = config.EntryPoints(&count);
     for (int i = 0; i < count; ++i) {
       r = driver->cuLibraryGetKernel(&entry->module.kernels[i], entry->library, names[i]);
       if (r != CUDA_SUCCESS) {

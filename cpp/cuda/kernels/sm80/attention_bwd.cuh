@@ -1,18 +1,25 @@
-// Backward flash attention, sm80 family. Three kernels, launched in this order on one stream:
-//   1. Preprocess: delta_i - dlse_i (delta_i = rowsum(dout * out)) into a float scratch that aliases dq.
-//   2. DkDv: a CTA owns 16 * kWarps keys of one kv head, visits every query tile (of every head of its GQA group) that
-//      sees them and accumulates dk, dv in registers: s^T = k q^T, p^T = exp(s^T - lse), dp^T = v dout^T,
-//      ds^T = p^T (dp^T - delta + dlse) dlogit, dv += p^T dout, dk += ds^T q. No atomics: GQA sums stay in registers.
-//   3. Dq: a CTA owns 16 * kWarps queries and visits their key tiles: dq += ds k (recomputing s and dp), then writes dq
-//      over the scratch (kernel 2 has finished with it by stream order; each CTA recomputes its own rows' delta).
-// Deterministic: every output element is written once by one thread, in a fixed summation order.
+// Backward flash attention, sm80 family. Launched in order on one stream, either
+//   deterministic: 1. Preprocess: delta_i - dlse_i (delta_i = rowsum(dout * out)) into a float scratch that aliases dq.
+//     2. DkDv: a CTA owns 16 * kWarps keys of one kv head, visits every query tile (of every head of its GQA group) that
+//        sees them and accumulates dk, dv in registers: s^T = k q^T, p^T = exp(s^T - lse), dp^T = v dout^T,
+//        ds^T = p^T (dp^T - delta + dlse) dlogit, dv += p^T dout, dk += ds^T q. No atomics: GQA sums stay in registers.
+//     3. Dq: a CTA owns 16 * kWarps queries and visits their key tiles: dq += ds k (recomputing s and dp), then writes
+//        dq over the scratch (kernel 2 has finished with it by stream order; each CTA recomputes its own rows' delta).
+//     Every output element is written once by one thread, in a fixed summation order.
+//   or fast (the default): 1. Preprocess as above, which also zeroes a float dq accumulator (the call's workspace).
+//     2. DkDv with kAccumulateDq: as above, and each step stages ds^T in shared memory and adds its ds k to the
+//        accumulator with float atomics (FlashAttention-2's scheme): s and dp are computed once, not twice, at the
+//        price of an addition order, and so dq's last bits, that vary between runs.
+//     3. DqConvert: the accumulator to dq's element type.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/sm80/block_range.h"
+#include "cpp/cuda/kernels/sm80/bulk_reduce.h"
 #include "cpp/cuda/kernels/sm80/online_softmax.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/cuda/kernels/sm80/warp_gemm.h"
 
 namespace te_jax::cuda::sm80 {
 
@@ -35,40 +42,120 @@ struct ProbabilityGrad {
   }
 };
 
+// Adds (lo, hi) to two adjacent floats in global memory without reading them back (sm90: one vector reduction).
+__device__ __forceinline__ void RedAddPair(float* p, float lo, float hi) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(lo), "f"(hi) : "memory");
+#else
+  atomicAdd(p, lo);
+  atomicAdd(p + 1, hi);
+#endif
+}
+
+// Rows of the backward's row-wise kernels: one warp per (b, i, h) row of q, out and dq, rows in memory order.
+struct RowOfWarp {
+  int64_t row;  // (b * Sq + i) * H + h
+  int b, i, h;
+  bool valid;
+  int lane;
+
+  static __device__ __forceinline__ RowOfWarp Get(const ShapeArgs& s) {
+    RowOfWarp r;
+    r.lane = threadIdx.x & 31;
+    r.row = static_cast<int64_t>(blockIdx.x) * (kRowKernelThreads / 32) + (threadIdx.x >> 5);
+    r.valid = r.row < static_cast<int64_t>(s.batch) * s.seqlen_q * s.num_heads;
+    r.h = static_cast<int>(r.row % s.num_heads);
+    const int64_t bi = r.row / s.num_heads;
+    r.i = static_cast<int>(bi % s.seqlen_q);
+    r.b = static_cast<int>(bi / s.seqlen_q);
+    return r;
+  }
+};
+
+// The float dq accumulator of (kD, kDv) calls (layout in tile_size.h: BackwardDqAccumLayout).
+template <int kD, int kDv>
+struct DqAccum {
+  static constexpr DqAccumLayout kLayout = BackwardDqAccumLayout(kD, kDv);
+  static constexpr int kSwizzle = kLayout.swizzle;
+
+  // Where column col of row i is stored within its row (the layout's swizzle).
+  static __device__ __forceinline__ int Column(int i, int col) { return col ^ ((i & kSwizzle) * 4); }
+
+  static __device__ __forceinline__ int64_t Rows(const ShapeArgs& s) {
+    return (static_cast<int64_t>(s.seqlen_q) + kLayout.row_block - 1) / kLayout.row_block * kLayout.row_block;
+  }
+  // Offset (in floats) of query row i, column 0 of `slice`, head h of batch b.
+  static __device__ __forceinline__ int64_t Offset(const ShapeArgs& s, int b, int h, int slice, int i) {
+    return ((static_cast<int64_t>(b) * s.num_heads + h) * kLayout.slices + slice) * Rows(s) * kLayout.cols +
+           static_cast<int64_t>(i) * kLayout.cols;
+  }
+};
+
+// rowsum(out * dout) over one row of kDv elements, summed over the warp (every lane gets the sum).
 template <typename Element, int kDv>
+__device__ __forceinline__ float WarpRowDot(const uint16_t* out_row, const uint16_t* dout_row, int lane) {
+  const uint32_t* o = reinterpret_cast<const uint32_t*>(out_row);
+  const uint32_t* d = reinterpret_cast<const uint32_t*>(dout_row);
+  float acc = 0.0f;
+  for (int c = lane; c < kDv / 2; c += 32) {
+    const uint32_t a = o[c], bb = d[c];
+    acc += Element::ToFloat(static_cast<uint16_t>(a & 0xffff)) * Element::ToFloat(static_cast<uint16_t>(bb & 0xffff));
+    acc += Element::ToFloat(static_cast<uint16_t>(a >> 16)) * Element::ToFloat(static_cast<uint16_t>(bb >> 16));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
+template <typename Element, int kD, int kDv>
 struct BackwardPreprocessKernel {
-  static constexpr int kThreads = kPreprocessThreads;
-  // One warp per (b, i, h) row of out/dout; writes scratch[(b * H + h) * Sq + i] = rowsum(dout * out) - dlse.
+  static constexpr int kThreads = kRowKernelThreads;
+  // Writes scratch[(b * H + h) * Sq + i] = rowsum(dout * out) - dlse and, when the call accumulates dq in float,
+  // zeroes that row of the accumulator.
   static __device__ __forceinline__ void Run(const BackwardArgs& args) {
     const ShapeArgs& s = args.shape;
-    const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
-    const int64_t rows = static_cast<int64_t>(s.batch) * s.seqlen_q * s.num_heads;
-    if (row >= rows) return;
-    const uint32_t* o = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(args.out) + row * kDv);
-    const uint32_t* d = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(args.dout) + row * kDv);
-    float acc = 0.0f;
-    for (int c = lane; c < kDv / 2; c += 32) {
-      const uint32_t a = o[c], bb = d[c];
-      acc += Element::ToFloat(static_cast<uint16_t>(a & 0xffff)) * Element::ToFloat(static_cast<uint16_t>(bb & 0xffff));
-      acc += Element::ToFloat(static_cast<uint16_t>(a >> 16)) * Element::ToFloat(static_cast<uint16_t>(bb >> 16));
-    }
+    const RowOfWarp w = RowOfWarp::Get(s);
+    if (!w.valid) return;
+    const float acc = WarpRowDot<Element, kDv>(static_cast<const uint16_t*>(args.out) + w.row * kDv,
+                                               static_cast<const uint16_t*>(args.dout) + w.row * kDv, w.lane);
+    if (args.dq_accum != nullptr) {
+      using Accum = DqAccum<kD, kDv>;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-      const int h = static_cast<int>(row % s.num_heads);
-      const int64_t bi = row / s.num_heads;
-      const int i = static_cast<int>(bi % s.seqlen_q);
-      const int b = static_cast<int>(bi / s.seqlen_q);
-      const int64_t at = (static_cast<int64_t>(b) * s.num_heads + h) * s.seqlen_q + i;
+      for (int slice = 0; slice < Accum::kLayout.slices; ++slice) {
+        float4* row = reinterpret_cast<float4*>(args.dq_accum + Accum::Offset(s, w.b, w.h, slice, w.i));
+        for (int c = w.lane; c < Accum::kLayout.cols / 4; c += 32) row[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    if (w.lane == 0) {
+      const int64_t at = (static_cast<int64_t>(w.b) * s.num_heads + w.h) * s.seqlen_q + w.i;
       args.delta_scratch[at] = acc - args.dlse[at];
     }
   }
 };
 
-template <typename Element, int kD, int kDv, typename Variant>
+// The fast backward's last step: the float dq accumulator to dq's element type (NaN for a batch with invalid lengths).
+template <typename Element, int kD, int kDv>
+struct BackwardDqConvertKernel {
+  static constexpr int kThreads = kRowKernelThreads;
+  static __device__ __forceinline__ void Run(const BackwardArgs& args) {
+    using Accum = DqAccum<kD, kDv>;
+    const ShapeArgs& s = args.shape;
+    const RowOfWarp w = RowOfWarp::Get(s);
+    if (!w.valid) return;
+    const bool invalid = ReadLengths(s, args.q_seqlens, args.kv_seqlens, w.b).invalid;
+    uint2* dq = reinterpret_cast<uint2*>(static_cast<uint16_t*>(args.dq) + w.row * kD);
+    for (int c = w.lane; c < kD / 4; c += 32) {
+      const int col = 4 * c, slice = col / Accum::kLayout.cols;  // 4 columns never straddle a slice (cols % 16 == 0)
+      const float4 x = *reinterpret_cast<const float4*>(args.dq_accum + Accum::Offset(s, w.b, w.h, slice, w.i) +
+                                                        Accum::Column(w.i, col - slice * Accum::kLayout.cols));
+      dq[c] = invalid ? make_uint2(kPackedNaN, kPackedNaN) : make_uint2(Element::Pack(x.x, x.y), Element::Pack(x.z, x.w));
+    }
+  }
+};
+
+template <typename Element, int kD, int kDv, typename Variant, bool kAccumulateDq>
 struct BackwardDkDvKernel {
-  static constexpr TileSize kTile = BackwardDkDvTileSize(kD, kDv);
+  static constexpr TileSize kTile = BackwardDkDvTileSize(kD, kDv, kAccumulateDq);
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kTile.block_m;  // keys
@@ -76,17 +163,36 @@ struct BackwardDkDvKernel {
   static constexpr int kSlices = kTile.slices;
   static constexpr int kDP = PadHeadDim(kD);
   static constexpr int kDvP = PadHeadDim(kDv);
-  // Columns of dk / dv this CTA accumulates: slice * kDkCols .. (clipped to the padded head dim).
+  // Columns of dk / dv this CTA accumulates: slice * kDkCols .. (clipped to the padded head dim). The slice's dq
+  // columns are dk's.
   static constexpr int kDkCols = (kDP / 16 + kSlices - 1) / kSlices * 16;
   static constexpr int kDvCols = (kDvP / 16 + kSlices - 1) / kSlices * 16;
   using KTile = SmemTile<kBlockM, kDP>;
   using VTile = SmemTile<kBlockM, kDvP>;
   using QTile = SmemTile<kBlockN, kDP>;
   using OTile = SmemTile<kBlockN, kDvP>;
+  using DsTile = SmemTile<kBlockM, kBlockN>;  // ds^T of the step, [key][query]
   static constexpr int kStageBytes = QTile::kBytes + OTile::kBytes + 2 * 4 * kBlockN;
-  static constexpr int kSmemBytes = KTile::kBytes + VTile::kBytes + 2 * kStageBytes;
+  static constexpr int kSmemBytes =
+      KTile::kBytes + VTile::kBytes + 2 * kStageBytes + (kAccumulateDq ? DsTile::kBytes : 0);
   static_assert(kBlockM == 16 * kWarps, "a warp owns 16 keys");
-  static_assert(kSmemBytes == BackwardDkDvSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes == BackwardDkDvSmemBytes(kD, kDv, kAccumulateDq),
+                "tile_size.h and the kernel disagree on shared memory");
+
+  // The step's dq product [kBlockN queries x kDkCols] = ds [kBlockN x kBlockM keys] k [kBlockM x kDkCols] is split
+  // over kDqWarpsM x kDqWarpsN warps of 32 queries (two m tiles, so each k fragment feeds two mma pairs) x kDqCols
+  // columns. With small head dims some warps get no columns.
+  static constexpr int kDqWarpsM = kBlockN / 32;
+  static constexpr int kDqWarpsN = kWarps / kDqWarpsM;
+  static constexpr int kDqCols = (kDkCols / 16 + kDqWarpsN - 1) / kDqWarpsN * 16;
+  static_assert(kBlockN % 32 == 0 && kWarps % kDqWarpsM == 0, "dq warp layout");
+  using Accum = DqAccum<kD, kDv>;
+  static_assert(!kAccumulateDq || (Accum::kLayout.slices == kSlices && Accum::kLayout.cols == kDkCols &&
+                                   Accum::kLayout.row_block == kBlockN),
+                "tile_size.h's dq accumulator layout and the kernel disagree");
+  // Each step's dq block goes through shared memory (the step's q/dout space, free by then) to one bulk reduction where
+  // the GPU has them and it fits; otherwise every thread adds its fragments with atomics.
+  static constexpr bool kBulkDq = kAccumulateDq && kHasBulkReduce && kBlockN * kDkCols * 4 <= QTile::kBytes + OTile::kBytes;
 
   static __device__ __forceinline__ void Run(const BackwardArgs& args) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -118,6 +224,7 @@ struct BackwardDkDvKernel {
     KTile k_tile{reinterpret_cast<uint16_t*>(smem)};
     VTile v_tile{reinterpret_cast<uint16_t*>(smem + KTile::kBytes)};
     unsigned char* stage_base = smem + KTile::kBytes + VTile::kBytes;
+    const DsTile ds_tile{reinterpret_cast<uint16_t*>(stage_base + 2 * kStageBytes)};
     auto q_tile = [&](int st) { return QTile{reinterpret_cast<uint16_t*>(stage_base + st * kStageBytes)}; };
     auto o_tile = [&](int st) { return OTile{reinterpret_cast<uint16_t*>(stage_base + st * kStageBytes + QTile::kBytes)}; };
     auto lse_s = [&](int st) {
@@ -145,11 +252,9 @@ struct BackwardDkDvKernel {
     CpAsyncCommit();
 
     const int key[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
-    float dk[kDkCols / 8][4], dv[kDvCols / 8][4];
-#pragma unroll
-    for (int j = 0; j < kDkCols / 8; ++j) dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kDvCols / 8; ++j) dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.0f;
+    float dk[1][kDkCols / 8][4], dv[1][kDvCols / 8][4];
+    ZeroFragments(dk);
+    ZeroFragments(dv);
 
     Variant variant;
     variant.scale = s.scale;
@@ -161,6 +266,10 @@ struct BackwardDkDvKernel {
       const int head = kv_head * group + step / tiles;
       const int m0 = (tile_begin + step % tiles) * kBlockN;
       CpAsyncWait<0>();
+      // The previous step's bulk reduction must have read its block before step + 1's loads land there.
+      if constexpr (kBulkDq) {
+        if (tid == 0) BulkWaitSharedRead();
+      }
       __syncthreads();
       if (step + 1 < steps) load_step(step + 1, st ^ 1);
       CpAsyncCommit();
@@ -171,36 +280,11 @@ struct BackwardDkDvKernel {
       const float* delta = delta_s(st);
 
       // s^T = k q^T and dp^T = v dout^T: this warp's 16 keys x kBlockN queries.
-      float sc[kBlockN / 8][4], dp[kBlockN / 8][4];
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-        dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
-      }
-#pragma unroll
-      for (int kk = 0; kk < kDP / 16; ++kk) {
-        uint32_t a[4];
-        k_tile.LoadA(warp * 16, kk * 16, lane, a);
-#pragma unroll
-        for (int nn = 0; nn < kBlockN / 16; ++nn) {
-          uint32_t bb[4];
-          qt.LoadBNK(nn * 16, kk * 16, lane, bb);
-          Mma16816<Element>(sc[2 * nn], a, bb[0], bb[1]);
-          Mma16816<Element>(sc[2 * nn + 1], a, bb[2], bb[3]);
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < kDvP / 16; ++kk) {
-        uint32_t a[4];
-        v_tile.LoadA(warp * 16, kk * 16, lane, a);
-#pragma unroll
-        for (int nn = 0; nn < kBlockN / 16; ++nn) {
-          uint32_t bb[4];
-          ot.LoadBNK(nn * 16, kk * 16, lane, bb);
-          Mma16816<Element>(dp[2 * nn], a, bb[0], bb[1]);
-          Mma16816<Element>(dp[2 * nn + 1], a, bb[2], bb[3]);
-        }
-      }
+      float sc[1][kBlockN / 8][4], dp[1][kBlockN / 8][4];
+      ZeroFragments(sc);
+      ZeroFragments(dp);
+      WarpGemmABt<Element, 1, kDP, kBlockN>(sc, k_tile, warp * 16, qt, lane);
+      WarpGemmABt<Element, 1, kDvP, kBlockN>(dp, v_tile, warp * 16, ot, lane);
 
       // Interior steps (every query sees every key of the CTA) skip the per-element mask.
       if (!KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM)) {
@@ -211,7 +295,7 @@ struct BackwardDkDvKernel {
             const int qi = j * 8 + 2 * t + (e & 1);  // query within the tile
             const int row = m0 + qi;
             const int kj = key[e >> 1];
-            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], row + mask.diag_offset, kj,
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row + mask.diag_offset, kj,
                                             Visible(mask.Keys(row), kj), lse[qi], delta[qi]);
           }
         }
@@ -222,8 +306,8 @@ struct BackwardDkDvKernel {
           for (int e = 0; e < 4; ++e) {
             const int qi = j * 8 + 2 * t + (e & 1);
             const int row = m0 + qi;
-            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], row + mask.diag_offset, key[e >> 1], true,
-                                            lse[qi], delta[qi]);
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row + mask.diag_offset, key[e >> 1],
+                                            true, lse[qi], delta[qi]);
           }
         }
       }
@@ -231,33 +315,30 @@ struct BackwardDkDvKernel {
       // dv += p^T dout and dk += ds^T q over this step's queries (the k extent of both products).
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint32_t pa[4] = {Element::Pack(sc[2 * kk][0], sc[2 * kk][1]), Element::Pack(sc[2 * kk][2], sc[2 * kk][3]),
-                                Element::Pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                Element::Pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-        const uint32_t da[4] = {Element::Pack(dp[2 * kk][0], dp[2 * kk][1]), Element::Pack(dp[2 * kk][2], dp[2 * kk][3]),
-                                Element::Pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                Element::Pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-        for (int nn = 0; nn < kDvCols / 16; ++nn) {
-          if (dv0 + nn * 16 < kDvP) {
-            uint32_t bb[4];
-            ot.LoadBKN(kk * 16, dv0 + nn * 16, lane, bb);
-            Mma16816<Element>(dv[2 * nn], pa, bb[0], bb[1]);
-            Mma16816<Element>(dv[2 * nn + 1], pa, bb[2], bb[3]);
-          }
+        uint32_t pa[1][4], da[1][4];
+        PackAFragment<Element>(sc[0], kk, pa[0]);
+        PackAFragment<Element>(dp[0], kk, da[0]);
+        if constexpr (kAccumulateDq) {
+          // ds^T to shared memory for the dq product, which sums over every warp's keys.
+          ds_tile.StorePair(warp * 16 + g, kk * 16 + 2 * t, da[0][0]);
+          ds_tile.StorePair(warp * 16 + g + 8, kk * 16 + 2 * t, da[0][1]);
+          ds_tile.StorePair(warp * 16 + g, kk * 16 + 8 + 2 * t, da[0][2]);
+          ds_tile.StorePair(warp * 16 + g + 8, kk * 16 + 8 + 2 * t, da[0][3]);
         }
-#pragma unroll
-        for (int nn = 0; nn < kDkCols / 16; ++nn) {
-          if (dk0 + nn * 16 < kDP) {
-            uint32_t bb[4];
-            qt.LoadBKN(kk * 16, dk0 + nn * 16, lane, bb);
-            Mma16816<Element>(dk[2 * nn], da, bb[0], bb[1]);
-            Mma16816<Element>(dk[2 * nn + 1], da, bb[2], bb[3]);
-          }
-        }
+        WarpMmaRegA<Element, 1, kDvCols>(dv, pa, ot, kk * 16, dv0, kDvP, lane);
+        WarpMmaRegA<Element, 1, kDkCols>(dk, da, qt, kk * 16, dk0, kDP, lane);
+      }
+
+      if constexpr (kAccumulateDq) {
+        __syncthreads();  // ds^T is complete, and this stage's q and dout have been read
+        AddStepDq(ds_tile, k_tile, reinterpret_cast<float*>(stage_base + st * kStageBytes),
+                  args.dq_accum + Accum::Offset(s, b, head, slice, m0), len.q_len - m0, dk0, tid);
       }
     }
     CpAsyncWait<0>();
+    if constexpr (kBulkDq) {
+      if (tid == 0) BulkWaitComplete();
+    }
 
     uint16_t* dk_out = static_cast<uint16_t*>(args.dk) + static_cast<int64_t>(b) * s.seqlen_kv * k_stride + kv_head * kD;
     uint16_t* dv_out = static_cast<uint16_t*>(args.dv) + static_cast<int64_t>(b) * s.seqlen_kv * v_stride + kv_head * kDv;
@@ -269,7 +350,7 @@ struct BackwardDkDvKernel {
         const int col = dk0 + j * 8 + 2 * t;
         if (col < kD) {
           *reinterpret_cast<uint32_t*>(dk_out + key[r] * k_stride + col) =
-              len.invalid ? kPackedNaN : Element::Pack(dk[j][2 * r], dk[j][2 * r + 1]);
+              len.invalid ? kPackedNaN : Element::Pack(dk[0][j][2 * r], dk[0][j][2 * r + 1]);
         }
       }
 #pragma unroll
@@ -277,9 +358,53 @@ struct BackwardDkDvKernel {
         const int col = dv0 + j * 8 + 2 * t;
         if (col < kDv) {
           *reinterpret_cast<uint32_t*>(dv_out + key[r] * v_stride + col) =
-              len.invalid ? kPackedNaN : Element::Pack(dv[j][2 * r], dv[j][2 * r + 1]);
+              len.invalid ? kPackedNaN : Element::Pack(dv[0][j][2 * r], dv[0][j][2 * r + 1]);
         }
       }
+    }
+  }
+
+  // Adds the step's dq block, ds k over this CTA's keys and this slice's columns [dk0, dk0 + kDkCols), to the
+  // accumulator block of its kBlockN queries (`block`; rows [valid_rows, kBlockN) get zeros or nothing). `staging`:
+  // this step's q/dout space in shared memory.
+  static __device__ __forceinline__ void AddStepDq(const DsTile& ds_tile, const KTile& k_tile, float* staging,
+                                                   float* block, int valid_rows, int dk0, int tid) {
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp % kDqWarpsM, wn = warp / kDqWarpsM;
+    const int c0 = wn * kDqCols;  // within the slice
+    const int col_end = dk0 + kDkCols < kDP ? dk0 + kDkCols : kDP;
+    float acc[2][kDqCols / 8][4];
+    ZeroFragments(acc);
+    if (c0 < kDkCols) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        uint32_t a[2][4];
+        ds_tile.LoadATrans(wm * 32, kk * 16, lane, a[0]);
+        ds_tile.LoadATrans(wm * 32 + 16, kk * 16, lane, a[1]);
+        WarpMmaRegA<Element, 2, kDqCols>(acc, a, k_tile, kk * 16, dk0 + c0, col_end, lane);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int q = wm * 32 + mt * 16 + g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; ++j) {
+          const int col = c0 + j * 8 + 2 * t;
+          float* at = (kBulkDq ? staging : block) + q * kDkCols + Accum::Column(q, col);
+          if constexpr (kBulkDq) {
+            if (col < kDkCols) *reinterpret_cast<float2*>(at) = make_float2(acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
+          } else {
+            if (col < kDkCols && dk0 + col < kD && q < valid_rows) RedAddPair(at, acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
+          }
+        }
+      }
+    }
+    if constexpr (kBulkDq) {
+      FenceSharedForAsyncProxy();
+      __syncthreads();
+      if (tid == 0) BulkReduceAddF32(block, SmemAddress(staging), kBlockN * kDkCols * 4);
     }
   }
 };
@@ -347,18 +472,8 @@ struct BackwardDqKernel {
     const int64_t lse_base = (static_cast<int64_t>(b) * s.num_heads + head) * s.seqlen_q;
     for (int r = 0; r < 16; ++r) {
       const int row = m0 + warp * 16 + r;
-      float acc = 0.0f;
-      if (row < s.seqlen_q) {
-        const uint32_t* o2 = reinterpret_cast<const uint32_t*>(out + row * o_stride);
-        const uint32_t* d2 = reinterpret_cast<const uint32_t*>(dout + row * o_stride);
-        for (int c = lane; c < kDv / 2; c += 32) {
-          const uint32_t a = o2[c], bb = d2[c];
-          acc += Element::ToFloat(static_cast<uint16_t>(a & 0xffff)) * Element::ToFloat(static_cast<uint16_t>(bb & 0xffff));
-          acc += Element::ToFloat(static_cast<uint16_t>(a >> 16)) * Element::ToFloat(static_cast<uint16_t>(bb >> 16));
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      const float acc =
+          row < s.seqlen_q ? WarpRowDot<Element, kDv>(out + row * o_stride, dout + row * o_stride, lane) : 0.0f;
       if (lane == 0) delta_s[warp * 16 + r] = row < s.seqlen_q ? acc - args.dlse[lse_base + row] : 0.0f;
     }
     __syncwarp();
@@ -376,9 +491,8 @@ struct BackwardDqKernel {
     variant.slope = 0.0f;
     if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[b * s.num_heads + head];
 
-    float dq[kDP / 8][4];
-#pragma unroll
-    for (int j = 0; j < kDP / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
+    float dq[1][kDP / 8][4];
+    ZeroFragments(dq);
 
     for (int tile = tile_begin; tile < tile_end; ++tile) {
       const int stage = (tile - tile_begin) & 1;
@@ -390,36 +504,11 @@ struct BackwardDqKernel {
       }
       CpAsyncCommit();
 
-      float sc[kBlockN / 8][4], dp[kBlockN / 8][4];
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-        dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
-      }
-#pragma unroll
-      for (int kk = 0; kk < kDP / 16; ++kk) {
-        uint32_t a[4];
-        q_tile.LoadA(warp * 16, kk * 16, lane, a);
-#pragma unroll
-        for (int nn = 0; nn < kBlockN / 16; ++nn) {
-          uint32_t bb[4];
-          k_tile[stage].LoadBNK(nn * 16, kk * 16, lane, bb);
-          Mma16816<Element>(sc[2 * nn], a, bb[0], bb[1]);
-          Mma16816<Element>(sc[2 * nn + 1], a, bb[2], bb[3]);
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < kDvP / 16; ++kk) {
-        uint32_t a[4];
-        o_tile.LoadA(warp * 16, kk * 16, lane, a);
-#pragma unroll
-        for (int nn = 0; nn < kBlockN / 16; ++nn) {
-          uint32_t bb[4];
-          v_tile[stage].LoadBNK(nn * 16, kk * 16, lane, bb);
-          Mma16816<Element>(dp[2 * nn], a, bb[0], bb[1]);
-          Mma16816<Element>(dp[2 * nn + 1], a, bb[2], bb[3]);
-        }
-      }
+      float sc[1][kBlockN / 8][4], dp[1][kBlockN / 8][4];
+      ZeroFragments(sc);
+      ZeroFragments(dp);
+      WarpGemmABt<Element, 1, kDP, kBlockN>(sc, q_tile, warp * 16, k_tile[stage], lane);
+      WarpGemmABt<Element, 1, kDvP, kBlockN>(dp, o_tile, warp * 16, v_tile[stage], lane);
 
       const int n0 = tile * kBlockN;
       if (!span.Unmasked(n0, kBlockN)) {
@@ -429,8 +518,8 @@ struct BackwardDqKernel {
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1;
             const int col = n0 + j * 8 + 2 * t + (e & 1);
-            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], pos[r], col, Visible(keys[r], col), row_lse[r],
-                                            row_delta[r]);
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], pos[r], col, Visible(keys[r], col),
+                                            row_lse[r], row_delta[r]);
           }
         }
       } else {
@@ -440,7 +529,8 @@ struct BackwardDqKernel {
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1;
             const int col = n0 + j * 8 + 2 * t + (e & 1);
-            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], pos[r], col, true, row_lse[r], row_delta[r]);
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], pos[r], col, true, row_lse[r],
+                                            row_delta[r]);
           }
         }
       }
@@ -448,16 +538,9 @@ struct BackwardDqKernel {
       // dq += ds k: ds in the A layout, k stored [key][d] is B stored [k][n].
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint32_t da[4] = {Element::Pack(dp[2 * kk][0], dp[2 * kk][1]), Element::Pack(dp[2 * kk][2], dp[2 * kk][3]),
-                                Element::Pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                Element::Pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-        for (int nn = 0; nn < kDP / 16; ++nn) {
-          uint32_t bb[4];
-          k_tile[stage].LoadBKN(kk * 16, nn * 16, lane, bb);
-          Mma16816<Element>(dq[2 * nn], da, bb[0], bb[1]);
-          Mma16816<Element>(dq[2 * nn + 1], da, bb[2], bb[3]);
-        }
+        uint32_t da[1][4];
+        PackAFragment<Element>(dp[0], kk, da[0]);
+        WarpMmaRegA<Element, 1, kDP>(dq, da, k_tile[stage], kk * 16, 0, kDP, lane);
       }
     }
     CpAsyncWait<0>();
@@ -471,7 +554,7 @@ struct BackwardDqKernel {
         const int col = j * 8 + 2 * t;
         if (col < kD) {
           *reinterpret_cast<uint32_t*>(dq_out + row[r] * q_stride + col) =
-              len.invalid ? kPackedNaN : Element::Pack(dq[j][2 * r], dq[j][2 * r + 1]);
+              len.invalid ? kPackedNaN : Element::Pack(dq[0][j][2 * r], dq[0][j][2 * r + 1]);
         }
       }
     }

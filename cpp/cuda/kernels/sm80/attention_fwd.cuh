@@ -9,6 +9,7 @@
 #include "cpp/cuda/kernels/sm80/online_softmax.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/cuda/kernels/sm80/warp_gemm.h"
 
 namespace te_jax::cuda::sm80 {
 
@@ -105,26 +106,8 @@ struct ForwardKernel {
 
       // s = q k^T for this warp's 16 * kMT rows and the tile's kBlockN keys; each k fragment feeds kMT mma pairs.
       float sc[kMT][kBlockN / 8][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kDP / 16; ++kk) {
-        uint32_t a[kMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) q_tile.LoadA((warp * kMT + mt) * 16, kk * 16, lane, a[mt]);
-#pragma unroll
-        for (int nn = 0; nn < kBlockN / 16; ++nn) {
-          uint32_t bb[4];
-          k_tile[stage].LoadBNK(nn * 16, kk * 16, lane, bb);
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            Mma16816<Element>(sc[mt][2 * nn], a[mt], bb[0], bb[1]);
-            Mma16816<Element>(sc[mt][2 * nn + 1], a[mt], bb[2], bb[3]);
-          }
-        }
-      }
+      ZeroFragments(sc);
+      WarpGemmABt<Element, kMT, kDP, kBlockN>(sc, q_tile, warp * kMT * 16, k_tile[stage], lane);
 
       const int n0 = tile * kBlockN;
       // Interior tiles (every row sees every key) skip the per-element mask; raw scores need no per-element work there.
@@ -177,22 +160,8 @@ struct ForwardKernel {
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         uint32_t a[kMT][4];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          a[mt][0] = Element::Pack(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
-          a[mt][1] = Element::Pack(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
-          a[mt][2] = Element::Pack(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
-          a[mt][3] = Element::Pack(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int nn = 0; nn < kDvP / 16; ++nn) {
-          uint32_t bb[4];
-          v_tile[stage].LoadBKN(kk * 16, nn * 16, lane, bb);
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            Mma16816<Element>(o[mt][2 * nn], a[mt], bb[0], bb[1]);
-            Mma16816<Element>(o[mt][2 * nn + 1], a[mt], bb[2], bb[3]);
-          }
-        }
+        for (int mt = 0; mt < kMT; ++mt) PackAFragment<Element>(sc[mt], kk, a[mt]);
+        WarpMmaRegA<Element, kMT, kDvP>(o, a, v_tile[stage], kk * 16, 0, kDvP, lane);
       }
     }
     CpAsyncWait<0>();

@@ -78,6 +78,17 @@ struct SmemTile {
     LdMatrixX4(SmemAddress(data) + Offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8) + Offset(n, k), b);
   }
 
+  // An A fragment (16 x 16, m x k) at (m, k) from a tile stored [k][m] (ldmatrix.trans): the matrices (m0-7, k0-7)
+  // (m8-15, k0-7) (m0-7, k8-15) (m8-15, k8-15) are stored rows k, columns m.
+  __device__ __forceinline__ void LoadATrans(int m, int k, int lane, uint32_t (&a)[4]) const {
+    LdMatrixX4Trans(SmemAddress(data) + Offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8) + Offset(k, m), a);
+  }
+
+  // Stores two adjacent 16-bit elements (packed, low half at col) at (row, col); col even.
+  __device__ __forceinline__ void StorePair(int row, int col, uint32_t packed) const {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(SmemAddress(data) + Offset(row, col)), "r"(packed) : "memory");
+  }
+
   // The same two n8 B tiles from a tile stored [k][n] (ldmatrix.trans).
   __device__ __forceinline__ void LoadBKN(int k, int n, int lane, uint32_t (&b)[4]) const {
     LdMatrixX4Trans(SmemAddress(data) + Offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8) + Offset(k, n), b);

@@ -33,9 +33,40 @@ TE_JAX_HOST_DEVICE constexpr TileSize ForwardTileSize(int d, int dv) {
 // Backward dk/dv: a CTA owns 16 * warps keys of one kv head and visits every query tile of its query-head group.
 // Accumulators: dk and dv slices, (d + dv) / (4 * slices) floats, plus s and dp, block_n / 2 each.
 //   d + dv <= 256: one slice. Larger: two slices (s and dp are recomputed per slice, dk/dv registers halve).
-TE_JAX_HOST_DEVICE constexpr TileSize BackwardDkDvTileSize(int d, int dv) {
+// With accumulate_dq (the default, non-deterministic backward) the same CTA also adds each step's ds k to a float dq
+// accumulator (one bulk reduction per step on sm90), so the dq kernel and its recomputation of s and dp go. For
+// 128 < d + dv <= 256 it takes 128 keys (8 warps, ~155 KB, one CTA per SM): half the dq traffic per mma of 64 keys.
+// H200, d = 128, b * s = 16k, backward TFLOP/s, 8 warps / 4 warps: s = 8k 236 / 240, causal 221 / 212; s = 2k 220 / 226,
+// causal 178 / 185 (docs/BENCHMARKS.md, run 6): 8 warps for the steadier worst case. d = 64: 4 warps (203 / 212).
+TE_JAX_HOST_DEVICE constexpr TileSize BackwardDkDvTileSize(int d, int dv, bool accumulate_dq) {
   const int sum = PadHeadDim(d) + PadHeadDim(dv);
+  if (accumulate_dq && sum > 128 && sum <= 256) return {8, 128, 64, 1};
   return {4, 64, 64, sum <= 256 ? 1 : 2};
+}
+
+// Whether the default backward (deterministic=False) accumulates dq in the dk/dv kernel. Not for d + dv > 256: there
+// the dk/dv kernel works in two column slices that each recompute s and dp, and the fused kernel measured slower than
+// the three-kernel one (H200, d = 256, s >= 2k: fwd+bwd 0.34-0.36x cuDNN against 0.35-0.39x; docs/BENCHMARKS.md run 7).
+TE_JAX_HOST_DEVICE constexpr bool BackwardAccumulatesDq(int d, int dv) { return PadHeadDim(d) + PadHeadDim(dv) <= 256; }
+
+// The fast backward's float dq accumulator (the call's workspace): [B][H][slices][Sq rounded up to block_n][cols], cols
+// = one dk/dv slice's dq columns. The block_n x cols block one dk/dv step adds to is contiguous, so the sm90 kernel adds
+// it with a single bulk reduction, and the rounding gives the last query tile's rows somewhere to go.
+// Within a row, column c is stored at c ^ 4 * (row & swizzle). Rows are a multiple of 128 bytes apart, so without it
+// the 8 rows a warp's fragment store touches in the shared-memory copy of a block share their banks (8-way
+// conflicts); 16-byte chunks stay contiguous.
+struct DqAccumLayout {
+  int slices;
+  int cols;       // floats per row
+  int row_block;  // Sq is rounded up to a multiple of it
+  int swizzle;    // a power of two minus one: the row bits XORed into the 16-byte chunk index
+};
+
+TE_JAX_HOST_DEVICE constexpr DqAccumLayout BackwardDqAccumLayout(int d, int dv) {
+  const TileSize t = BackwardDkDvTileSize(d, dv, true);
+  const int cols = (PadHeadDim(d) / 16 + t.slices - 1) / t.slices * 16;
+  const int chunks = cols / 4;  // a multiple of 4
+  return {t.slices, cols, t.block_n, chunks % 8 == 0 ? 7 : 3};
 }
 
 // Backward dq: a CTA owns 16 * warps queries and visits their key tiles; accumulator dq is d / 4 floats.
@@ -59,10 +90,11 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv) {
          8 * t.block_m;  // + each row's visible key range (int2)
 }
 
-TE_JAX_HOST_DEVICE constexpr int BackwardDkDvSmemBytes(int d, int dv) {
-  const TileSize t = BackwardDkDvTileSize(d, dv);
+TE_JAX_HOST_DEVICE constexpr int BackwardDkDvSmemBytes(int d, int dv, bool accumulate_dq) {
+  const TileSize t = BackwardDkDvTileSize(d, dv, accumulate_dq);
   return TileBytes(t.block_m, PadHeadDim(d)) + TileBytes(t.block_m, PadHeadDim(dv)) +
-         2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv)) + 2 * 4 * t.block_n);
+         2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv)) + 2 * 4 * t.block_n) +
+         (accumulate_dq ? TileBytes(t.block_m, t.block_n) : 0);  // + ds^T [keys][queries]
 }
 
 TE_JAX_HOST_DEVICE constexpr int BackwardDqSmemBytes(int d, int dv) {
@@ -71,7 +103,7 @@ TE_JAX_HOST_DEVICE constexpr int BackwardDqSmemBytes(int d, int dv) {
          2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv))) + 4 * t.block_m;
 }
 
-// Threads per block of the backward preprocess kernel (one warp per query row).
-inline constexpr int kPreprocessThreads = 256;
+// Threads per block of the backward's row-wise kernels (preprocess, dq conversion; one warp per query row).
+inline constexpr int kRowKernelThreads = 256;
 
 }  // namespace te_jax::cuda::sm80
