@@ -84,6 +84,7 @@ struct ForwardKernel {
     // dot product keeps raw q.k (the factor is scale * log2 e; scale > 0 is validated on the host), the other variants
     // keep natural-unit logits (factor log2 e).
     constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+    constexpr bool kSkipSteadyRescale = kMT == 2 && kDvP == 128;
     const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
 
     float o[kMT][kDvP / 8][4];
@@ -146,12 +147,18 @@ struct ForwardKernel {
       for (int mt = 0; mt < kMT; ++mt) {
         float rescale[2];
         softmax[mt].Update(sc[mt], log2_scale, rescale);
+        // Once the row maxima settle, most tiles move none of the warp's (rescale is exactly 2^0 = 1): skipping that
+        // multiply is bitwise identical. Measured on an H200 it pays only for the 2-m-tile dv = 128 kernel (forward
+        // +3.5-5%, and ptxas stops spilling); at d = 64 (-5-7%) and d = 256 (-8%) the vote and branch cost more
+        // (docs/BENCHMARKS.md run 9).
+        if (!kSkipSteadyRescale || __any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
 #pragma unroll
-        for (int j = 0; j < kDvP / 8; ++j) {
-          o[mt][j][0] *= rescale[0];
-          o[mt][j][1] *= rescale[0];
-          o[mt][j][2] *= rescale[1];
-          o[mt][j][3] *= rescale[1];
+          for (int j = 0; j < kDvP / 8; ++j) {
+            o[mt][j][0] *= rescale[0];
+            o[mt][j][1] *= rescale[0];
+            o[mt][j][2] *= rescale[1];
+            o[mt][j][3] *= rescale[1];
+          }
         }
       }
 
