@@ -191,8 +191,9 @@ struct BackwardDkDvKernel {
                                    Accum::kLayout.row_block == kBlockN),
                 "tile_size.h's dq accumulator layout and the kernel disagree");
   // Each step's dq block goes through shared memory (the step's q/dout space, free by then) to one bulk reduction where
-  // the GPU has them and it fits; otherwise every thread adds its fragments with atomics.
-  static constexpr bool kBulkDq = kAccumulateDq && kHasBulkReduce && kBlockN * kDkCols * 4 <= QTile::kBytes + OTile::kBytes;
+  // the GPU has it and the block fits; otherwise every thread adds its fragments with atomics.
+  static constexpr bool kBulkDq =
+      kAccumulateDq && kHasBulkReduce && kBlockN * kDkCols * 4 <= QTile::kBytes + OTile::kBytes;
 
   static __device__ __forceinline__ void Run(const BackwardArgs& args) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -396,7 +397,9 @@ struct BackwardDkDvKernel {
           if constexpr (kBulkDq) {
             if (col < kDkCols) *reinterpret_cast<float2*>(at) = make_float2(acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
           } else {
-            if (col < kDkCols && dk0 + col < kD && q < valid_rows) RedAddPair(at, acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
+            if (col < kDkCols && dk0 + col < kD && q < valid_rows) {
+              RedAddPair(at, acc[mt][j][2 * r], acc[mt][j][2 * r + 1]);
+            }
           }
         }
       }
