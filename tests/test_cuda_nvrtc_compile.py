@@ -96,3 +96,30 @@ def test_compile_line_reaches_stderr_by_default(level, shown):
   result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
   line = "te_jax: compiled CUDA kernel fwd_bf16_d64_dv64_scaled_sm_90a in 1.50 s"
   assert (line in result.stderr) == shown, result.stderr
+
+
+def _backward_params(d, dv, deterministic, batch=2, seqlen_q=100, heads=4):
+  return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=90, num_heads=heads, num_kv_heads=2, head_dim=d,
+              head_dim_v=dv, dtype=1, mask_type=1, window_left=-1, window_right=-1, scale=0.1, softcap=0.0,
+              has_alibi=False, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (40, 72), (96, 32)])
+def test_backward_workspace_holds_the_float_dq_accumulator(d, dv):
+  # The atomic backward needs a float dq for every (b, i, h) and every column, with Sq rounded up to its 64-query
+  # tiles; the deterministic one needs nothing.
+  need = ext.backward_workspace_bytes(_backward_params(d, dv, False))
+  assert need >= 2 * 128 * 4 * d * 4
+  assert need % 16 == 0
+  assert ext.backward_workspace_bytes(_backward_params(d, dv, True)) == 0
+
+
+def test_large_head_dims_run_the_deterministic_backward():
+  # For D + Dv > 256 the default backward is the three-kernel module (faster there): no workspace, one module.
+  assert ext.backward_workspace_bytes(_backward_params(256, 256, False)) == 0
+  assert ext.backward_workspace_bytes(_backward_params(256, 128, False)) == 0
+  names = {ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=256, head_dim_v=256,
+                                softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)}
+  assert names == {"bwd_det_bf16_d256_dv256_scaled_sm_90a"}
+  assert ext.kernel_name(dict(direction="backward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False,
+                              arch="sm_90a")) == "bwd_bf16_d128_dv128_scaled_sm_90a"
