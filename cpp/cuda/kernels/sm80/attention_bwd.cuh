@@ -23,6 +23,13 @@
 
 namespace te_jax::cuda::sm80 {
 
+// Selects, at compile time, the per-element mask of a tile that straddles a key-range edge (Masked<true>) or its
+// absence in a tile every row fully sees (Masked<false>).
+template <bool kMasked>
+struct Masked {
+  static constexpr bool value = kMasked;
+};
+
 // The per-element logit/probability/dS algebra shared by the dk/dv and dq kernels.
 template <typename Variant>
 struct ProbabilityGrad {
@@ -288,7 +295,7 @@ struct BackwardDkDvKernel {
       WarpGemmABt<Element, 1, kDvP, kBlockN>(dp, v_tile, warp * 16, ot, lane);
 
       // Interior steps (every query sees every key of the CTA) skip the per-element mask.
-      if (!KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM)) {
+      auto apply = [&](auto masked) {
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
@@ -296,21 +303,16 @@ struct BackwardDkDvKernel {
             const int qi = j * 8 + 2 * t + (e & 1);  // query within the tile
             const int row = m0 + qi;
             const int kj = key[e >> 1];
-            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row + mask.diag_offset, kj,
-                                            Visible(mask.Keys(row), kj), lse[qi], delta[qi]);
+            const bool visible = decltype(masked)::value ? Visible(mask.Keys(row), kj) : true;
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row + mask.diag_offset, kj, visible,
+                                            lse[qi], delta[qi]);
           }
         }
+      };
+      if (!KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM)) {
+        apply(Masked<true>{});
       } else {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qi = j * 8 + 2 * t + (e & 1);
-            const int row = m0 + qi;
-            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row + mask.diag_offset, key[e >> 1],
-                                            true, lse[qi], delta[qi]);
-          }
-        }
+        apply(Masked<false>{});
       }
 
       // dv += p^T dout and dk += ds^T q over this step's queries (the k extent of both products).
@@ -514,6 +516,8 @@ struct BackwardDqKernel {
       WarpGemmABt<Element, 1, kDvP, kBlockN>(dp, o_tile, warp * 16, v_tile[stage], lane);
 
       const int n0 = tile * kBlockN;
+      // The two loops are written out: the dk/dv kernel's Masked<> lambda compiles to a different d = 64 schedule here
+      // (nvcc 13.0), which no GPU run has checked; in the dk/dv kernel it gives byte-identical cubins.
       if (!span.Unmasked(n0, kBlockN)) {
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
