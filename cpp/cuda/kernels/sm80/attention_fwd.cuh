@@ -35,13 +35,8 @@ struct ForwardKernel {
     const ShapeArgs& s = args.shape;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.x * kBlockM, head = blockIdx.y, b = blockIdx.z;
-    const int kv_head = head / (s.num_heads / s.num_kv_heads);
-
-    const BatchLengths len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, b);
-    const RowMask mask = MakeMask(s, len);
-    const KeySpan span = KeysOfRows(mask, m0, kBlockM);
-    const int tile_begin = span.FirstTile(kBlockN), tile_end = span.EndTile(kBlockN);
+    const auto [m0, head, b, kv_head, len, mask, span, tile_begin, tile_end] =
+        QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens);
 
     const int64_t q_stride = static_cast<int64_t>(s.num_heads) * kD;
     const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;

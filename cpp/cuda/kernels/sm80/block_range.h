@@ -61,6 +61,32 @@ __device__ __forceinline__ KeySpan KeysOfRows(const RowMask& mask, int m0, int r
   return span;
 }
 
+// What a CTA that owns a block of query rows (forward, dq; blockIdx x = query block, y = head, z = batch) starts from:
+// its coordinates, its batch's lengths and mask, and the key tiles [tile_begin, tile_end) its rows see.
+struct QueryBlockOfCta {
+  int m0, head, b, kv_head;
+  BatchLengths len;
+  RowMask mask;
+  KeySpan span;
+  int tile_begin, tile_end;
+};
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ QueryBlockOfCta QueryBlockOf(const ShapeArgs& s, const int32_t* q_seqlens,
+                                                        const int32_t* kv_seqlens) {
+  QueryBlockOfCta c;
+  c.m0 = blockIdx.x * kBlockM;
+  c.head = blockIdx.y;
+  c.b = blockIdx.z;
+  c.kv_head = c.head / (s.num_heads / s.num_kv_heads);
+  c.len = ReadLengths(s, q_seqlens, kv_seqlens, c.b);
+  c.mask = MakeMask(s, c.len);
+  c.span = KeysOfRows(c.mask, c.m0, kBlockM);
+  c.tile_begin = c.span.FirstTile(kBlockN);
+  c.tile_end = c.span.EndTile(kBlockN);
+  return c;
+}
+
 // Keys [n0, n1): the query rows [begin, end) that may see any of them (a superset is harmless: masked per element).
 struct RowSpan {
   int begin, end;
