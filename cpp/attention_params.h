@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cpp/dtype.h"
+#include "cpp/engine.h"
 #include "cpp/mask_type.h"
 
 namespace te_jax {
@@ -34,6 +35,7 @@ struct AttentionParams {
   // a fixed order (bitwise reproducible, ~1.4x the backward's work). The CPU backward likewise sums dq in an order that
   // follows the thread scheduling unless this is set (then in chunks of key tiles fixed by the problem alone).
   bool deterministic = false;
+  Engine engine = Engine::kTe;  // resolved at lowering; the CPU backend serves kTe only
 };
 
 struct ForwardBuffers {
@@ -45,6 +47,10 @@ struct ForwardBuffers {
   const float* alibi_slopes = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
+  // custom call on both paths, like the backward's.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 };
 
 struct BackwardBuffers {
