@@ -2,7 +2,8 @@
 
 Compiles a named set of configurations in parallel into the disk cache ($TE_JAX_CACHE_DIR), for production images
 (later processes find every kernel in milliseconds) and for CI (NVRTC runs without a GPU, so this proves that every
-shipped configuration compiles). Exit status 1 if any configuration fails, with NVRTC's log.
+shipped configuration compiles). Exit status 1 if any configuration fails, with NVRTC's log; 2 if nothing could be
+compiled (no CUDA backend in this install, NVRTC not found) or the arguments are wrong.
 """
 
 from __future__ import annotations
@@ -10,12 +11,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import itertools
+import os
 import sys
 import time
 
 DTYPES = {"bfloat16": 1, "float16": 2}
 VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
 COMMON_HEAD_DIMS = [(64, 64), (128, 128), (256, 256)]
+SETS = ("common", "all-head-dims", "ci", "bench", "tests")
+
+
+class CompilerUnavailable(Exception):
+  """No kernel can be compiled here: the CUDA extension or NVRTC is missing. The message says what was searched."""
 
 
 def config_set(name: str, arch: str) -> list[dict]:
@@ -43,14 +50,27 @@ def config_set(name: str, arch: str) -> list[dict]:
   if name == "tests":
     from te_jax import _cuda_test_configs
     return [dict(c, arch=arch) for c in _cuda_test_configs.CONFIGS]
-  raise ValueError(f"unknown configuration set {name!r}; known: common, all-head-dims, ci, bench, tests")
+  raise ValueError(f"unknown configuration set {name!r}; known: {', '.join(SETS)}")
+
+
+def load_compiler():
+  """The CUDA extension, with NVRTC loaded. Raises CompilerUnavailable once, before any configuration is tried, so a
+  missing NVRTC is one message rather than one per configuration."""
+  try:
+    from te_jax import _cuda  # sets the kernel root and the NVRTC search paths
+  except ImportError as e:
+    raise CompilerUnavailable(f"te_jax was installed without its CUDA backend (the _te_jax_cuda extension is built "
+                              f"when CUDA headers are found at install time): {e}") from None
+  try:
+    _cuda.ext.nvrtc_version()
+  except RuntimeError as e:
+    raise CompilerUnavailable(str(e)) from None
+  return _cuda.ext
 
 
 def compile_all(configs: list[dict], jobs: int, log=print) -> list[tuple[dict, str]]:
   """Compiles configurations in parallel threads (NVRTC releases the GIL); returns the failures."""
-  from te_jax import _cuda  # noqa: F401  (sets the kernel root and NVRTC search paths)
-  from te_jax import _te_jax_cuda as ext
-
+  ext = load_compiler()
   failures = []
   with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
     futures = {pool.submit(ext.compile, c): c for c in configs}
@@ -65,20 +85,46 @@ def compile_all(configs: list[dict], jobs: int, log=print) -> list[tuple[dict, s
   return failures
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m te_jax.aot", description=__doc__.splitlines()[0])
-  parser.add_argument("--set", default="common", help="configuration set (common, all-head-dims, ci, bench, tests)")
+def _set_names(text: str) -> list[str]:
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  unknown = [n for n in names if n not in SETS]
+  if unknown or not names:
+    raise argparse.ArgumentTypeError(f"unknown configuration set {', '.join(unknown) or repr(text)}; known: "
+                                     f"{', '.join(SETS)} (comma-separated for several)")
+  return names
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+  return value
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog="python -m te_jax.aot", description=__doc__.split("\n\n")[1],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--set", type=_set_names, default="common",
+                      help=f"configuration sets, comma-separated: {', '.join(SETS)}")
   parser.add_argument("--arch", default="sm_90a", help="NVRTC --gpu-architecture (sm_80, sm_86, sm_89, sm_90a, ...)")
-  parser.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: CPU count)")
-  args = parser.parse_args(argv)
-  import os
-  jobs = args.jobs or os.cpu_count() or 1
-  configs = []
-  for name in args.set.split(","):
-    configs += config_set(name, args.arch)
+  parser.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                      help="parallel compiles (by default one per CPU)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  configs = [c for name in args.set for c in config_set(name, args.arch)]
+  try:
+    ext = load_compiler()
+  except CompilerUnavailable as e:
+    print(f"python -m te_jax.aot: nothing compiled: {e}", file=sys.stderr)
+    return 2
   start = time.perf_counter()
-  failures = compile_all(configs, jobs)
-  from te_jax import _te_jax_cuda as ext
+  failures = compile_all(configs, args.jobs)
   print(f"{len(configs) - len(failures)}/{len(configs)} configurations ready in {time.perf_counter() - start:.1f} s "
         f"({ext.nvrtc_version()}, cache {ext.cache_dir()})")
   return 1 if failures else 0
