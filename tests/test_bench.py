@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import math
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax.bench import registry
+from te_jax.bench import registry, table
 from te_jax.bench.accuracy import measure_errors
 from te_jax.bench.availability import Availability, probe
 from te_jax.bench.backends_jax import JaxBackend
@@ -316,6 +318,48 @@ def test_speedups_are_relative_to_the_baseline():
         Result(c, "fwd", "broken", "failed")]
   apply_speedups(rs, "base")
   assert [r.speedup for r in rs] == [1.0, 4.0, None]
+
+
+# ---------------------------------------------------------------- the terminal table
+
+def _timed(backend, **kw):
+  return Result(case(), "fwd", backend, "ok", median_ms=1.0, p25_ms=0.9, p75_ms=1.1, tflops=0.01, speedup=1.0, **kw)
+
+
+def _table_lines(results, plain, monkeypatch, capsys):
+  """The printed table's header line (split into columns) and its title, from rich or from the plain fallback."""
+  if plain:
+    monkeypatch.setitem(sys.modules, "rich.table", None)  # the fallback without rich
+  table.print_table(results, "cpu", "jax-xla", "a test CPU")
+  lines = capsys.readouterr().out.splitlines()
+  header = next(l for l in lines if "median ms" in l)
+  return re.split(r"\s*[┃│]\s*|\s{2,}", header.strip(" ┃│")), " ".join(lines[:3])
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_table_leaves_out_the_columns_no_row_fills(plain, monkeypatch, capsys):
+  checked = [_timed("te_jax-ffi", max_err=1e-6, rel_err=2e-7, err_ok=True, memory_mib=16.0),
+             Result(case(), "fwd", "jax-cudnn", "unsupported", reason="runs on gpu only")]
+  header, title = _table_lines(checked, plain, monkeypatch, capsys)
+  assert header[-8:] == ["backend", "median ms", "GFLOP/s", "speedup", "max err", "rel err", "mem MiB", "note"]
+  assert "errors vs float64 reference" in title and "mem = peak of one call" in title
+
+  unchecked = [_timed("te_jax-ffi"), _timed("jax-xla")]  # --no-check, no memory figure, nothing to note
+  header, title = _table_lines(unchecked, plain, monkeypatch, capsys)
+  assert header[-4:] == ["backend", "median ms", "GFLOP/s", "speedup"]
+  assert "errors vs" not in title and "mem =" not in title and "speedup over jax-xla" in title
+
+
+def test_self_check_speed_table_shows_only_filled_columns(monkeypatch, capsys):
+  """`python -m te_jax` times without the error check (its own table has the errors): no empty error columns."""
+  import te_jax.__main__ as self_check
+  monkeypatch.setitem(self_check.SPEED_SHAPES, "cpu", ["--batch", "1", "--seq", "64", "--heads", "2", "--head-dim",
+                                                       "32", "--samples", "2", "--sample-ms", "2"])
+  self_check.compare_speed()
+  out = capsys.readouterr().out
+  header = next(l for l in out.splitlines() if "median ms" in l)
+  assert "speedup" in header and "mem MiB" in header  # te_jax and XLA both report their peak memory on the CPU
+  assert "err" not in header and "errors vs" not in out
 
 
 # ---------------------------------------------------------------- timing and inputs

@@ -18,53 +18,77 @@ def _fmt(x, spec: str, empty: str = "") -> str:
   return empty if x is None else format(x, spec)
 
 
+# Each section's columns after the case and the mode; the optional ones are left out when no row has a value (errors
+# with --no-check, memory where the backend cannot report it), so the table never shows a column it does not fill.
+COLUMNS = ["backend", "median ms", "{unit}", "speedup", "max err", "rel err", "mem MiB", "note"]
+OPTIONAL = {"max err", "rel err", "mem MiB", "note"}
+PLAIN_WIDTHS = {"backend": 22, "median ms": 16, "{unit}": 10, "speedup": 8, "max err": 8, "rel err": 8, "mem MiB": 8,
+                "note": 0}
+
+
+def _cells(r: Result, baseline: str, factor: float) -> list[str]:
+  name = r.backend + (" (base)" if r.backend == baseline else "")
+  if r.status != "ok":
+    return [name, r.status, "", "", "", "", "", r.reason]
+  memory = _fmt(r.memory_mib, ".0f" if (r.memory_mib or 0) >= 10 else ".2f")
+  return [name, f"{r.median_ms:.3f} ±{100 * (r.spread or 0):.0f}%", _fmt(r.tflops and r.tflops * factor, ".1f"),
+          _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), memory,
+          r.reason]
+
+
+def _style(r: Result, best: Result | None, contenders: int) -> str:
+  if r.status == "ok":
+    return "bold green" if r is best and contenders > 1 else ("yellow" if r.err_ok is False else "")
+  return {"failed": "red", "skipped": "yellow"}.get(r.status, "dim")
+
+
 def rows(results: list[Result], platform: str, baseline: str, hide_unsupported: bool = False) -> list[list]:
-  """[(group title, [(cells, style)])] with the fastest backend of each group marked."""
-  unit, factor = throughput_unit(platform)
+  """[((case title, mode), [(cells, style)])], cells in COLUMNS order, with the fastest backend of each group marked."""
+  _, factor = throughput_unit(platform)
   groups = []
   for (case, mode), group in itertools.groupby(results, key=lambda r: r.key):
-    group = list(group)
+    group = [r for r in group if not (hide_unsupported and r.status == "unsupported")]
     ok = [r for r in group if r.status == "ok"]
     best = min(ok, key=lambda r: r.median_ms) if ok else None
     title = f"{case.label + ' ' if case.label else ''}{case.shape_label} {case.mask_label} {short_dtype(case.dtype)}"
-    lines = []
-    for r in group:
-      if hide_unsupported and r.status == "unsupported":
-        continue
-      name = r.backend + (" (base)" if r.backend == baseline else "")
-      if r.status == "ok":
-        time = f"{r.median_ms:.3f} ±{100 * (r.spread or 0):.0f}%"
-        cells = [name, time, _fmt(r.tflops and r.tflops * factor, ".1f"), _fmt(r.speedup, ".2f") + ("x" if r.speedup
-                 else ""), _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), _fmt(r.memory_mib, ".0f" if (r.memory_mib or 0) >= 10 else ".2f"), r.reason]
-        style = "bold green" if r is best and len(ok) > 1 else ("yellow" if r.err_ok is False else "")
-      else:
-        cells = [name, r.status, "", "", "", "", "", r.reason]
-        style = {"failed": "red", "skipped": "yellow"}.get(r.status, "dim")
-      lines.append((cells, style))
-    groups.append(((title, mode), lines))
+    groups.append(((title, mode), [(_cells(r, baseline, factor), _style(r, best, len(ok))) for r in group]))
   return groups
 
 
-HEADERS = ["case", "mode", "backend", "median ms", "{unit}", "speedup", "max err", "rel err", "mem MiB", "note"]
+def shown_columns(groups) -> list[int]:
+  """Indices into COLUMNS of the columns to print: every required one, and each optional one some row fills."""
+  filled = lambda i: any(cells[i] for _, lines in groups for cells, _ in lines)
+  return [i for i, name in enumerate(COLUMNS) if name not in OPTIONAL or filled(i)]
+
+
+def _title(device: str, baseline: str, columns: list[str]) -> str:
+  notes = [f"speedup over {baseline}"]
+  if "max err" in columns:
+    notes.append("errors vs float64 reference at a small size")
+  if "mem MiB" in columns:
+    notes.append("mem = peak of one call")
+  return f"te_jax attention benchmark on {device} ({'; '.join(notes)})"
 
 
 def print_table(results: list[Result], platform: str, baseline: str, device: str, console=None,
                 hide_unsupported: bool = False) -> None:
   unit, _ = throughput_unit(platform)
-  headers = [h.format(unit=unit) for h in HEADERS]
   groups = rows(results, platform, baseline, hide_unsupported)
+  keep = shown_columns(groups)
+  columns = [COLUMNS[i] for i in keep]
+  groups = [(key, [([cells[i] for i in keep], style) for cells, style in lines]) for key, lines in groups]
+  headers = ["case", "mode"] + [c.format(unit=unit) for c in columns]
   try:
     from rich.console import Console
     from rich.table import Table
   except ImportError:
-    _print_plain(groups, headers, device)
+    _print_plain(groups, headers[2:], [PLAIN_WIDTHS[c] for c in columns], _title(device, baseline, columns))
     return
   if console is None:
     console = Console()
     if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
       console = Console(width=170)
-  table = Table(title=f"te_jax attention benchmark on {device} (speedup over {baseline}; errors vs float64 reference "
-                      f"at a small size; mem = peak of one call)", title_justify="left", show_lines=False)
+  table = Table(title=_title(device, baseline, columns), title_justify="left", show_lines=False)
   for h in headers:
     table.add_column(h, justify="left" if h in ("case", "mode", "backend", "note") else "right",
                      overflow="fold", no_wrap=h != "note", max_width=60 if h == "note" else None)
@@ -75,12 +99,11 @@ def print_table(results: list[Result], platform: str, baseline: str, device: str
   console.print(table)
 
 
-def _print_plain(groups, headers, device) -> None:
-  print(f"te_jax attention benchmark on {device}")
-  widths = [22, 16, 10, 8, 8, 8, 8, 0]
-  print("  ".join(h.rjust(w) if w else h for h, w in zip(headers[2:], widths)))
-  for (title, mode), lines in groups:
-    print(f"{title} {mode}")
+def _print_plain(groups, headers, widths, title) -> None:
+  print(title)
+  print("  ".join(h.rjust(w) if w else h for h, w in zip(headers, widths)))
+  for (case, mode), lines in groups:
+    print(f"{case} {mode}")
     for cells, _ in lines:
       print("  ".join(str(c).rjust(w) if w else str(c) for c, w in zip(cells, widths)))
 
