@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings/core_functions.h"
+#include "bindings/cudnn_functions.h"
 #include "bindings/params_from_python.h"
 #include "cpp/cuda/attention_cuda.h"
 #include "cpp/cuda/dynamic_libs.h"
@@ -92,6 +93,7 @@ NB_MODULE(_te_jax_cuda, m) {
   m.def("ffi_registrations", &bindings::FfiRegistrations);
   m.def("legacy_registrations", &bindings::LegacyRegistrations);
   bindings::DefineCoreFunctions(m);
+  bindings::DefineCudnnFunctions(m);
 
   m.def(
       "backward_workspace_bytes",
