@@ -1,12 +1,17 @@
 """A short real run of `python -m te_jax.bench` on the CPU: the table, the CSV/JSON/PNG files (written and parseable),
---list-backends, and --isolate surviving a backend process that dies."""
+--list-backends, --isolate surviving a backend process that dies, and an interrupted run: its files written, its
+--isolate worker gone."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -99,3 +104,118 @@ def test_isolate_survives_a_crashing_backend(tmp_path):
   assert rows[("te_jax-ffi", 128)]["status"] == "ok"  # the worker was restarted after the crash
   assert all(rows[("jax-xla", s)]["status"] == "ok" for s in (64, 128))
   assert float(rows[("jax-xla", 128)]["speedup"]) == 1.0
+
+
+def test_interrupted_sweep_writes_what_it_measured(tmp_path, monkeypatch, capsys):
+  """Ctrl-C in the middle of a sweep: the table, CSV, JSON and plot of the results so far, and exit status 130."""
+  from te_jax.bench.runner import Runner
+  measure, calls = Runner.measure, []
+
+  def interrupt_third(self, *args):
+    calls.append(args)
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return measure(self, *args)
+
+  monkeypatch.setattr(Runner, "measure", interrupt_third)
+  paths = {ext: tmp_path / f"r.{ext}" for ext in ("csv", "json", "png")}
+  rc = main(TINY + ["--backends", "te_jax-ffi,jax-xla", "--mode", "fwd", "--csv", str(paths["csv"]), "--json",
+                    str(paths["json"]), "--plot", str(paths["png"])])
+  captured = capsys.readouterr()
+  assert rc == 130
+  assert "interrupted by SIGINT after 2 results" in captured.err
+  rows = files.read_csv(str(paths["csv"]))
+  assert [(r["backend"], r["seq_q"], r["status"]) for r in rows] == [("te_jax-ffi", "64", "ok"), ("jax-xla", "64", "ok")]
+  assert float(rows[1]["speedup"]) == 1.0  # the speedups were applied before the files were written
+  assert len(json.loads(paths["json"].read_text())["results"]) == 2
+  assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "te_jax-ffi" in captured.out and "jax-xla (base)" in captured.out  # the table of what was measured
+  assert not list(tmp_path.glob("*.tmp*"))
+
+
+def _worker_of(parent: int) -> int | None:
+  """The pid of the --isolate worker that `parent` started, if it has one."""
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    try:
+      with open(stat) as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+      with open(stat.replace("stat", "cmdline"), "rb") as f:
+        cmdline = f.read()
+    except (OSError, IndexError, ValueError):
+      continue
+    if ppid == parent and b"te_jax.bench.worker" in cmdline:
+      return int(stat.split("/")[2])
+  return None
+
+
+def _running(pid: int) -> bool:
+  """Alive and not a zombie (a killed process whose new parent has not reaped it yet has ended all the same)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored():
+  """A child inherits an ignored SIGINT, and Python then raises no KeyboardInterrupt in it: while the block starts
+  one, SIGINT is handled here (a handled signal reverts to the default in a new program)."""
+  previous = signal.getsignal(signal.SIGINT)
+  if previous == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    yield
+  finally:
+    if previous == signal.SIG_IGN:
+      signal.signal(signal.SIGINT, previous)
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    value = condition()
+    if value:
+      return value
+    time.sleep(0.1)
+  raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_isolated_worker_dies_with_an_interrupted_parent(signum, tmp_path):
+  """A signal to the bench process mid-measurement ends its worker too: SIGINT and SIGTERM through the parent (which
+  then writes what it measured), SIGKILL through the worker's parent-death signal."""
+  import te_jax
+  root = os.path.dirname(os.path.dirname(os.path.abspath(te_jax.__file__)))
+  env = dict(os.environ,
+             PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  paths = {ext: tmp_path / f"r.{ext}" for ext in ("csv", "json", "png")}
+  # The second item (s = 65536) takes most of a minute on a CPU: the worker is busy with it when the signal comes.
+  cmd = [sys.executable, "-m", "te_jax.bench", "--isolate", "--backends", "te_jax-ffi", "--baseline", "te_jax-ffi",
+         "--seq", "64,65536", "--batch", "1", "--heads", "2", "--head-dim", "32", "--mode", "fwd", "--samples", "2",
+         "--sample-ms", "2", "--no-check", "--csv", str(paths["csv"]), "--json", str(paths["json"]), "--plot",
+         str(paths["png"])]
+  with open(tmp_path / "out.txt", "w") as out, _sigint_not_ignored():
+    parent = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+  worker = None
+  try:
+    _wait_for(lambda: paths["csv"].exists() and files.read_csv(str(paths["csv"])), 120, "the first result")
+    worker = _wait_for(lambda: _worker_of(parent.pid), 10, "the worker process")
+    parent.send_signal(signum)
+    code = parent.wait(timeout=60)
+    _wait_for(lambda: not _running(worker), 10, f"worker {worker} to end after {signum.name} to its parent")
+  finally:
+    for pid in (parent.pid, worker):
+      if pid and _running(pid):
+        os.kill(pid, signal.SIGKILL)
+  output = (tmp_path / "out.txt").read_text()
+  if signum == signal.SIGKILL:
+    assert code == -signal.SIGKILL
+    return
+  assert code == 128 + signum, output[-3000:]
+  assert f"interrupted by {signum.name} after 1 results" in output
+  rows = files.read_csv(str(paths["csv"]))
+  assert [(r["seq_q"], r["status"]) for r in rows] == [("64", "ok")]
+  assert len(json.loads(paths["json"].read_text())["results"]) == 1
+  assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

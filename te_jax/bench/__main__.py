@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
 import platform as host_platform
+import signal
 import sys
+import threading
 import time
 
 EXAMPLES = """examples:
@@ -195,153 +198,243 @@ def render_saved(args) -> int:
   return 0
 
 
-def main(argv=None) -> int:
-  configure_environment()
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  if args.from_json:
-    return render_saved(args)
-  t_start = time.time()
-  deadline = t_start + args.budget if args.budget else None
-  from te_jax.bench import files, table
-  from te_jax.bench.availability import probe
-  from te_jax.bench.progress import Progress
-  from te_jax.bench.registry import default_baseline
-  from te_jax.bench.results import apply_speedups
-  from te_jax.bench.runner import Options, SweepStopped, run_sweep
-  from te_jax.bench.timing import PLANS
+class Interrupted(KeyboardInterrupt):
+  """SIGTERM or SIGHUP while measuring, raised like Ctrl-C's KeyboardInterrupt so that both stop a sweep the same way:
+  the workers killed, what was measured written out."""
 
-  platform, device = detect_platform()
-  backends = select_backends(args.backends)
-  unit, factor = table.throughput_unit(platform)
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_termination():
+  """SIGTERM and SIGHUP raise Interrupted inside the block (Python's default for them ends the process at once, with
+  no chance to write files or kill --isolate's workers). Signals can only be handled on the main thread; elsewhere
+  the block runs unchanged."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    raise Interrupted(signum)
+
+  previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGHUP)}
+  try:
+    yield
+  finally:
+    for signum, old in previous.items():
+      signal.signal(signum, old)
+
+
+def timing_plan(args, platform: str):
+  from te_jax.bench.timing import PLANS
   plan = PLANS.get(platform, PLANS["cpu"])
   if args.samples:
     plan = dataclasses.replace(plan, samples=args.samples, min_samples=min(plan.min_samples, args.samples))
   if args.sample_ms:
     plan = dataclasses.replace(plan, sample_s=args.sample_ms / 1e3)
+  return plan
 
-  if args.list_backends:
-    print(f"te_jax.bench backends on {device}:")
-    if args.isolate:
-      from te_jax.bench.isolate import run_isolated
-      _, availability = run_isolated([], backends, platform, keep_going=True, deadline=None, check_errors=True,
-                                     seed=args.seed, plan=None, probe_only=True)
-    else:
-      availability = {b.name: probe(b, platform) for b in backends}
-    table.print_availability(availability, backends, platform, capabilities=True)
-    return 0
 
+def list_backends(args, backends, platform: str, device: str) -> int:
+  from te_jax.bench import table
+  from te_jax.bench.availability import probe
+  print(f"te_jax.bench backends on {device}:")
+  if args.isolate:
+    from te_jax.bench.isolate import run_isolated
+    _, availability = run_isolated([], backends, platform, keep_going=True, deadline=None, check_errors=True,
+                                   seed=args.seed, plan=None, probe_only=True)
+  else:
+    availability = {b.name: probe(b, platform) for b in backends}
+  table.print_availability(availability, backends, platform, capabilities=True)
+  return 0
+
+
+def measured_backends(args, backends, platform: str):
+  """The backends to measure, the baseline included, and the torch ones left out on the CPU (with their names)."""
+  from te_jax.bench.registry import default_baseline, get
   skipped_torch = []
   if not args.backends and platform == "cpu" and not args.isolate:
     # On the CPU, torch's OpenMP threads and XLA's/te_jax's worker threads in one process slow each other down, which
     # would misstate torch; it runs on the CPU only when asked for or isolated.
     skipped_torch = [b.name for b in backends if b.framework == "torch"]
     backends = [b for b in backends if b.framework != "torch"]
-  sweep = build_sweep(args, platform)
-  cases = sweep.cases(platform)
-  # Shortest sequences first (stable otherwise): a time budget then cuts the longest sequences of every panel rather
-  # than whole head dims or masks.
-  items = sorted(((c, m) for c in cases for m in sweep.modes), key=lambda cm: (cm[0].seq_q, cm[0].seq_kv))
-  if args.baseline and args.baseline not in [b.name for b in backends]:
+  names = [b.name for b in backends]
+  if args.baseline and args.baseline not in names:
     backends += select_backends(args.baseline)
-  elif not args.baseline:
-    from te_jax.bench.registry import get
-    base = default_baseline(platform)
-    if base not in [b.name for b in backends]:
-      backends.append(get(base))
-  order = [b.name for b in backends]
-  if skipped_torch:
-    print(f"note: {', '.join(skipped_torch)} left out on the CPU in one process (thread pools contend); add "
-          f"--isolate or --backends to include them", flush=True)
-  print(f"te_jax.bench: preset {args.preset}, {len(cases)} cases x {len(sweep.modes)} modes x {len(backends)} "
-        f"backends on {device}", flush=True)
+  elif not args.baseline and default_baseline(platform) not in names:
+    backends.append(get(default_baseline(platform)))
+  return backends, skipped_torch
 
-  results, availability = [], {}
-  metadata = dict(device=device, platform=platform, preset=args.preset, command="python -m te_jax.bench " + " ".join(argv),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  versions=_versions(), timing=dataclasses.asdict(plan), modes=sweep.modes)
 
-  def save():
-    ordered = sorted(results, key=lambda r: (item_index.get(r.key, 0), order.index(r.backend)
-                                             if r.backend in order else 99))
+class Session:
+  """One measuring run: its items and backends, what it has measured so far, and its output files (rewritten after
+  every result, so that whatever stops the run leaves them)."""
+
+  def __init__(self, args, argv, platform: str, device: str, backends, sweep, plan, deadline: float | None):
+    from te_jax.bench import table
+    self.args, self.platform, self.device, self.backends, self.plan = args, platform, device, backends, plan
+    self.deadline = deadline  # time.time() after which the remaining measurements are skipped (--budget)
+    self.order = [b.name for b in backends]
+    self.modes = sweep.modes
+    self.cases = sweep.cases(platform)
+    # Shortest sequences first (stable otherwise): a time budget then cuts the longest sequences of every panel rather
+    # than whole head dims or masks.
+    self.items = sorted(((c, m) for c in self.cases for m in self.modes), key=lambda cm: (cm[0].seq_q, cm[0].seq_kv))
+    self.item_index = {}
+    for i, key in enumerate(self.items):
+      self.item_index.setdefault(key, i)
+    self.unit, self.factor = table.throughput_unit(platform)
+    self.results, self.availability = [], {}
+    self.baseline = args.baseline or ""
+    self.metadata = dict(device=device, platform=platform, preset=args.preset,
+                         command="python -m te_jax.bench " + " ".join(argv),
+                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                         versions=_versions(), timing=dataclasses.asdict(plan), modes=self.modes)
+
+  def ordered(self):
+    return sorted(self.results, key=lambda r: (self.item_index.get(r.key, 0),
+                                               self.order.index(r.backend) if r.backend in self.order else 99))
+
+  def save(self):
+    from te_jax.bench import files
+    ordered, args = self.ordered(), self.args
     if args.csv:
       files.write_csv(args.csv, ordered)
     if args.json:
-      files.write_json(args.json, ordered, dict(metadata, baseline=baseline), availability)
+      files.write_json(args.json, ordered, dict(self.metadata, baseline=self.baseline), self.availability)
     if args.markdown:
-      files.write_markdown(args.markdown, ordered, order, baseline, unit, factor)
+      files.write_markdown(args.markdown, ordered, self.order, self.baseline, self.unit, self.factor)
     return ordered
 
-  item_index = {}
-  for i, key in enumerate(items):
-    item_index.setdefault(key, i)
-  baseline = args.baseline or ""
-  stopped = None
-  with Progress(len(items) * len(backends), unit, factor, quiet=args.quiet) as progress:
+  def measure(self, progress):
+    """Runs the sweep; returns the failure that stopped it without --keep-going, or None."""
     def on_result(r):
-      results.append(r)
+      self.results.append(r)
       progress.result(r)
-      if args.csv or args.json or args.markdown:
-        save()
+      self.save()
 
     def on_availability(a):
-      availability[a.name] = a
+      self.availability[a.name] = a
       if not a.available:
-        progress.set_total(progress.total - len(items))
+        progress.set_total(progress.total - len(self.items))
       progress.log(f"  {a.name:<16} {'available' if a.available else 'unavailable'}"
                    f"{': ' + a.reason if a.reason else ''}")
 
-    if args.isolate:
-      from te_jax.bench.isolate import run_isolated
-      baseline = args.baseline or default_baseline(platform)
-      # Most important first (a budget cuts the last): te_jax, the baseline, then the cheap torch kernels, then the
-      # rest, with te_jax's second custom-call path (the same kernels) last.
-      priority = {"te_jax-ffi": 0, baseline: 1, "te_jax-legacy": 9, "pallas": 8}
-      run_order = sorted(backends, key=lambda b: priority.get(b.name, 2 if b.framework == "torch" else 5))
-      progress.log("isolated: one process per backend; availability:")
-      plan_dict = dataclasses.asdict(plan)
-      run_isolated(items, run_order, platform, keep_going=args.keep_going, deadline=deadline,
-                   check_errors=not args.no_check, seed=args.seed, plan=plan_dict, on_availability=on_availability,
-                   on_start=progress.start, on_result=on_result)
+    if self.args.isolate:
+      return self._measure_isolated(progress, on_availability, on_result)
+    return self._measure_here(progress, on_availability, on_result)
+
+  def _measure_isolated(self, progress, on_availability, on_result):
+    from te_jax.bench.isolate import run_isolated
+    from te_jax.bench.registry import default_baseline
+    args = self.args
+    self.baseline = args.baseline or default_baseline(self.platform)
+    # Most important first (a budget cuts the last): te_jax, the baseline, then the cheap torch kernels, then the
+    # rest, with te_jax's second custom-call path (the same kernels) last.
+    priority = {"te_jax-ffi": 0, self.baseline: 1, "te_jax-legacy": 9, "pallas": 8}
+    run_order = sorted(self.backends, key=lambda b: priority.get(b.name, 2 if b.framework == "torch" else 5))
+    progress.log("isolated: one process per backend; availability:")
+    try:
+      run_isolated(self.items, run_order, self.platform, keep_going=args.keep_going, deadline=self.deadline,
+                   check_errors=not args.no_check, seed=args.seed, plan=dataclasses.asdict(self.plan),
+                   on_availability=on_availability, on_start=progress.start, on_result=on_result)
+    finally:
       if not args.baseline:
-        baseline = choose_baseline(None, platform, availability, backends)
-      stopped = next((r for r in results if r.status == "failed"), None) if not args.keep_going else None
-    else:
-      progress.log("availability (a tiny case run and compared with the float64 reference):")
-      need_backward = any(m != "fwd" for m in sweep.modes)
-      for b in backends:
-        on_availability(probe(b, platform, need_backward))
-      baseline = choose_baseline(args.baseline, platform, availability, backends)
-      live = [b for b in backends if availability[b.name].available]
-      try:
-        run_sweep(items, live, availability, Options(platform=platform, keep_going=args.keep_going, deadline=deadline,
-                                                     check_errors=not args.no_check, seed=args.seed, plan=plan),
-                  on_start=progress.start, on_result=on_result)
-      except SweepStopped as e:
-        stopped = e.result
-  apply_speedups(results, baseline)
-  ordered = save()
-  table.print_table(ordered, platform, baseline, device, hide_unsupported=args.hide_unsupported)
-  unavailable = [a for a in availability.values() if not a.available]
-  if unavailable:
-    print("unavailable: " + "; ".join(f"{a.name} ({a.reason})" for a in unavailable))
-  if args.plot:
+        self.baseline = choose_baseline(None, self.platform, self.availability, self.backends)
+    return next((r for r in self.results if r.status == "failed"), None) if not args.keep_going else None
+
+  def _measure_here(self, progress, on_availability, on_result):
+    from te_jax.bench.availability import probe
+    from te_jax.bench.runner import Options, SweepStopped, run_sweep
+    args = self.args
+    progress.log("availability (a tiny case run and compared with the float64 reference):")
+    need_backward = any(m != "fwd" for m in self.modes)
+    for b in self.backends:
+      on_availability(probe(b, self.platform, need_backward))
+    self.baseline = choose_baseline(args.baseline, self.platform, self.availability, self.backends)
+    live = [b for b in self.backends if self.availability[b.name].available]
+    options = Options(platform=self.platform, keep_going=args.keep_going, deadline=self.deadline,
+                      check_errors=not args.no_check, seed=args.seed, plan=self.plan)
+    try:
+      run_sweep(self.items, live, self.availability, options, on_start=progress.start, on_result=on_result)
+    except SweepStopped as e:
+      return e.result
+    return None
+
+  def report(self) -> int:
+    """The table, the plot and the files of what was measured; 2 when the plot cannot be drawn."""
+    from te_jax.bench import table
+    from te_jax.bench.results import apply_speedups
+    apply_speedups(self.results, self.baseline)
+    ordered = self.save()
+    table.print_table(ordered, self.platform, self.baseline, self.device, hide_unsupported=self.args.hide_unsupported)
+    unavailable = [a for a in self.availability.values() if not a.available]
+    if unavailable:
+      print("unavailable: " + "; ".join(f"{a.name} ({a.reason})" for a in unavailable))
+    code = self._plot(ordered)
+    for path in (self.args.csv, self.args.json, self.args.markdown):
+      if path:
+        print(f"wrote {path}")
+    return code
+
+  def _plot(self, ordered) -> int:
+    if not self.args.plot:
+      return 0
     from te_jax.bench.plot import plot
     try:
-      plot(args.plot, ordered, platform, baseline, f"te_jax attention benchmark, {device}", order)
-      print(f"plot: {args.plot}")
+      plot(self.args.plot, ordered, self.platform, self.baseline, f"te_jax attention benchmark, {self.device}",
+           self.order)
     except ImportError as e:
       print(f"--plot needs matplotlib (pip install 'te_jax[bench]'): {e}", file=sys.stderr)
       return 2
-  for path in (args.csv, args.json, args.markdown):
-    if path:
-      print(f"wrote {path}")
+    print(f"plot: {self.args.plot}")
+    return 0
+
+
+def run(args, argv) -> int:
+  from te_jax.bench.progress import Progress
+  t_start = time.time()
+  platform, device = detect_platform()
+  backends = select_backends(args.backends)
+  if args.list_backends:
+    return list_backends(args, backends, platform, device)
+  backends, skipped_torch = measured_backends(args, backends, platform)
+  session = Session(args, argv, platform, device, backends, build_sweep(args, platform), timing_plan(args, platform),
+                    deadline=t_start + args.budget if args.budget else None)
+  if skipped_torch:
+    print(f"note: {', '.join(skipped_torch)} left out on the CPU in one process (thread pools contend); add "
+          f"--isolate or --backends to include them", flush=True)
+  print(f"te_jax.bench: preset {args.preset}, {len(session.cases)} cases x {len(session.modes)} modes x "
+        f"{len(backends)} backends on {device}", flush=True)
+  stopped, interrupted = None, None
+  try:
+    with stop_on_termination(), Progress(len(session.items) * len(backends), session.unit, session.factor,
+                                         quiet=args.quiet) as progress:
+      stopped = session.measure(progress)
+  except KeyboardInterrupt as e:  # Ctrl-C, or Interrupted: report what was measured before it
+    interrupted = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+  code = session.report()
   print(f"done in {time.time() - t_start:.0f} s")
+  if interrupted is not None:
+    print(f"interrupted by {signal.Signals(interrupted).name} after {len(session.results)} results; the table and "
+          f"files above hold what was measured", file=sys.stderr)
+    return 128 + interrupted
   if stopped is not None:
     print(f"stopped: {stopped.backend} failed on {stopped.case.shape_label} {stopped.case.mask_label} {stopped.mode}: "
           f"{stopped.reason}\n(use --keep-going to record failures and continue)", file=sys.stderr)
     return 1
-  return 0
+  return code
+
+
+def main(argv=None) -> int:
+  configure_environment()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  if args.from_json:
+    return render_saved(args)
+  return run(args, argv)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,14 @@ def _atomic_write(path: str, write) -> None:
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", newline="") as f:
-    write(f)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w", newline="") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:  # Ctrl-C mid-write included: the previous version of the file stays, with no stray temporary
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def write_csv(path: str, results: list[Result]) -> None:

@@ -1,10 +1,13 @@
 """--isolate: one child process per backend (python -m te_jax.bench.worker), so a crash, a hang or an out-of-memory in
 one backend loses only that backend's in-flight measurement. A child that dies is restarted after the item it died
 on. Backends run in the order given (most important first); under a time budget each may run until the deadline
-less a reserve for every backend still to come, so the first ones finish and the last ones are cut if time runs out."""
+less a reserve for every backend still to come, so the first ones finish and the last ones are cut if time runs out.
+A worker never outlives this process: any exception here (Ctrl-C included) kills it, and the worker itself dies with
+this process when that is killed outright (worker.die_with_parent)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -84,8 +87,102 @@ class _Child:
         pass
       self.proc.wait()
 
-  def close(self) -> None:
+  def __enter__(self) -> "_Child":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    # Also on KeyboardInterrupt or any error in this process: the worker is in its own session, out of reach of the
+    # terminal's Ctrl-C, so nothing else would end it.
+    self.kill()
     self._err.close()
+
+
+class _Sink:
+  """What the workers report, kept and passed on to the caller's callbacks as it arrives."""
+
+  def __init__(self, items: list[tuple[Case, str]], on_availability, on_start, on_result):
+    self.items, self.on_availability, self.on_start, self.on_result = items, on_availability, on_start, on_result
+    self.results: list[Result] = []
+    self.availability: dict[str, Availability] = {}
+    self.records: dict[str, dict] = {}  # a worker's availability record, so a restarted worker need not probe again
+
+  def found(self, availability: Availability, record: dict | None = None) -> None:
+    self.availability[availability.name] = availability
+    if record is not None:
+      self.records[availability.name] = record
+    if self.on_availability:
+      self.on_availability(availability)
+
+  def started(self, backend: str, index: int) -> None:
+    if self.on_start:
+      self.on_start(backend, *self.items[index])
+
+  def add(self, result: Result) -> Result:
+    self.results.append(result)
+    if self.on_result:
+      self.on_result(result)
+    return result
+
+
+def _follow(child: _Child, backend: str, sink: _Sink, pending: dict, keep_going: bool,
+            kill_at: float | None) -> tuple[int | None, bool]:
+  """Passes on the worker's records until it exits, or kills it past kill_at. Returns the index of the item it was
+  on when it ended (None between items) and whether a failure stops the sweep."""
+  in_flight, stop = None, False
+  while True:
+    finished = child.proc.poll() is not None
+    for record in child.read():
+      kind = record.pop("type")
+      if kind == "availability":
+        record["modes"] = tuple(record["modes"])
+        sink.found(Availability(**record), record)
+      elif kind == "start":
+        in_flight = record["index"]
+        sink.started(backend, in_flight)
+      elif kind == "result":
+        result = sink.add(Result.from_dict(record["result"]))
+        pending.pop(record["index"], None)
+        in_flight = None
+        stop |= result.status == "failed" and not keep_going
+    if finished:
+      return in_flight, stop
+    if kill_at is not None and time.time() > kill_at:
+      child.kill()
+      return in_flight, stop
+    time.sleep(0.1)
+
+
+def _run_backend(backend: Backend, spec: dict, items: list[tuple[Case, str]], workdir: str, sink: _Sink,
+                 keep_going: bool, share_deadline: float | None) -> bool:
+  """Measures `items` with one backend in worker processes, a new one after each crash. Returns True when a failure
+  stops the whole sweep."""
+  pending = dict(enumerate(items))
+  kill_at = None if share_deadline is None else share_deadline + KILL_GRACE_S
+  for attempt in itertools.count():
+    spec = dict(spec, availability=sink.records.get(backend.name),
+                items=[(i, [c.to_dict(), m]) for i, (c, m) in pending.items()])
+    with _Child(spec, workdir, f"{backend.name}.{attempt}") as child:
+      in_flight, stop = _follow(child, backend.name, sink, pending, keep_going, kill_at)
+      code = child.proc.wait()
+    if backend.name not in sink.availability:
+      sink.found(Availability(backend.name, False,
+                              f"probe process died ({_describe_exit(code)}): {_stderr_tail(child.err_path)}"))
+      return False
+    if stop or not pending or not sink.availability[backend.name].available:
+      return stop
+    # The worker died or was killed: the in-flight item (or, if none had started, the next one) gets the blame.
+    blame = in_flight if in_flight is not None else next(iter(pending))
+    if kill_at is not None and time.time() > kill_at:
+      for i, (case, mode) in pending.items():
+        sink.add(Result(case=case, mode=mode, backend=backend.name, status="skipped", flops=attention_flops(case, mode),
+                        reason="time budget (--budget) spent" + (
+                            f"; killed while running ({_describe_exit(code)})" if i == blame else "")))
+      return False
+    case, mode = pending.pop(blame)
+    sink.add(Result(case=case, mode=mode, backend=backend.name, status="failed", flops=attention_flops(case, mode),
+                    reason=f"process died ({_describe_exit(code)}): {_stderr_tail(child.err_path)}"))
+    if not keep_going or not pending:
+      return False
 
 
 def run_isolated(items: list[tuple[Case, str]], backends: list[Backend], platform: str, *, keep_going: bool,
@@ -93,98 +190,23 @@ def run_isolated(items: list[tuple[Case, str]], backends: list[Backend], platfor
                  on_availability: Callable[[Availability], None] | None = None,
                  on_start: Callable | None = None, on_result: Callable[[Result], None] | None = None,
                  probe_only: bool = False) -> tuple[list[Result], dict[str, Availability]]:
-  results: list[Result] = []
-  availability: dict[str, Availability] = {}
-  budget_s = None if deadline is None else max(0.0, deadline - time.time())
+  sink = _Sink(items, on_availability, on_start, on_result)
   # Missing packages and platforms a backend does not declare are known without starting a process.
   missing = {b.name: b.not_installed() or b.declared_platform_reason(platform) for b in backends}
+  installed = [b.name for b in backends if not missing[b.name]]
+  need_backward = probe_only or any(m != "fwd" for _, m in items)
+  if deadline is not None:
+    reserve = min(RESERVE_S, max(0.0, deadline - time.time()) / (2 * max(1, len(installed))))
   with tempfile.TemporaryDirectory(prefix="te_jax_bench_") as workdir:
-    for b_index, backend in enumerate(backends):
-      reason = missing[backend.name]
-      if reason:
-        availability[backend.name] = Availability(backend.name, False, reason)
-        if on_availability:
-          on_availability(availability[backend.name])
+    for backend in backends:
+      if missing[backend.name]:
+        sink.found(Availability(backend.name, False, missing[backend.name]))
         continue
-      pending = list(enumerate(items))
       share_deadline = None
-      if deadline is not None:
-        installed = sum(1 for b in backends if not missing[b.name])
-        after = sum(1 for b in backends[b_index + 1:] if not missing[b.name])
-        reserve = min(RESERVE_S, budget_s / (2 * max(1, installed)))
-        share_deadline = deadline - reserve * after
-      avail_dict, attempt = None, 0
-      while True:
-        spec = dict(backend=backend.name, platform=platform, keep_going=keep_going, deadline=share_deadline,
-                    check_errors=check_errors, seed=seed, plan=plan, availability=avail_dict,
-                    need_backward=probe_only or any(m != "fwd" for _, m in items),
-                    items=[] if probe_only else [(i, [c.to_dict(), m]) for i, (c, m) in pending])
-        child = _Child(spec, workdir, f"{backend.name}.{attempt}")
-        attempt += 1
-        in_flight, stop = None, False
-        while True:
-          finished = child.proc.poll() is not None
-          for record in child.read():
-            if record["type"] == "availability":
-              record.pop("type")
-              record["modes"] = tuple(record["modes"])
-              availability[backend.name] = Availability(**record)
-              avail_dict = record
-              if on_availability:
-                on_availability(availability[backend.name])
-            elif record["type"] == "start":
-              in_flight = record["index"]
-              if on_start:
-                case, mode = items[in_flight]
-                on_start(backend.name, case, mode)
-            elif record["type"] == "result":
-              result = Result.from_dict(record["result"])
-              results.append(result)
-              pending = [(i, cm) for i, cm in pending if i != record["index"]]
-              in_flight = None
-              if on_result:
-                on_result(result)
-              if result.status == "failed" and not keep_going:
-                stop = True
-          if finished:
-            break
-          if share_deadline is not None and time.time() > share_deadline + KILL_GRACE_S:
-            child.kill()
-            break
-          time.sleep(0.1)
-        code = child.proc.wait()
-        child.close()
-        if backend.name not in availability:
-          availability[backend.name] = Availability(
-              backend.name, False, f"probe process died ({_describe_exit(code)}): {_stderr_tail(child.err_path)}")
-          if on_availability:
-            on_availability(availability[backend.name])
-          break
-        if stop or not pending or not availability[backend.name].available:
-          break
-        # The child died or was killed: the in-flight item (or, if none had started, the next one) gets the blame.
-        over_budget = share_deadline is not None and time.time() > share_deadline + KILL_GRACE_S
-        blame = in_flight if in_flight is not None else pending[0][0]
-        case, mode = items[blame]
-        if over_budget:
-          for i, (c, m) in pending:
-            r = Result(case=c, mode=m, backend=backend.name, status="skipped", flops=attention_flops(c, m),
-                       reason="time budget (--budget) spent" + (
-                           f"; killed while running ({_describe_exit(code)})" if i == blame else ""))
-            results.append(r)
-            if on_result:
-              on_result(r)
-          break
-        r = Result(case=case, mode=mode, backend=backend.name, status="failed", flops=attention_flops(case, mode),
-                   reason=f"process died ({_describe_exit(code)}): {_stderr_tail(child.err_path)}")
-        results.append(r)
-        if on_result:
-          on_result(r)
-        if not keep_going:
-          break
-        pending = [(i, cm) for i, cm in pending if i != blame]
-        if not pending:
-          break
-      if stop:
+      if deadline is not None:  # each may run until the deadline less a reserve for every backend still to come
+        share_deadline = deadline - reserve * (len(installed) - 1 - installed.index(backend.name))
+      spec = dict(backend=backend.name, platform=platform, keep_going=keep_going, deadline=share_deadline,
+                  check_errors=check_errors, seed=seed, plan=plan, need_backward=need_backward, parent_pid=os.getpid())
+      if _run_backend(backend, spec, [] if probe_only else items, workdir, sink, keep_going, share_deadline):
         break
-  return results, availability
+  return sink.results, sink.availability

@@ -3,10 +3,36 @@ parent keeps everything written before a crash. Run as `python -m te_jax.bench.w
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_S = 1.0
+
+
+def die_with_parent(parent_pid: int) -> None:
+  """Ends this process when the bench process that started it ends, however it ends (SIGKILL included, where it has
+  no chance to kill its workers). On Linux the kernel sends SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG: the
+  thread that started this process, which in the bench is its main thread); elsewhere a thread polls the parent id."""
+  if sys.platform.startswith("linux"):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+      raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+  else:
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+  if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+    os._exit(1)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+  while os.getppid() == parent_pid:
+    time.sleep(PARENT_POLL_S)
+  os._exit(1)
 
 
 def _emit(out, record: dict) -> None:
@@ -20,6 +46,7 @@ def main(argv=None) -> int:
   spec_path, out_path = argv
   with open(spec_path) as f:
     spec = json.load(f)
+  die_with_parent(spec["parent_pid"])
   from te_jax.bench.__main__ import configure_environment
   configure_environment()
   from te_jax.bench import registry
