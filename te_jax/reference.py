@@ -50,9 +50,31 @@ def _logits(q, k, scale, softcap, alibi_slopes, p):
   return s, dsdraw
 
 
+def _visible_sum(weights, values, visible, over: str):
+  """Sums weights [B,H,Sq,Skv] times values over the visible (query, key) pairs only: over "keys" gives [B,Sq,H,D] from
+  values [B,Skv,H,D], over "queries" gives [B,Skv,H,D] from values [B,Sq,H,D]. weights are 0 outside `visible`, but a
+  plain product would still add 0 * NaN = NaN from a non-finite value there, and pairs a row does not see must never
+  affect it; so the non-finite values are summed apart, over visible pairs alone."""
+  spec = "bhij,bjhd->bihd" if over == "keys" else "bhij,bihd->bjhd"
+  finite = np.isfinite(values)
+  result = np.einsum(spec, weights, np.where(finite, values, 0.0))
+  if finite.all():
+    return result
+  bad = np.where(finite, 0.0, values).transpose(0, 2, 1, 3)  # [B, H, S, D]
+  if over == "keys":
+    terms = np.where(visible[..., None], weights[..., None] * bad[:, :, None, :, :], 0.0).sum(axis=3)
+  else:
+    terms = np.where(visible[..., None], weights[..., None] * bad[:, :, :, None, :], 0.0).sum(axis=2)
+  return result + terms.transpose(0, 2, 1, 3)
+
+
 def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seqlens=None, window_size=(-1, -1),
                         scale=None, softcap=0.0, alibi_slopes=None, dout=None, dlse=None):
-  """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv (all float64)."""
+  """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv (all float64).
+
+  IEEE arithmetic over each row's visible keys: a NaN or inf in the row's q, in a visible key's k or v, or in a slope
+  reaches that row's results as the formula carries it; keys a row does not see never affect it; a row with no visible
+  key gives out = 0, lse = -inf and zero gradients."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv, num_kv_heads = k.shape[1], k.shape[2]
@@ -62,29 +84,31 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
   scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
   ke, ve = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   p = _diag_positions(mask_type, seqlen_q, q_seqlens, kv_seqlens)
-  s, dsdraw = _logits(q, ke, scale, softcap, alibi_slopes, p)
-  visible = visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size)[:, None]
-  s = np.where(visible, s, -np.inf)
-  row_max = s.max(axis=-1, keepdims=True)
-  any_visible = np.isfinite(row_max)
-  e = np.where(visible, np.exp(s - np.where(any_visible, row_max, 0.0)), 0.0)
-  total = e.sum(axis=-1, keepdims=True)
-  probs = np.where(any_visible, e / np.where(any_visible, total, 1.0), 0.0)
-  lse = np.where(any_visible, np.log(np.where(any_visible, total, 1.0)) + np.where(any_visible, row_max, 0.0),
-                 -np.inf)[..., 0]
-  out = np.einsum("bhij,bjhd->bihd", probs, ve)
-  result = dict(out=out, lse=lse)
-  if dout is None:
-    return result
-  dout = np.asarray(dout, np.float64)
-  dlse = np.zeros_like(lse) if dlse is None else np.where(np.isfinite(lse), np.asarray(dlse, np.float64), 0.0)
-  dve = np.einsum("bhij,bihd->bjhd", probs, dout)
-  dprobs = np.einsum("bihd,bjhd->bhij", dout, ve)
-  delta = np.einsum("bihd,bihd->bhi", dout, out)
-  ds = probs * (dprobs - delta[..., None] + dlse[..., None])
-  draw = ds * dsdraw
-  dq = np.einsum("bhij,bjhd->bihd", draw, ke)
-  dke = np.einsum("bhij,bihd->bjhd", draw, q)
+  with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+    s, dsdraw = _logits(q, ke, scale, softcap, alibi_slopes, p)
+    visible = visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size)[:, None]
+    any_visible = visible.any(axis=-1, keepdims=True)
+    s = np.where(visible, s, -np.inf)
+    # The row max shifts the exponentials; NaN and +inf in it carry through, and a row whose visible logits are all
+    # -inf (from inf inputs) keeps a sum of 0, hence lse = -inf and out = 0 / 0 = NaN.
+    row_max = s.max(axis=-1, keepdims=True)
+    shift = np.where(row_max == -np.inf, 0.0, row_max)
+    e = np.where(visible, np.exp(s - shift), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    probs = np.where(visible, e / np.where(any_visible, total, 1.0), 0.0)
+    lse = np.where(any_visible, np.log(total) + shift, -np.inf)[..., 0]
+    out = _visible_sum(probs, ve, visible, "keys")
+    result = dict(out=out, lse=lse)
+    if dout is None:
+      return result
+    dout = np.asarray(dout, np.float64)
+    dlse = np.zeros_like(lse) if dlse is None else np.where(any_visible[..., 0], np.asarray(dlse, np.float64), 0.0)
+    dve = _visible_sum(probs, dout, visible, "queries")
+    dprobs = np.einsum("bihd,bjhd->bhij", dout, ve)  # used at visible pairs only (below)
+    delta = np.einsum("bihd,bihd->bhi", dout, out)
+    draw = np.where(visible, probs * (dprobs - delta[..., None] + dlse[..., None]) * dsdraw, 0.0)
+    dq = _visible_sum(draw, ke, visible, "keys")
+    dke = _visible_sum(draw, q, visible, "queries")
   fold = lambda x: x.reshape(batch, seqlen_kv, num_kv_heads, group, x.shape[-1]).sum(axis=3)
   result.update(dq=dq, dk=fold(dke), dv=fold(dve))
   return result

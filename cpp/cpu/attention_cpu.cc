@@ -105,6 +105,30 @@ void ApplyLogits(const Variant& variant, const float* dots, float* scores, int64
   }
 }
 
+bool AllFinite(const MatrixB& tile, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      if (!std::isfinite(tile.data[i * tile.row_stride + j])) return false;
+    }
+  }
+  return true;
+}
+
+// out[r] += sum over the keys row r sees of P[key][r] * v[key], for a tile that straddles a row's range edge and whose
+// V holds a NaN or inf: the matrix product would add 0 * NaN = NaN to the rows that do not see that key, and keys a
+// row does not see must never affect it. Rare (only non-finite inputs take it), so plain loops.
+template <int64_t kRows>
+void AddVisibleProducts(const TileKeyRanges<kRows>& ranges, const float* probs, const MatrixB& v_tile, int64_t key0,
+                        int64_t keys, int64_t rows, int64_t dv, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < keys; ++c) {
+      if (key0 + c < ranges.begin[r] || key0 + c >= ranges.end[r]) continue;
+      const float p = probs[c * kRows + r];
+      for (int64_t j = 0; j < dv; ++j) out[r * dv + j] += p * v_tile.data[c * v_tile.row_stride + j];
+    }
+  }
+}
+
 // The visible keys of every Q tile of every batch, [B, Q tiles]: the forward's cost estimate and the backward's test of
 // which Q tiles meet a KV tile.
 std::vector<KeyRange> QTileKeys(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
@@ -200,17 +224,25 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
       for (int64_t j = 0; j < dv; ++j) s.out[r * dv + j] *= s.rescale[r];
     }
     const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
-    TileGemm(rows, dv, keys, {scores, 1, kTileQ}, v_tile, {s.out.data(), dv}, Accumulate::kYes);
+    if (!s.ranges.AllSee(key0, key0 + keys) && !AllFinite(v_tile, keys, dv)) {
+      AddVisibleProducts(s.ranges, scores, v_tile, key0, keys, rows, dv, s.out.data());
+    } else {
+      TileGemm(rows, dv, keys, {scores, 1, kTileQ}, v_tile, {s.out.data(), dv}, Accumulate::kYes);
+    }
   }
 
   const HeadRows<T> out = Head(args.out, p.seqlen_q, p.num_heads, dv, b, h);
   float* lse = args.lse + (b * p.num_heads + h) * p.seqlen_q + first_row;
   for (int64_t r = 0; r < rows; ++r) {
+    // A row that sees no key gives out = 0 and lse = -inf whatever its accumulator holds. A row that sees keys follows
+    // the formula in IEEE arithmetic: a NaN anywhere in it, or a sum of 0 (all its logits -inf, from inf inputs),
+    // comes out as NaN.
+    const bool sees_keys = s.ranges.begin[r] < s.ranges.end[r];
     const float sum = s.softmax.sum[r];
-    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;  // rows that see no key: out = 0, lse = -inf
+    const float inv_sum = 1.0f / sum;
     T* out_row = out.Row(first_row + r);
-    for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(s.out[r * dv + j] * inv_sum);
-    lse[r] = sum > 0.0f ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
+    for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(sees_keys ? s.out[r * dv + j] * inv_sum : 0.0f);
+    lse[r] = sees_keys ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
   }
 }
 
@@ -298,7 +330,8 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
     s.delta[r] = 0.0f;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    s.lse2[r] = lse[r] * kLog2e;
+    // A row that saw no key (lse = -inf) has every score masked to -inf: lse2 = +inf makes its P 0 rather than NaN.
+    s.lse2[r] = lse[r] == -INFINITY ? INFINITY : lse[r] * kLog2e;
     const T* out_row = out.Row(first_row + r);
     for (int64_t j = 0; j < dv; ++j) s.delta[r] += ToFloat(out_row[j]) * dout_rows.data[r * dout_rows.row_stride + j];
     s.delta[r] -= dlse[r];  // d lse_i / d s_ij = P_ij, so dlse enters dS = P * (dP - delta) with the opposite sign

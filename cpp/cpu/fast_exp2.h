@@ -7,10 +7,12 @@
 namespace te_jax::cpu {
 
 // Relative error below 1.2e-7 (about one float ulp). Inputs at or below -127, -inf included, give exactly 0, which is
-// what masked scores must contribute; 2^-126..2^-127 flushes to 0, far below anything a softmax row can notice.
+// what masked scores must contribute; 2^-126..2^-127 flushes to 0, far below anything a softmax row can notice. NaN
+// gives NaN (both clamps let it through, and NaN times the scale bits stays NaN), so a NaN score poisons its row as
+// IEEE arithmetic would; the softmax never passes +inf (scores minus their row max are <= 0).
 inline F32x8 Exp2(const F32x8& exponent) {
-  F32x8 x = exponent > -127.0f ? exponent : Splat(-127.0f);
-  x = x < 127.0f ? x : Splat(127.0f);
+  F32x8 x = exponent < -127.0f ? Splat(-127.0f) : exponent;
+  x = x > 127.0f ? Splat(127.0f) : x;
   // Adding and removing 1.5 * 2^23 rounds to the nearest integer in float arithmetic (no int conversion needed).
   const F32x8 n = (x + 0x1.8p23f) - 0x1.8p23f;
   const F32x8 f = x - n;  // in [-0.5, 0.5]
