@@ -8,6 +8,7 @@ namespace te_jax::cuda {
 
 struct BFloat16 {
   static constexpr bool kIsBf16 = true;
+  static constexpr uint16_t kExponentBits = 0x7F80;  // all set: inf or NaN
   // Two floats -> one register holding {lo, hi} (lo in the low half), rounded to nearest even.
   static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
     uint32_t r;
@@ -19,6 +20,7 @@ struct BFloat16 {
 
 struct Float16 {
   static constexpr bool kIsBf16 = false;
+  static constexpr uint16_t kExponentBits = 0x7C00;
   static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
     uint32_t r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -30,6 +32,11 @@ struct Float16 {
     return f;
   }
 };
+
+template <typename Element>
+__device__ __forceinline__ bool IsNonFinite(uint16_t x) {
+  return (x & Element::kExponentBits) == Element::kExponentBits;
+}
 
 // 0x7FFF7FFF: a quiet NaN in both bfloat16 and float16, for outputs of calls with invalid run-time lengths.
 inline constexpr uint32_t kPackedNaN = 0x7FFF7FFFu;

@@ -6,6 +6,7 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/sm80/block_range.h"
+#include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
 #include "cpp/cuda/kernels/sm80/online_softmax.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
@@ -29,6 +30,40 @@ struct ForwardKernel {
   static constexpr int kSmemBytes = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes) + 8 * kBlockM;
   static_assert(kBlockM == 16 * kWarps * kMT, "a warp owns 16 * kMT query rows");
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+
+  // Sets o to NaN in the columns where a key this thread's rows see holds a non-finite value (IEEE would give inf or
+  // NaN there; the product of the zeroed tile then adds only the finite rest).
+  static __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][kDvP / 8][4], const int2* ranges,
+                                                                       const VTile& v_tile, int n0, int warp, int g,
+                                                                       int t) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int2 keys = ranges[(warp * kMT + mt) * 16 + g + 8 * r];
+        const int first = keys.x > n0 ? keys.x : n0;
+        const int last = keys.y < n0 + kBlockN ? keys.y : n0 + kBlockN;
+#pragma unroll 1
+        for (int key = first; key < last; ++key) {
+          const uint16_t* row = v_tile.data + (key - n0) * VTile::kPitch;
+#pragma unroll
+          for (int j = 0; j < kDvP / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              if (IsNonFinite<Element>(row[j * 8 + 2 * t + c])) o[mt][j][2 * r + c] = __int_as_float(0x7fffffff);
+            }
+        }
+      }
+    }
+  }
+
+  // Whether a row's range holds a key. Read with a volatile load so the compiler keeps it here, after the main loop:
+  // hoisted above it, the two flags held through the loop made the d = 128 kernel spill.
+  static __device__ __forceinline__ bool RowSeesKeys(const int2* range) {
+    int begin, end;
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(begin), "=r"(end) : "r"(SmemAddress(range)));
+    return begin < end;
+  }
 
   static __device__ __forceinline__ void Run(const ForwardArgs& args) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -99,6 +134,10 @@ struct ForwardKernel {
         v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
       }
       CpAsyncCommit();
+      const bool interior = tile >= full_begin && tile < full_end;
+      // Only a tile that straddles a row's range edge holds keys some of its rows must not see (nonfinite_tile.h).
+      const bool v_nonfinite =
+          !interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(v_tile[stage], tid));
 
       // s = q k^T for this warp's 16 * kMT rows and the tile's kBlockN keys; each k fragment feeds kMT mma pairs.
       float sc[kMT][kBlockN / 8][4];
@@ -107,7 +146,7 @@ struct ForwardKernel {
 
       const int n0 = tile * kBlockN;
       // Interior tiles (every row sees every key) skip the per-element mask; raw scores need no per-element work there.
-      if (tile >= full_begin && tile < full_end) {
+      if (interior) {
         if constexpr (!kRawScores) {
 #pragma unroll
           for (int mt = 0; mt < kMT; ++mt)
@@ -157,6 +196,13 @@ struct ForwardKernel {
         }
       }
 
+      if (v_nonfinite) {
+        PoisonColumnsOfNonFiniteValues(o, ranges, v_tile[stage], n0, warp, g, t);
+        __syncthreads();  // every warp has read the values before they are zeroed
+        ZeroNonFinite<Element, kThreads>(v_tile[stage], tid);
+        __syncthreads();
+      }
+
       // o += p v: p's accumulator layout is already the A fragment layout; each v fragment feeds kMT mma pairs.
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -172,11 +218,13 @@ struct ForwardKernel {
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(b) * s.seqlen_q * o_stride + head * kDv;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
+      const int local_row = (warp * kMT + mt) * 16 + g;
+      const bool sees_keys[2] = {RowSeesKeys(ranges + local_row), RowSeesKeys(ranges + local_row + 8)};
       float inv_sum[2], lse[2];
-      softmax[mt].Finish(inv_sum, lse);
+      softmax[mt].Finish(sees_keys, inv_sum, lse);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = m0 + (warp * kMT + mt) * 16 + g + 8 * r;
+        const int row = m0 + local_row + 8 * r;
         if (row >= s.seqlen_q) continue;
         uint16_t* out_row = out + row * o_stride;
 #pragma unroll
@@ -185,7 +233,8 @@ struct ForwardKernel {
           if (col < kDv) {
             const uint32_t packed =
                 len.invalid ? kPackedNaN
-                            : Element::Pack(o[mt][j][2 * r] * inv_sum[r], o[mt][j][2 * r + 1] * inv_sum[r]);
+                : sees_keys[r] ? Element::Pack(o[mt][j][2 * r] * inv_sum[r], o[mt][j][2 * r + 1] * inv_sum[r])
+                               : 0u;
             *reinterpret_cast<uint32_t*>(out_row + col) = packed;
           }
         }

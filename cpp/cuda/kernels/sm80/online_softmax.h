@@ -59,13 +59,15 @@ struct OnlineSoftmax {
     }
   }
 
-  // After the last tile: 1 / rowsum (0 for empty rows) and the natural-log lse (-inf for empty rows).
-  __device__ __forceinline__ void Finish(float (&inv_sum)[2], float (&lse)[2]) {
+  // After the last tile: 1 / rowsum and the natural-log lse. A row that sees no key gets 0 and -inf; a row that sees
+  // keys follows IEEE arithmetic, so a NaN that reached its sum (through exp2 of a NaN logit; the max ignores NaN as
+  // fmaxf does) gives NaN, and a sum of 0 (all its logits -inf, from inf inputs) gives lse = -inf and out = 0 * inf.
+  __device__ __forceinline__ void Finish(const bool (&sees_keys)[2], float (&inv_sum)[2], float (&lse)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = QuadSum(sum[r]);
-      inv_sum[r] = l > 0.0f ? 1.0f / l : 0.0f;
-      lse[r] = l > 0.0f ? max[r] * kLn2 + logf(l) : -__int_as_float(0x7f800000);
+      inv_sum[r] = sees_keys[r] ? 1.0f / l : 0.0f;
+      lse[r] = sees_keys[r] ? max[r] * kLn2 + logf(l) : -__int_as_float(0x7f800000);
     }
   }
 };

@@ -1,0 +1,40 @@
+// NaN and inf in a shared-memory tile. A tile product adds 0 * NaN = NaN to every row, also to the rows whose
+// probability for that key is 0 because they do not see it; keys a row does not see must never affect it. Only tiles
+// that straddle a row's range edge hold such keys, so only they are scanned (one pass over the tile in shared memory,
+// about a hundredth of the tile's products), and a tile with a non-finite value (rare: only non-finite inputs) takes
+// the slow path: the rows that see the value are poisoned directly and the product runs on the tile with the value
+// zeroed.
+#pragma once
+
+#include "cpp/cuda/kernels/common/element.h"
+#include "cpp/cuda/kernels/sm80/smem_tile.h"
+
+namespace te_jax::cuda::sm80 {
+
+// Whether any element of the tile (padding included: the loader zero-fills it) is inf or NaN; every thread of the CTA
+// calls it between barriers, and each looks at its share of 16-byte chunks.
+template <typename Element, int kThreads, int kRows, int kCols>
+__device__ __forceinline__ bool ThreadSeesNonFinite(const SmemTile<kRows, kCols>& tile, int tid) {
+  constexpr int kChunksPerRow = kCols / 8;
+  bool any = false;
+  for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+    const uint4 chunk = *reinterpret_cast<const uint4*>(tile.data + (c / kChunksPerRow) * tile.kPitch + (c % kChunksPerRow) * 8);
+    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      any |= IsNonFinite<Element>(static_cast<uint16_t>(words[w])) || IsNonFinite<Element>(static_cast<uint16_t>(words[w] >> 16));
+    }
+  }
+  return any;
+}
+
+// Replaces every inf and NaN of the tile by 0 (each thread its share; a barrier must follow before the tile is read).
+template <typename Element, int kThreads, int kRows, int kCols>
+__device__ __forceinline__ void ZeroNonFinite(const SmemTile<kRows, kCols>& tile, int tid) {
+  for (int e = tid; e < kRows * kCols; e += kThreads) {
+    uint16_t& x = tile.data[(e / kCols) * tile.kPitch + e % kCols];
+    if (IsNonFinite<Element>(x)) x = 0;
+  }
+}
+
+}  // namespace te_jax::cuda::sm80
