@@ -1,6 +1,9 @@
 // The CPU extension module: hands Python the custom-call targets of both paths and the functions the lowering calls
 // (bindings/core_functions.h, and this backend's backward workspace size).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
 
 #include "bindings/core_functions.h"
 #include "bindings/params_from_python.h"
@@ -26,9 +29,10 @@ NB_MODULE(_te_jax_cpu, m) {
   });
   te_jax::bindings::DefineCoreFunctions(m);
   m.def(
-      "backward_workspace_bytes",
-      [](const nb::dict& fields) {
+      "workspace_bytes",
+      [](const nb::dict& fields, const std::string& direction) -> int64_t {
+        if (te_jax::bindings::IsForward(direction)) return 0;
         return te_jax::cpu::BackwardWorkspaceBytes(te_jax::bindings::ParamsFromDict(fields));
       },
-      nb::arg("params"));
+      nb::arg("params"), nb::arg("direction"));
 }

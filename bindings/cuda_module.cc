@@ -15,6 +15,7 @@
 #include "bindings/params_from_python.h"
 #include "cpp/cuda/attention_cuda.h"
 #include "cpp/cuda/dynamic_libs.h"
+#include "cpp/cuda/engine_timing.h"
 #include "cpp/cuda/jit_cache.h"
 #include "cpp/cuda/kernel_registry.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
@@ -96,9 +97,35 @@ NB_MODULE(_te_jax_cuda, m) {
   bindings::DefineCudnnFunctions(m);
 
   m.def(
-      "backward_workspace_bytes",
-      [](const nb::dict& fields) { return cuda::BackwardWorkspaceBytes(bindings::ParamsFromDict(fields)); },
-      nb::arg("params"));
+      "workspace_bytes",
+      [](const nb::dict& fields, const std::string& direction) {
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        return bindings::IsForward(direction) ? cuda::ForwardWorkspaceBytes(params)
+                                              : cuda::BackwardWorkspaceBytes(params);
+      },
+      nb::arg("params"), nb::arg("direction"));
+  m.def(
+      "time_attention",
+      [](const nb::dict& fields, const std::string& direction) {
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        const cuda::Direction dir = bindings::DirectionFromString(direction);
+        double ms = 0.0;
+        Status status;
+        {
+          nb::gil_scoped_release release;
+          status = cuda::TimeAttention(params, dir, &ms);
+        }
+        bindings::ThrowIfError(status);
+        return ms;
+      },
+      nb::arg("params"), nb::arg("direction"),
+      "Milliseconds per call of params' engine on this GPU (scratch buffers of the call's shapes).");
+  m.def("device_description", [] {
+    std::string name;
+    int driver = 0;
+    bindings::ThrowIfError(cuda::DeviceDescription(&name, &driver));
+    return nb::make_tuple(name, driver);
+  });
 
   m.def("set_kernel_root", &cuda::SetKernelRoot, nb::arg("root"));
   m.def("set_nvrtc_paths", &cuda::SetNvrtcSearchPaths, nb::arg("paths"));

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "cpp/attention_params.h"
 #include "cpp/status.h"
@@ -29,8 +30,26 @@ inline Backend BackendFromInt(int backend) {
   return static_cast<Backend>(backend);
 }
 
+// d[key] as T, or a ValueError naming the field (nanobind's own cast failure says only "std::bad_cast").
+template <typename T>
+T Field(const nb::dict& d, const char* key) {
+  T value;
+  if (!d.contains(key) || !nb::try_cast<T>(d[key], value)) {
+    throw nb::value_error((std::string("attention parameter '") + key + "' is missing or out of range for its C++ type").c_str());
+  }
+  return value;
+}
+
+// "forward" -> true, "backward" -> false, anything else a ValueError.
+inline bool IsForward(const std::string& direction) {
+  if (direction != "forward" && direction != "backward") {
+    throw nb::value_error(("direction must be 'forward' or 'backward', got '" + direction + "'").c_str());
+  }
+  return direction == "forward";
+}
+
 inline AttentionParams ParamsFromDict(const nb::dict& d) {
-  auto i64 = [&](const char* key) { return nb::cast<int64_t>(d[key]); };
+  auto i64 = [&](const char* key) { return Field<int64_t>(d, key); };
   AttentionParams p;
   p.batch = i64("batch");
   p.seqlen_q = i64("seqlen_q");
@@ -40,14 +59,16 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   p.head_dim = i64("head_dim");
   p.head_dim_v = i64("head_dim_v");
   // Out-of-range enum codes are kept as they are so ValidateAttentionParams reports them.
-  p.dtype = static_cast<DType>(nb::cast<uint8_t>(d["dtype"]));
-  p.mask_type = static_cast<MaskType>(nb::cast<uint8_t>(d["mask_type"]));
+  p.dtype = static_cast<DType>(Field<uint8_t>(d, "dtype"));
+  p.mask_type = static_cast<MaskType>(Field<uint8_t>(d, "mask_type"));
   p.window_left = i64("window_left");
   p.window_right = i64("window_right");
-  p.scale = nb::cast<float>(d["scale"]);
-  p.softcap = nb::cast<float>(d["softcap"]);
-  p.has_alibi = nb::cast<bool>(d["has_alibi"]);
-  p.deterministic = nb::cast<bool>(d["deterministic"]);
+  p.scale = Field<float>(d, "scale");
+  p.softcap = Field<float>(d, "softcap");
+  p.has_alibi = Field<bool>(d, "has_alibi");
+  p.deterministic = Field<bool>(d, "deterministic");
+  // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
+  p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
   return p;
 }
 
@@ -58,6 +79,7 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["seqlen_kv"] = p.seqlen_kv;
   d["num_heads"] = p.num_heads;
   d["num_kv_heads"] = p.num_kv_heads;
+  d["engine"] = static_cast<int>(p.engine);
   d["head_dim"] = p.head_dim;
   d["head_dim_v"] = p.head_dim_v;
   d["dtype"] = static_cast<int>(p.dtype);

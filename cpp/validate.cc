@@ -41,15 +41,31 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
                                    "padding_causal, padding_causal_bottom_right, got code " +
                                    Str(static_cast<int>(p.mask_type)));
   }
-  if (p.window_left < -1 || p.window_right < -1) {
-    return Status::InvalidArgument("window_size entries must be -1 (unbounded) or >= 0, got (" + Str(p.window_left) +
-                                   ", " + Str(p.window_right) + ")");
+  if (p.window_left < -1 || p.window_right < -1 || p.window_left > kMaxWindow || p.window_right > kMaxWindow) {
+    return Status::InvalidArgument("window_size entries must be -1 (unbounded) or in [0, " + Str(kMaxWindow) +
+                                   "], got (" + Str(p.window_left) + ", " + Str(p.window_right) + ")");
   }
   if (!(std::isfinite(p.scale) && p.scale > 0.0f)) {
     return Status::InvalidArgument("scale must be a finite positive number, got " + std::to_string(p.scale));
   }
   if (!(std::isfinite(p.softcap) && p.softcap >= 0.0f)) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
+  }
+  if (static_cast<int>(p.engine) >= kNumEngines) {
+    return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));
+  }
+  if (backend == Backend::kCpu && p.engine != Engine::kTe) {
+    return Status::InvalidArgument("the CPU backend runs te_jax's own kernels only (engine te); cuDNN needs a GPU");
+  }
+  if (backend == Backend::kCuda) {
+    constexpr int64_t kMaxCudaLength = kMaxWindow;  // the kernels index rows and keys with 32-bit integers
+    if (p.seqlen_q > kMaxCudaLength || p.seqlen_kv > kMaxCudaLength || p.batch > kMaxCudaGridDim ||
+        p.num_heads > kMaxCudaGridDim) {
+      return Status::InvalidArgument("the CUDA backend needs batch and num_heads <= " + Str(kMaxCudaGridDim) +
+                                     " and sequence lengths <= " + Str(kMaxCudaLength) + ", got batch=" +
+                                     Str(p.batch) + " num_heads=" + Str(p.num_heads) + " seqlen_q=" +
+                                     Str(p.seqlen_q) + " seqlen_kv=" + Str(p.seqlen_kv));
+    }
   }
   return Status::Ok();
 }

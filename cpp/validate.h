@@ -13,6 +13,10 @@ enum class Backend : uint8_t { kCpu = 0, kCuda = 1 };
 
 // The largest head dim each backend compiles for (head dims must also be multiples of 8).
 inline constexpr int64_t kMaxHeadDim = 256;
+// Window sizes beyond any sequence mean "unbounded" (-1 says so); the bound keeps them in the kernels' 32-bit range.
+inline constexpr int64_t kMaxWindow = (int64_t{1} << 31) - 1;
+// Batch and heads are CUDA grid dimensions (y and z are at most 65535).
+inline constexpr int64_t kMaxCudaGridDim = 65535;
 
 Status ValidateAttentionParams(const AttentionParams& params, Backend backend);
 

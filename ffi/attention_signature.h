@@ -7,13 +7,13 @@
 
 #define TE_JAX_FFI_ATTENTION_ATTRS                                                                     \
   .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
-      "scale").Attr<float>("softcap").Attr<bool>("has_alibi").Attr<bool>("deterministic")
+      "scale").Attr<float>("softcap").Attr<bool>("has_alibi").Attr<bool>("deterministic").Attr<int64_t>("engine")
 
-// q, k, v, q_seqlens, kv_seqlens, alibi_slopes -> out, lse
+// q, k, v, q_seqlens, kv_seqlens, alibi_slopes -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
 #define TE_JAX_FFI_FORWARD_SIGNATURE                                                                            \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()  \
-          TE_JAX_FFI_ATTENTION_ATTRS
+      .Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
 
 // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv, workspace (uint8 [n], the
 // backend's BackwardWorkspaceBytes)

@@ -25,16 +25,18 @@ class XlaPoolScheduler final : public cpu::TaskScheduler {
 
 ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, int64_t mask_type,
-                      int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi,
-                      bool deterministic) {
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                      ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
+                      int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic,
+                      int64_t engine) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
+                             engine};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   XlaPoolScheduler scheduler(pool);
   return ToFfiError(cpu::AttentionForward(
-      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *out, *lse), &scheduler));
+      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *out, *lse, *workspace), &scheduler));
 }
 
 ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
@@ -42,9 +44,11 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                        ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
-                       int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic) {
+                       int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic,
+                       int64_t engine) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
+                             engine};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   XlaPoolScheduler scheduler(pool);

@@ -15,14 +15,16 @@ namespace {
 
 ffi::Error ForwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seqlens,
                        ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> lse, int64_t mask_type, int64_t window_left, int64_t window_right,
-                       float scale, float softcap, bool has_alibi, bool deterministic) {
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type,
+                       int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi,
+                       bool deterministic, int64_t engine) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
+                             engine};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   return ToFfiError(cuda::AttentionForward(
-      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *out, *lse), stream));
+      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *out, *lse, *workspace), stream));
 }
 
 ffi::Error BackwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
@@ -30,9 +32,11 @@ ffi::Error BackwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                         ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
-                        int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic) {
+                        int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic,
+                        int64_t engine) {
   AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic};
+  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
+                             engine};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   return ToFfiError(cuda::AttentionBackward(params,

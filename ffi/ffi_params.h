@@ -20,6 +20,7 @@ struct AttentionAttrs {
   float softcap;
   bool has_alibi;
   bool deterministic;
+  int64_t engine;  // cpp/engine.h code, resolved at lowering
 };
 
 inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype) {
@@ -77,7 +78,12 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
     return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
                                    std::to_string(kNumMaskTypes) + ")");
   }
+  if (attrs.engine < 0 || attrs.engine >= kNumEngines) {
+    return Status::InvalidArgument("engine code " + std::to_string(attrs.engine) + " is not in [0, " +
+                                   std::to_string(kNumEngines) + ")");
+  }
   p.mask_type = static_cast<MaskType>(attrs.mask_type);
+  p.engine = static_cast<Engine>(attrs.engine);
   p.window_left = attrs.window_left;
   p.window_right = attrs.window_right;
   p.scale = attrs.scale;
@@ -92,7 +98,7 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
                                             const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                             const xla::ffi::AnyBuffer& kv_seqlens,
                                             const xla::ffi::AnyBuffer& alibi_slopes, xla::ffi::AnyBuffer& out,
-                                            xla::ffi::AnyBuffer& lse) {
+                                            xla::ffi::AnyBuffer& lse, xla::ffi::AnyBuffer& workspace) {
   ForwardBuffers b;
   b.q = q.untyped_data();
   b.k = k.untyped_data();
@@ -102,6 +108,8 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   b.out = out.untyped_data();
   b.lse = static_cast<float*>(lse.untyped_data());
+  b.workspace = workspace.untyped_data();
+  b.workspace_bytes = workspace.size_bytes();
   return b;
 }
 

@@ -39,7 +39,7 @@ extern "C" void TeJaxLegacyAttentionForwardCpu(void* out, const void** in, const
   legacy::RunLegacyCpu<legacy::kForwardOutputs>(
       "te_jax_attention_forward_cpu_legacy", out, opaque, opaque_len, legacy::ForwardOutputBytes,
       [&](const AttentionParams& params, void* const* outputs) {
-        return cpu::AttentionForward(params, legacy::ForwardBuffersFromLegacy(in, outputs),
+        return cpu::AttentionForward(params, legacy::ForwardBuffersFromLegacy(in, outputs, 0),
                                      cpu::DefaultTaskScheduler());
       });
 }

@@ -42,7 +42,8 @@ extern "C" void TeJaxLegacyAttentionForwardCuda(CUstream stream, void** buffers,
   legacy::RunLegacyCuda<legacy::kForwardInputs, legacy::kForwardOutputs>(
       "te_jax_attention_forward_cuda_legacy", stream, buffers, opaque, opaque_len, legacy::ForwardOutputBytes,
       [&](const AttentionParams& params, const void* const* in, void* const* out) {
-        return cuda::AttentionForward(params, legacy::ForwardBuffersFromLegacy(in, out), stream);
+        return cuda::AttentionForward(params, legacy::ForwardBuffersFromLegacy(in, out, cuda::ForwardWorkspaceBytes(params)),
+                                      stream);
       });
 }
 

@@ -76,6 +76,7 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint8_t>(static_cast<uint8_t>(p.mask_type));
   w.Put<uint8_t>(p.has_alibi ? 1 : 0);
   w.Put<uint8_t>(p.deterministic ? kFlagDeterministic : 0);
+  w.Put<uint8_t>(static_cast<uint8_t>(p.engine));
   w.Put<uint32_t>(Fnv1a(w.bytes().data(), w.bytes().size()));
   return w.bytes();
 }
@@ -113,14 +114,16 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   const uint8_t mask_type = r.Get<uint8_t>();
   const uint8_t has_alibi = r.Get<uint8_t>();
   const uint8_t flags = r.Get<uint8_t>();
+  const uint8_t engine = r.Get<uint8_t>();
   const uint32_t checksum = r.Get<uint32_t>();
   if (checksum != Fnv1a(data, kDescriptorSize - 4)) {
     return Status::InvalidArgument("legacy descriptor checksum mismatch: the bytes were corrupted");
   }
-  if (dtype >= kNumDTypes || mask_type >= kNumMaskTypes || has_alibi > 1) {
+  if (dtype >= kNumDTypes || mask_type >= kNumMaskTypes || has_alibi > 1 || engine >= kNumEngines) {
     return Status::InvalidArgument("legacy descriptor has an out-of-range enum field (dtype " +
                                    std::to_string(dtype) + ", mask_type " + std::to_string(mask_type) +
-                                   ", has_alibi " + std::to_string(has_alibi) + ")");
+                                   ", has_alibi " + std::to_string(has_alibi) + ", engine " + std::to_string(engine) +
+                                   ")");
   }
   if ((flags & ~kFlagDeterministic) != 0) {
     return Status::InvalidArgument("legacy descriptor field flags has unknown bits set (" + std::to_string(flags) +
@@ -129,6 +132,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   out.dtype = static_cast<DType>(dtype);
   out.mask_type = static_cast<MaskType>(mask_type);
   out.has_alibi = has_alibi == 1;
+  out.engine = static_cast<Engine>(engine);
   out.deterministic = (flags & kFlagDeterministic) != 0;
   *p = out;
   return Status::Ok();

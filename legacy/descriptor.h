@@ -5,8 +5,9 @@
 // Wire format, little-endian, no padding:
 //   u32 magic "TEJD" | u16 version | u16 total size | i64 x 9 (batch, seqlen_q, seqlen_kv, num_heads, num_kv_heads,
 //   head_dim, head_dim_v, window_left, window_right) | f32 scale | f32 softcap | u8 dtype | u8 mask_type |
-//   u8 has_alibi | u8 flags | u32 FNV-1a checksum of every byte before it
-// flags: bit 0 deterministic; the other bits must be 0. Version 2 turned version 1's reserved zero byte into flags.
+//   u8 has_alibi | u8 flags | u8 engine | u32 FNV-1a checksum of every byte before it
+// flags: bit 0 deterministic; the other bits must be 0. Version 2 turned version 1's reserved zero byte into flags;
+// version 3 added the engine (cpp/engine.h).
 #pragma once
 
 #include <cstddef>
@@ -18,9 +19,9 @@
 namespace te_jax::legacy {
 
 inline constexpr uint32_t kDescriptorMagic = 0x444A4554;  // "TEJD" read as little-endian u32
-inline constexpr uint16_t kDescriptorVersion = 2;
+inline constexpr uint16_t kDescriptorVersion = 3;
 inline constexpr uint8_t kFlagDeterministic = 1 << 0;
-inline constexpr size_t kDescriptorSize = 4 + 2 + 2 + 9 * 8 + 4 + 4 + 4 + 4;
+inline constexpr size_t kDescriptorSize = 4 + 2 + 2 + 9 * 8 + 4 + 4 + 5 + 4;
 
 std::string PackDescriptor(const AttentionParams& params);
 

@@ -11,11 +11,13 @@
 namespace te_jax::legacy {
 
 inline constexpr int kForwardInputs = 6;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes
-inline constexpr int kForwardOutputs = 2;  // out, lse
+inline constexpr int kForwardOutputs = 3;  // out, lse, workspace
 inline constexpr int kBackwardInputs = 10;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes
 inline constexpr int kBackwardOutputs = 4;  // dq, dk, dv, workspace
 
-inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* const* out) {
+// Legacy buffers carry no sizes: `workspace_bytes` is the backend's workspace size for params, the size the lowering
+// gave the workspace result from the same params.
+inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* const* out, int64_t workspace_bytes) {
   ForwardBuffers b;
   b.q = in[0];
   b.k = in[1];
@@ -25,11 +27,11 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
   b.alibi_slopes = static_cast<const float*>(in[5]);
   b.out = out[0];
   b.lse = static_cast<float*>(out[1]);
+  b.workspace = out[2];
+  b.workspace_bytes = workspace_bytes;
   return b;
 }
 
-// Legacy buffers carry no sizes: `workspace_bytes` is the backend's BackwardWorkspaceBytes(params), the size the
-// lowering gave the workspace result from the same params.
 inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* const* out, int64_t workspace_bytes) {
   BackwardBuffers b;
   b.q = in[0];
@@ -55,6 +57,7 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
 inline void ForwardOutputBytes(const AttentionParams& p, size_t bytes[kForwardOutputs]) {
   bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim_v) * DTypeSize(p.dtype);
   bytes[1] = static_cast<size_t>(p.batch * p.num_heads * p.seqlen_q) * sizeof(float);
+  bytes[2] = 0;
 }
 
 inline void BackwardOutputBytes(const AttentionParams& p, size_t bytes[kBackwardOutputs]) {

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import jax
 
+from te_jax.engine import Choice, EngineUnavailableError
+
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
@@ -19,7 +21,11 @@ class Backend:
   code: int  # cpp/validate.h: Backend
   extension_name: str  # the nanobind module inside te_jax
   legacy_api_version: int  # XLA:CPU runs only 3, XLA:GPU 2 or 3 (docs/ARCHITECTURE.md)
-  prepare: Callable[[dict, str], None] | None = None  # (core params, "forward"|"backward") -> None
+  # (core params with the resolved engine, "forward"|"backward", why that engine) -> None
+  prepare: Callable[[dict, str, str], None] | None = None
+  # (core params, direction, AttentionConfig) -> Choice: resolves config.engine for this platform, raising
+  # EngineUnavailableError for an explicit engine that cannot serve the call.
+  choose_engine: Callable[[dict, str, Any], Choice] = lambda params, direction, config: _te_only(config)
 
   def target_name(self, direction: str, path: str) -> str:
     return f"te_jax_attention_{direction}_{self.platform}_{path}"
@@ -47,6 +53,14 @@ class Backend:
     for name, capsule in self.extension.legacy_registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=0)
     _registered_platforms.add(self.platform)
+
+
+def _te_only(config) -> Choice:
+  """A platform with te_jax's kernels alone (the CPU)."""
+  if config.engine == "cudnn":
+    raise EngineUnavailableError("engine='cudnn' needs an NVIDIA GPU; on the CPU te_jax runs its own kernels "
+                                 "(engine='te' or 'auto')")
+  return Choice("te", "the only engine of this platform")
 
 
 _registered_platforms: set[str] = set()

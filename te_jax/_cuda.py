@@ -8,6 +8,7 @@ GPU, driver or NVRTC: those are loaded on first use, with an error naming what i
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import pathlib
@@ -15,7 +16,9 @@ import pathlib
 from te_jax import _logging
 from te_jax import _te_jax_cuda as ext  # ImportError when te_jax was built without the CUDA backend
 from te_jax._backends import Backend, register_backend
+from te_jax._engine_choice import EngineTuner, table_choice
 from te_jax._primitives import register_lowering
+from te_jax.engine import Choice, EngineUnavailableError
 
 logger = _logging.logger.getChild("cuda")
 
@@ -44,23 +47,82 @@ def _nvrtc_candidates() -> list[str]:
   return [p for p in paths if "builtins" not in os.path.basename(p) and ".alt." not in os.path.basename(p)]
 
 
+def _pip_library_candidates(pattern: str, env_var: str) -> list[str]:
+  """$env_var, then the pip wheels' copies (nvidia/<pattern>)."""
+  paths = [os.environ[env_var]] if os.environ.get(env_var) else []
+  try:
+    import nvidia
+    for base in nvidia.__path__:
+      paths += sorted(glob.glob(os.path.join(base, pattern)))
+  except ImportError:
+    pass
+  return paths
+
+
 ext.set_kernel_root(_kernel_root())
 ext.set_nvrtc_paths(_nvrtc_candidates())
+ext.set_cudnn_paths(_pip_library_candidates("cudnn/lib/libcudnn.so.9", "TE_JAX_CUDNN_PATH"),
+                    _pip_library_candidates("cu13/lib/libcudart.so.13", "TE_JAX_CUDART_PATH"))
 
 
-def _log_report(report: dict) -> None:
+def _log_report(report: dict, why: str) -> None:
   if report["origin"] == "compiled":
-    logger.info("te_jax: compiled CUDA kernel %s in %.2f s (%s)", report["name"], report["seconds"], report["path"])
+    logger.info("te_jax: compiled CUDA kernel %s in %.2f s (%s); engine te: %s", report["name"], report["seconds"],
+                report["path"], why)
+  elif report["origin"] == "cudnn":
+    logger.info("te_jax: %s on engine cudnn (cuDNN %s): %s", report["name"], ext.cudnn_version(), why)
   elif report["origin"] == "disk":
-    logger.debug("te_jax: loaded CUDA kernel %s from the disk cache in %.3f s", report["name"], report["seconds"])
+    logger.debug("te_jax: loaded CUDA kernel %s from the disk cache in %.3f s; engine te: %s", report["name"],
+                 report["seconds"], why)
 
 
-def prepare(params: dict, direction: str) -> None:
-  """Lowering-time hook: compiles (or finds in the disk cache) and loads this configuration's kernels, so a compile
-  error is a Python exception at jit time and the first execution does not stall on NVRTC."""
-  _log_report(ext.prepare(params, direction))
+def prepare(params: dict, direction: str, why: str) -> None:
+  """Lowering-time hook: compiles (or finds in the disk cache) and loads this configuration's kernels, or builds its
+  cuDNN graph, so an error is a Python exception at jit time and the first execution does not stall."""
+  _log_report(ext.prepare(params, direction), why)
+
+
+def cudnn_refusal(params: dict, direction: str, config) -> str | None:
+  """Why the cuDNN engine cannot serve this call, or None when it can."""
+  available, reason = ext.cudnn_available()
+  if not available:
+    return reason
+  if direction == "backward" and config.lse_cotangent:
+    return ("its backward takes no gradient through lse, and this call's lse has one (return_lse=True, or context "
+            "parallelism, which merges partial results by their lse)")
+  return ext.cudnn_supports(params, direction)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuner() -> EngineTuner:
+  name, driver = ext.device_description()
+  identity = dict(gpu=name, driver=driver, cudnn=ext.cudnn_version(), nvrtc=ext.nvrtc_version(),
+                  te_jax=_te_jax_version())
+  cache = pathlib.Path(ext.cache_dir()).parent / "autotune"
+  return EngineTuner(ext.time_attention, identity, cache)
+
+
+def _te_jax_version() -> str:
+  from te_jax import __version__
+  return __version__
+
+
+def choose_engine(params: dict, direction: str, config) -> Choice:
+  """Resolves config.engine for a call on this GPU (te_jax/engine.py)."""
+  if config.engine == "te":
+    return Choice("te", "requested (engine='te')")
+  refusal = cudnn_refusal(params, direction, config)
+  if config.engine == "cudnn":
+    if refusal is not None:
+      raise EngineUnavailableError(f"engine='cudnn' cannot run this {direction}: {refusal}")
+    return Choice("cudnn", "requested (engine='cudnn')")
+  if refusal is not None:
+    return Choice("te", f"auto: cuDNN cannot serve it: {refusal}")
+  if os.environ.get("TE_JAX_AUTOTUNE", "1") == "0":
+    return table_choice(params, direction)
+  return _tuner().choose(params, direction)
 
 
 register_backend(Backend(platform="cuda", code=1, extension_name="_te_jax_cuda", legacy_api_version=2,
-                         prepare=prepare))
+                         prepare=prepare, choose_engine=choose_engine))
 register_lowering("cuda")

@@ -2,10 +2,10 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes            -> out, lse
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes            -> out, lse, workspace
   backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv, workspace
-The backward custom call's last result, uint8 [backend.extension.backward_workspace_bytes(params)], is the backend's
-scratch (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitive returns dq, dk, dv.
+Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
+(0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from jax.interpreters import batching, mlir
 from te_jax._backends import backend_for
 from te_jax.attention_config import AttentionConfig
 from te_jax.custom_call_path import current_custom_call_path
+from te_jax.engine import ENGINE_CODES
 
 attention_forward_p = Primitive("te_jax_attention_forward")
 attention_forward_p.multiple_results = True
@@ -49,20 +50,20 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code)
+  choice = backend.choose_engine(params, direction, config)
+  params["engine"] = ENGINE_CODES[choice.engine]
   backend.ensure_registered()
   if backend.prepare is not None:
-    backend.prepare(params, direction)
+    backend.prepare(params, direction, choice.why)
   path = current_custom_call_path()
   target = backend.target_name(direction, path)
   if path == "ffi":
-    lowering, attributes = jax.ffi.ffi_lowering(target), config.ffi_attributes()
+    lowering, attributes = jax.ffi.ffi_lowering(target), config.ffi_attributes(params["engine"])
   else:
     descriptor = backend.extension.pack_descriptor(params)
     lowering = jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)
     attributes = {}
-  if direction == "forward":
-    return lowering(ctx, *operands, **attributes)
-  workspace = jax.core.ShapedArray((backend.extension.backward_workspace_bytes(params),), jnp.uint8)
+  workspace = jax.core.ShapedArray((backend.extension.workspace_bytes(params, direction),), jnp.uint8)
   return lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *operands, **attributes)[:-1]
 
 

@@ -13,14 +13,17 @@ import numpy as np
 from te_jax import context_parallel as _context_parallel
 from te_jax import sharding as _sharding
 from te_jax.attention_config import DTYPE_CODES, AttentionConfig
+from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
 
 MAX_HEAD_DIM = 256  # cpp/validate.h: kMaxHeadDim
+MAX_WINDOW = 2**31 - 1  # cpp/validate.h: kMaxWindow
+_INT32 = np.iinfo(np.int32)
 
 
 def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None, kv_seqlens=None,
                window_size: tuple[int, int] = (-1, -1), scale: float | None = None, softcap: float = 0.0,
-               alibi_slopes=None, return_lse: bool = False, deterministic: bool = False,
+               alibi_slopes=None, return_lse: bool = False, deterministic: bool = False, engine: str | None = None,
                context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
                context_parallel_load_balanced: bool = False):
   """Fused scaled-dot-product attention.
@@ -39,6 +42,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     deterministic: whether the backward must be bitwise reproducible. False (fast): the CUDA backward sums dq with
       float atomics (for D + Dv <= 256) and the CPU backward in an order that follows its thread scheduling, so dq's
       last bits may differ from run to run. True: the same bits every run, whatever the thread count; slower.
+    engine: which implementation runs the call: "auto" (default; or $TE_JAX_ENGINE) picks per configuration the faster
+      engine that serves it, measured once on the GPU (te_jax/engine.py); "te" runs te_jax's own kernels; "cudnn"
+      runs cuDNN's fused attention and raises EngineUnavailableError (a ValueError) saying why when cuDNN cannot serve
+      the call (soft-cap, arbitrary ALiBi slopes, a gradient through lse, no GPU, ...). Never a silent fallback.
     context_parallel_axis: name of a mesh axis the sequence dimension of q, k and v is sharded over (context
       parallelism; needs a mesh in context: `with jax.set_mesh(mesh)`, or shard_map). None: no context parallelism
       (batch and head sharding work without it). See docs/SHARDING.md.
@@ -61,11 +68,12 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   for flag, name in ((return_lse, "return_lse"), (deterministic, "deterministic")):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
+  cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
   config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
-                           has_alibi=alibi_slopes is not None, deterministic=bool(deterministic))
+                           has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
+                           engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
-  cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
@@ -144,7 +152,18 @@ def _seqlens_operand(seqlens, name: str, mask: MaskType, batch: int, seqlen: int
     values = np.asarray(seqlens)
     if values.size and (values.min() < 0 or values.max() > seqlen):
       raise ValueError(f"{name} values must lie in [0, {seqlen}], got {values.tolist()}")
-  return jnp.asarray(seqlens, jnp.int32)
+  return _saturate_to_int32(jnp.asarray(seqlens))
+
+
+def _saturate_to_int32(x):
+  """int32 values of an integer array, clamped instead of wrapped: 2**32 + 5 stays out of range (2**31 - 1) rather than
+  becoming 5, so the run-time length check sees that it is out of range."""
+  if x.dtype == jnp.int32:
+    return x
+  info = jnp.iinfo(x.dtype)
+  if info.min < _INT32.min or info.max > _INT32.max:
+    x = jnp.clip(x, max(info.min, _INT32.min), min(info.max, _INT32.max))
+  return x.astype(jnp.int32)
 
 
 def _check_window(window_size) -> tuple[int, int]:
@@ -155,8 +174,8 @@ def _check_window(window_size) -> tuple[int, int]:
   for side, value in (("left", left), ("right", right)):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
       raise TypeError(f"window_size {side} must be an int, got {value!r}")
-    if value < -1:
-      raise ValueError(f"window_size {side} must be -1 (unbounded) or >= 0, got {value}")
+    if not -1 <= value <= MAX_WINDOW:
+      raise ValueError(f"window_size {side} must be -1 (unbounded) or in [0, {MAX_WINDOW}], got {value}")
   return int(left), int(right)
 
 

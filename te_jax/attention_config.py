@@ -22,19 +22,25 @@ class AttentionConfig:
   softcap: float
   has_alibi: bool
   deterministic: bool = False  # backward only: a bitwise reproducible dq (see fused_attn)
+  engine: str = "auto"  # "auto" | "te" | "cudnn" (te_jax/engine.py), resolved per platform at lowering
+  # Whether the backward may receive a nonzero cotangent of lse (the user asked for lse, or context parallelism merges
+  # partial results by it): an engine whose backward ignores dlse cannot serve such a backward.
+  lse_cotangent: bool = False
 
-  def ffi_attributes(self) -> dict:
-    """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs)."""
+  def ffi_attributes(self, engine_code: int) -> dict:
+    """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering
+    resolved."""
     return dict(mask_type=np.int64(int(self.mask_type)), window_left=np.int64(self.window_left),
                 window_right=np.int64(self.window_right), scale=np.float32(self.scale),
                 softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
-                deterministic=bool(self.deterministic))
+                deterministic=bool(self.deterministic), engine=np.int64(engine_code))
 
-  def core_params(self, q_shape, k_shape, v_shape, dtype) -> dict:
-    """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them)."""
+  def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0) -> dict:
+    """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them);
+    engine_code 0 is te_jax's own kernels."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=k_shape[1], num_heads=num_heads, num_kv_heads=k_shape[2],
                 head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
                 mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
                 scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi),
-                deterministic=bool(self.deterministic))
+                deterministic=bool(self.deterministic), engine=int(engine_code))

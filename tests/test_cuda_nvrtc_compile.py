@@ -92,9 +92,9 @@ def test_compile_line_reaches_stderr_by_default(level, shown):
   if level:
     env["TE_JAX_LOG_LEVEL"] = level
   code = ("from te_jax import _cuda; _cuda._log_report(dict(origin='compiled', name='fwd_bf16_d64_dv64_scaled_sm_90a', "
-          "seconds=1.5, path='/cache/x.cubin'))")
+          "seconds=1.5, path='/cache/x.cubin'), 'auto: measured')")
   result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-  line = "te_jax: compiled CUDA kernel fwd_bf16_d64_dv64_scaled_sm_90a in 1.50 s"
+  line = "te_jax: compiled CUDA kernel fwd_bf16_d64_dv64_scaled_sm_90a in 1.50 s (/cache/x.cubin); engine te: auto: measured"
   assert (line in result.stderr) == shown, result.stderr
 
 
@@ -108,16 +108,16 @@ def _backward_params(d, dv, deterministic, batch=2, seqlen_q=100, heads=4):
 def test_backward_workspace_holds_the_float_dq_accumulator(d, dv):
   # The atomic backward needs a float dq for every (b, i, h) and every column, with Sq rounded up to its 64-query
   # tiles; the deterministic one needs nothing.
-  need = ext.backward_workspace_bytes(_backward_params(d, dv, False))
+  need = ext.workspace_bytes(_backward_params(d, dv, False), 'backward')
   assert need >= 2 * 128 * 4 * d * 4
   assert need % 16 == 0
-  assert ext.backward_workspace_bytes(_backward_params(d, dv, True)) == 0
+  assert ext.workspace_bytes(_backward_params(d, dv, True), 'backward') == 0
 
 
 def test_large_head_dims_run_the_deterministic_backward():
   # For D + Dv > 256 the default backward is the three-kernel module (faster there): no workspace, one module.
-  assert ext.backward_workspace_bytes(_backward_params(256, 256, False)) == 0
-  assert ext.backward_workspace_bytes(_backward_params(256, 128, False)) == 0
+  assert ext.workspace_bytes(_backward_params(256, 256, False), 'backward') == 0
+  assert ext.workspace_bytes(_backward_params(256, 128, False), 'backward') == 0
   names = {ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=256, head_dim_v=256,
                                 softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)}
   assert names == {"bwd_det_bf16_d256_dv256_scaled_sm_90a"}

@@ -1,8 +1,8 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (2) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
-u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic) | u32 FNV-1a.
+Wire format, little-endian: u32 magic "TEJD" | u16 version (3) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
+u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic) | u8 engine | u32 FNV-1a.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 # A plain import: a core extension that fails to import must fail the run, not skip these tests.
 from te_jax import _te_jax_cpu as te_jax_cpu
 
-FORMAT = "<4sHH9q2f4BI"
+FORMAT = "<4sHH9q2f5BI"
 SIZE = struct.calcsize(FORMAT)
 I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "window_left",
               "window_right")
 
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
-              deterministic=True)
+              deterministic=True, engine=0)
 
 
 def fnv1a(data: bytes) -> int:
@@ -33,13 +33,13 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=2, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=3, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
   flags = int(p["deterministic"]) if flags is None else flags
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
-                     p["dtype"], p["mask_type"], int(p["has_alibi"]), flags)
+                     p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"])
   return body + struct.pack("<I", fnv1a(body))
 
 
@@ -49,13 +49,13 @@ def packed() -> bytes:
 
 
 def test_size_and_layout(packed):
-  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 96
+  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 97
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 2 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 3 and fields[2] == SIZE
   assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
-  assert fields[14:18] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1)
-  assert fields[18] == fnv1a(packed[:-4])
+  assert fields[14:19] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1, PARAMS["engine"])
+  assert fields[19] == fnv1a(packed[:-4])
   # The Python encoder here agrees with the C++ one byte for byte.
   assert craft() == packed
 
@@ -109,7 +109,7 @@ def test_consistent_but_wrong_declared_size_raises(declared):
 
 
 def test_every_single_byte_corruption_raises(packed):
-  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 96 * 255 corruptions."""
+  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 97 * 255 corruptions."""
   buf = bytearray(packed)
   failures = []
   for i in range(len(buf)):
@@ -155,7 +155,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 2, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 3, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -167,23 +167,24 @@ def test_fuzz_random_fields_with_valid_checksum():
   unknown flag is set."""
   rng = np.random.default_rng(11)
   for _ in range(2000):
-    dtype, mask, alibi, flags = (int(x) for x in rng.integers(0, 256, 4))
+    dtype, mask, alibi, flags, engine = (int(x) for x in rng.integers(0, 256, 5))
     if rng.random() < 0.5:  # make in-range values common too
-      dtype, mask, alibi, flags = dtype % 3, mask % 6, alibi % 2, flags % 2
-    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags)
-    if dtype < 3 and mask < 6 and alibi < 2 and flags < 2:
+      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 2, engine % 2
+    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags, engine=engine)
+    if dtype < 3 and mask < 6 and alibi < 2 and flags < 2 and engine < 2:
       back = te_jax_cpu.unpack_descriptor(data)
-      assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"]) == (
-          dtype, mask, bool(alibi), bool(flags))
+      assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"], back["engine"]) == (
+          dtype, mask, bool(alibi), bool(flags), engine)
     else:
       with pytest.raises(ValueError, match="out-of-range enum|flags has unknown bits"):
         te_jax_cpu.unpack_descriptor(data)
 
 
-# 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False).
-@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFF])
+# 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
+# engine byte.
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 2"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 3"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 

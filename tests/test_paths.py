@@ -95,7 +95,7 @@ def test_ffi_hlo():
   text = lowered.as_text()
   assert "TEJD" not in text and "_legacy" not in text
   # Typed attributes, one per option, in the mhlo.backend_config dictionary.
-  assert text.count("mhlo.backend_config = {deterministic = false, has_alibi = true, mask_type = 5 : i64, "
+  assert text.count("mhlo.backend_config = {deterministic = false, engine = 0 : i64, has_alibi = true, mask_type = 5 : i64, "
                     "scale = 2.500000e-01 : f32, softcap = 4.000000e+00 : f32, window_left = 3 : i64, "
                     "window_right = 1 : i64}") == 2
   hlo = lowered.as_text(dialect="hlo")
@@ -119,19 +119,19 @@ def test_legacy_hlo_and_descriptor_contents():
     params = te_jax_cpu.unpack_descriptor(call.attributes["backend_config"].value_bytes)
     assert params == dict(batch=2, seqlen_q=13, seqlen_kv=21, num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
                           dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True,
-                          deterministic=False)
+                          deterministic=False, engine=0)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("path", ["ffi", "legacy"])
 def test_workspace_result_and_deterministic_in_hlo(path, deterministic):
-  """The backward custom call has one result more than the primitive, the backend's workspace (uint8, 0 bytes on the
-  CPU), on both paths; deterministic reaches both calls as an attribute (FFI) or the descriptor's flags (legacy)."""
+  """Each custom call has one result more than its primitive, the engine's workspace (uint8, 0 bytes on the CPU), on
+  both paths; deterministic reaches both calls as an attribute (FFI) or the descriptor's flags (legacy)."""
   with te_jax.custom_call_path(path):
     lowered = _loss_fn(deterministic=deterministic, **KW).lower(*_loss_args())
   calls = {str(c.attributes["call_target_name"]).strip('"'): c for c in _custom_calls(lowered)}
   forward, backward = calls[f"te_jax_attention_forward_cpu_{path}"], calls[f"te_jax_attention_backward_cpu_{path}"]
-  assert [str(r.type) for r in forward.results] == ["tensor<2x13x4x8xf32>", "tensor<2x4x13xf32>"]
+  assert [str(r.type) for r in forward.results] == ["tensor<2x13x4x8xf32>", "tensor<2x4x13xf32>", "tensor<0xui8>"]
   assert [str(r.type) for r in backward.results] == ["tensor<2x13x4x16xf32>", "tensor<2x21x2x16xf32>",
                                                      "tensor<2x21x2x8xf32>", "tensor<0xui8>"]
   for call in (forward, backward):

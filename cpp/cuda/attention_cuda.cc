@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "cpp/cuda/cudnn/cudnn_attention.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
@@ -25,15 +26,6 @@ ShapeArgs MakeShape(const AttentionParams& p) {
   return s;
 }
 
-Status CheckCudaLimits(const AttentionParams& p) {
-  constexpr int64_t kMax = (int64_t{1} << 31) - 1;
-  if (p.seqlen_q > kMax || p.seqlen_kv > kMax || p.batch > 65535 || p.num_heads > 65535 ||
-      p.window_left > kMax || p.window_right > kMax) {
-    return Status::InvalidArgument("the CUDA backend needs batch and heads <= 65535 and lengths and windows < 2^31");
-  }
-  return Status::Ok();
-}
-
 Status Module(const AttentionParams& params, Direction direction, const LoadedModule** module) {
   CUdevice device = 0;
   std::string arch;
@@ -55,10 +47,21 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
 
 unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
+Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
+  if (given >= needed) return Status::Ok();
+  return Status::InvalidArgument(std::string("the ") + direction + "'s workspace has " + std::to_string(given) +
+                                 " bytes; this call needs " + std::to_string(needed));
+}
+
 }  // namespace
 
 Status Prepare(const AttentionParams& params, Direction direction, JitReport* report) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCuda));
+  if (params.engine == Engine::kCudnn) {
+    report->name = std::string("cudnn_sdpa_") + (direction == Direction::kForward ? "fwd" : "bwd");
+    report->origin = "cudnn";
+    return cudnn::Prepare(params, direction);
+  }
   CUdevice device = 0;
   std::string arch;
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
@@ -66,9 +69,16 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   return GetLoadedModule(ConfigFor(params, direction, arch), device, &module, report);
 }
 
+int64_t ForwardWorkspaceBytes(const AttentionParams& p) {
+  return p.engine == Engine::kCudnn ? cudnn::ForwardWorkspaceBytes(p) : 0;
+}
+
 Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
-  TE_JAX_RETURN_IF_ERROR(CheckCudaLimits(p));
+  if (p.engine == Engine::kCudnn) {
+    TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, cudnn::ForwardWorkspaceBytes(p), "forward"));
+    return cudnn::Forward(p, b, stream);
+  }
   const DriverApi* driver = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
   const LoadedModule* module = nullptr;
@@ -91,6 +101,7 @@ bool AccumulatesDq(const AttentionParams& p) {
 }  // namespace
 
 int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
+  if (p.engine == Engine::kCudnn) return cudnn::BackwardWorkspaceBytes(p);
   if (!AccumulatesDq(p)) return 0;
   const sm80::DqAccumLayout l =
       sm80::BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
@@ -100,12 +111,8 @@ int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
 
 Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
-  TE_JAX_RETURN_IF_ERROR(CheckCudaLimits(p));
-  const int64_t workspace_bytes = BackwardWorkspaceBytes(p);
-  if (b.workspace_bytes < workspace_bytes) {
-    return Status::InvalidArgument("the backward's workspace has " + std::to_string(b.workspace_bytes) +
-                                   " bytes; this call needs " + std::to_string(workspace_bytes));
-  }
+  TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, BackwardWorkspaceBytes(p), "backward"));
+  if (p.engine == Engine::kCudnn) return cudnn::Backward(p, b, stream);
   const DriverApi* driver = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
   const LoadedModule* module = nullptr;

@@ -54,6 +54,23 @@ Status GetDriver(const DriverApi** api) {
     Bind(lib, "cuKernelSetAttribute", &driver.cuKernelSetAttribute, &missing);
     Bind(lib, "cuLaunchKernel", &driver.cuLaunchKernel, &missing);
     Bind(lib, "cuMemsetD8Async", &driver.cuMemsetD8Async, &missing);
+    // The _v2 symbols are the 64-bit-size versions cuda.h's macros name (the plain ones are the CUDA 3 ABI).
+    Bind(lib, "cuDeviceGetName", &driver.cuDeviceGetName, &missing);
+    Bind(lib, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain, &missing);
+    Bind(lib, "cuDevicePrimaryCtxRelease_v2", &driver.cuDevicePrimaryCtxRelease, &missing);
+    Bind(lib, "cuCtxPushCurrent_v2", &driver.cuCtxPushCurrent, &missing);
+    Bind(lib, "cuCtxPopCurrent_v2", &driver.cuCtxPopCurrent, &missing);
+    Bind(lib, "cuMemAlloc_v2", &driver.cuMemAlloc, &missing);
+    Bind(lib, "cuMemFree_v2", &driver.cuMemFree, &missing);
+    Bind(lib, "cuMemsetD16Async", &driver.cuMemsetD16Async, &missing);
+    Bind(lib, "cuMemsetD32Async", &driver.cuMemsetD32Async, &missing);
+    Bind(lib, "cuStreamCreate", &driver.cuStreamCreate, &missing);
+    Bind(lib, "cuStreamDestroy_v2", &driver.cuStreamDestroy, &missing);
+    Bind(lib, "cuStreamSynchronize", &driver.cuStreamSynchronize, &missing);
+    Bind(lib, "cuEventCreate", &driver.cuEventCreate, &missing);
+    Bind(lib, "cuEventDestroy_v2", &driver.cuEventDestroy, &missing);
+    Bind(lib, "cuEventRecord", &driver.cuEventRecord, &missing);
+    Bind(lib, "cuEventElapsedTime", &driver.cuEventElapsedTime, &missing);  // v1: also in CUDA 12 drivers
     if (!missing.empty()) {
       return Status::Unavailable("libcuda.so.1 lacks " + missing + " (te_jax needs a CUDA 12.0 or newer driver)");
     }
