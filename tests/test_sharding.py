@@ -51,14 +51,14 @@ def _outcomes(pytest_output: str) -> dict[str, int]:
 
 
 def test_subprocess(request):
-  """Runs the tests of this module that this session selected in a fresh interpreter, when this one could not get 8
-  devices. Every one of them must pass there: a skip would hide a test that never ran."""
+  """Runs the tests of this module that need 8 devices and that this session selected in a fresh interpreter, when this
+  one could not get 8 devices. Every one of them must pass there: a skip would hide a test that never ran."""
   if _IN_PROCESS:
     pytest.skip("8 devices are available in-process")
   names = [item.nodeid.split("::", 1)[1] for item in request.session.items
-           if item.path == request.node.path and item.name != request.node.name]
+           if item.path == request.node.path and in_process.mark in item.iter_markers("skipif")]
   if not names:
-    pytest.skip("no other test of this module is selected")
+    pytest.skip("no test of this module that needs 8 devices is selected")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] +
                           [f"{__file__}::{name}" for name in names], env=env, capture_output=True, text=True,
@@ -66,6 +66,30 @@ def test_subprocess(request):
   output = result.stdout[-5000:] + result.stderr[-3000:]
   assert result.returncode == 0, output
   assert _outcomes(result.stdout) == {"passed": len(names)}, output
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")
+
+# Appended to the README's program: its result is sharded over the 8 devices and equals the unsharded call.
+README_CHECK = """
+import numpy as np
+assert jax.device_count() == 8 and len(out.sharding.device_set) == 8, out.sharding
+q, k, v = (np.asarray(te_jax.inverse_reorder_for_load_balancing(x, cp)) for x in (q, k, v))
+want = te_jax.fused_attn(q, k, v, mask_type="causal")
+np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+print("README example ok")
+"""
+
+
+def test_readme_example_runs_as_written():
+  """The README's context-parallel program, as written, in a fresh interpreter (it sets up its own 8 CPU devices)."""
+  with open(README) as f:
+    programs = [block for block in re.findall(r"```python\n(.*?)```", f.read(), re.S) if "make_mesh" in block]
+  assert len(programs) == 1, "expected one README program with a mesh"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, "-c", programs[0] + README_CHECK], env=dict(env, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0 and "README example ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------------------------------
