@@ -60,7 +60,12 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 
 // {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
 // backward, optionally "deterministic" (bool, default false).
+// {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
+  if (d.contains("kind")) {
+    if (nb::cast<std::string>(d["kind"]) != "length_guard") throw nb::value_error("kind must be 'length_guard'");
+    return cuda::LengthGuardConfig(nb::cast<std::string>(d["arch"]));
+  }
   cuda::KernelConfig c;
   c.direction = DirectionFromString(nb::cast<std::string>(d["direction"]));
   const int dtype = nb::cast<int>(d["dtype"]);

@@ -35,6 +35,21 @@ struct ForwardArgs {
   float* lse;
 };
 
+// The length guard (kernels/common/length_guard.cuh) of an engine that reads run-time lengths without checking them:
+// it writes clamped copies and per-batch invalid flags to `guarded`, and after the engine ran, NaN over every output
+// of a batch whose lengths were out of range.
+struct LengthGuardArgs {
+  const int32_t* q_seqlens;
+  const int32_t* kv_seqlens;
+  int32_t* guarded;  // [3][batch]: clamped q lengths, clamped kv lengths, 1 where the batch's lengths were invalid
+  int32_t batch;
+  int32_t seqlen_q;
+  int32_t seqlen_kv;
+  int32_t num_outputs;
+  void* outputs[4];               // batch-major tensors
+  int64_t output_batch_bytes[4];  // bytes of one batch entry of each (a multiple of 4)
+};
+
 struct BackwardArgs {
   ShapeArgs shape;
   const void* q;

@@ -11,6 +11,8 @@ const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", 
 const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
                                                      "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq"};
 
+const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_poison_invalid_batches"};
+
 const char* VariantName(bool softcap, bool alibi) {
   if (softcap) return alibi ? "softcap_alibi" : "softcap";
   return alibi ? "alibi" : "scaled";
@@ -19,6 +21,10 @@ const char* VariantName(bool softcap, bool alibi) {
 }  // namespace
 
 const char* const* KernelConfig::EntryPoints(int* count) const {
+  if (kind == ModuleKind::kLengthGuard) {
+    *count = 2;
+    return kLengthGuardEntries;
+  }
   if (direction == Direction::kForward) {
     *count = 1;
     return kForwardEntries;
@@ -28,13 +34,21 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 }
 
 std::string KernelConfig::Name() const {
-  const char* kind = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
-  return std::string(kind) + "_" +
+  if (kind == ModuleKind::kLengthGuard) return "length_guard_" + arch;
+  const char* what = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
+  return std::string(what) + "_" +
          (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" + std::to_string(head_dim) + "_dv" +
          std::to_string(head_dim_v) + "_" + VariantName(softcap, alibi) + "_" + arch;
 }
 
 std::string KernelConfig::RenderSource() const {
+  if (kind == ModuleKind::kLengthGuard) {
+    return "// te_jax JIT translation unit: " + Name() + "\n#include \"cpp/cuda/kernels/common/length_guard.cuh\"\n"
+           "extern \"C\" __global__ void te_jax_guard_lengths(const te_jax::cuda::LengthGuardArgs args) {\n"
+           "  te_jax::cuda::GuardLengths(args);\n}\n"
+           "extern \"C\" __global__ void te_jax_poison_invalid_batches(const te_jax::cuda::LengthGuardArgs args) {\n"
+           "  te_jax::cuda::PoisonInvalidBatches(args);\n}\n";
+  }
   const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
   const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
                               (alibi ? "true" : "false") + ">";
@@ -75,6 +89,13 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.alibi = params.has_alibi;
   c.deterministic = direction == Direction::kBackward &&
                     (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
+  c.arch = arch;
+  return c;
+}
+
+KernelConfig LengthGuardConfig(const std::string& arch) {
+  KernelConfig c;
+  c.kind = ModuleKind::kLengthGuard;
   c.arch = arch;
   return c;
 }

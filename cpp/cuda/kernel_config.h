@@ -14,7 +14,12 @@ namespace te_jax::cuda {
 
 enum class Direction { kForward, kBackward };
 
+// What a module holds: an attention direction of te_jax's kernels, or the length guard other engines run around
+// theirs (kernels/common/length_guard.cuh), which depends on the arch alone.
+enum class ModuleKind { kAttention, kLengthGuard };
+
 struct KernelConfig {
+  ModuleKind kind = ModuleKind::kAttention;
   Direction direction = Direction::kForward;
   DType dtype = DType::kBFloat16;
   int head_dim = 0;
@@ -32,6 +37,7 @@ struct KernelConfig {
 };
 
 KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+KernelConfig LengthGuardConfig(const std::string& arch);
 
 // "sm_80", "sm_86", "sm_89", "sm_90a" (Hopper's arch-specific target), "sm_100a", ... from a compute capability.
 std::string ArchForComputeCapability(int major, int minor);

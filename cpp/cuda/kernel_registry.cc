@@ -81,6 +81,7 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 }
 
 int SmemBytes(const KernelConfig& c, int index) {
+  if (c.kind == ModuleKind::kLengthGuard) return 0;
   if (c.direction == Direction::kForward) return sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v);
   if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
   if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v);
