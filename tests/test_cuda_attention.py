@@ -1,6 +1,8 @@
-"""GPU tests of the CUDA backend: forward, lse and every gradient against the float64 reference (te_jax/reference.py)
-for every mask, window, softcap, ALiBi, GQA/MQA, D != Dv, ragged lengths, bf16 and fp16; FFI and legacy bitwise
-equal; CPU and GPU backends agree; invalid run-time lengths give NaN, never out-of-bounds reads. Skipped without a GPU."""
+"""GPU tests of the CUDA backend, on each engine (te_jax's kernels and cuDNN): forward, lse and every gradient against
+the float64 reference (te_jax/reference.py) for every mask, window, softcap, ALiBi, GQA/MQA, D != Dv, ragged lengths,
+bf16 and fp16; FFI and legacy bitwise equal; CPU and GPU backends agree; NaN/inf inputs follow the formula; invalid
+run-time lengths give NaN, never out-of-bounds reads; the configurations cuDNN refuses are listed with their reasons.
+Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ except ImportError as e:
   pytest.skip(f"te_jax was built without its CUDA backend: {e}", allow_module_level=True)
 
 import te_jax  # noqa: E402
+from te_jax._cuda import ext  # noqa: E402
 from te_jax._cuda_test_configs import CASES  # noqa: E402
 from te_jax.reference import attention_reference  # noqa: E402
 
@@ -54,15 +57,20 @@ def _inputs(case, seed):
   return q, k, v, kwargs, dout, dlse
 
 
-def _run(q, k, v, kwargs, dout, dlse, device):
+def _run(q, k, v, kwargs, dout, dlse, device, lse_grad=True):
+  """out, lse, dq, dk, dv. lse_grad=False: the gradients are those of a loss of out alone (the only backward cuDNN
+  serves), and lse comes from the same forward."""
   args = jax.device_put((q, k, v, dout, dlse), device)
   kw = {key: (jax.device_put(val, device) if hasattr(val, "shape") else val) for key, val in kwargs.items()}
 
   @jax.jit
   def f(q, k, v, dout, dlse):
-    (out, lse), vjp = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, return_lse=True, **kw), q, k, v)
-    dq, dk, dv = vjp((dout, dlse))
-    return out, lse, dq, dk, dv
+    if lse_grad:
+      (out, lse), vjp = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, return_lse=True, **kw), q, k, v)
+      return (out, lse, *vjp((dout, dlse)))
+    out, vjp = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, **kw), q, k, v)
+    _, lse = te_jax.fused_attn(q, k, v, return_lse=True, **kw)
+    return (out, lse, *vjp(dout))
 
   return [np.asarray(x) for x in f(*args)]
 
@@ -74,15 +82,16 @@ def _rel(x, ref):
   return num / den
 
 
-def _check_against_reference(case, results, q, k, v, kwargs, dout, dlse):
+def _check_against_reference(case, results, q, k, v, kwargs, dout, dlse, lse_grad=True):
   dtype = case[1]
   out, lse, dq, dk, dv = results
   for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
     assert np.isfinite(np.asarray(x, np.float64)).all(), f"{name} has non-finite values"
   ref_kwargs = {key: (np.asarray(val) if hasattr(val, "shape") else val) for key, val in kwargs.items()
-                if key != "deterministic"}
+                if key not in ("deterministic", "engine")}
   ref = attention_reference(np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(v, np.float64),
-                            dout=np.asarray(dout, np.float64), dlse=np.asarray(dlse, np.float64), **ref_kwargs)
+                            dout=np.asarray(dout, np.float64), dlse=np.asarray(dlse, np.float64) if lse_grad else None,
+                            **ref_kwargs)
   tol = TOL[dtype]
   finite = np.isfinite(ref["lse"])
   assert np.array_equal(np.isfinite(lse), finite), "lse is -inf exactly on the rows that see no key"
@@ -96,24 +105,63 @@ def _check_against_reference(case, results, q, k, v, kwargs, dout, dlse):
   return errors
 
 
+# The cases cuDNN does not serve, with a pattern of the reason engine="cudnn" must give (engine="auto" then runs
+# te_jax's kernels). Every other case must run on cuDNN and match the reference.
+CUDNN_REFUSES = {
+    "softcap_d128": "soft-cap",
+    "alibi_d64": "ALiBi",
+    "softcap_alibi_window": "soft-cap|ALiBi",
+}
+
+
+def test_cudnn_engine_is_available():
+  available, reason = ext.cudnn_available()
+  assert available, reason
+  assert ext.cudnn_version().startswith("9.")
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("engine", ["te", "cudnn"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_reference_and_paths_agree(case, deterministic):
+def test_matches_reference_and_paths_agree(case, engine, deterministic):
   q, k, v, kwargs, dout, dlse = _inputs(case, seed=zlib.crc32(case[0].encode()))
-  kwargs["deterministic"] = deterministic
+  kwargs.update(deterministic=deterministic, engine=engine)
   gpu = _GPUS[0]
+  lse_grad = engine == "te"  # cuDNN's backward takes no gradient through lse (tested in test_cudnn_refusals)
+  if engine == "cudnn" and case[0] in CUDNN_REFUSES:
+    with pytest.raises(te_jax.EngineUnavailableError, match=CUDNN_REFUSES[case[0]]):
+      _run(q, k, v, kwargs, dout, dlse, gpu, lse_grad)
+    return
   with te_jax.custom_call_path("ffi"):
-    ffi = _run(q, k, v, kwargs, dout, dlse, gpu)
-  errors = _check_against_reference(case, ffi, q, k, v, kwargs, dout, dlse)
+    ffi = _run(q, k, v, kwargs, dout, dlse, gpu, lse_grad)
+  errors = _check_against_reference(case, ffi, q, k, v, kwargs, dout, dlse, lse_grad)
   with te_jax.custom_call_path("legacy"):
-    legacy = _run(q, k, v, kwargs, dout, dlse, gpu)
+    legacy = _run(q, k, v, kwargs, dout, dlse, gpu, lse_grad)
   te_jax.raise_legacy_failures()
-  _check_against_reference(case, legacy, q, k, v, kwargs, dout, dlse)
-  # Only dq of the atomic backward may differ between runs (its float additions land in any order).
+  _check_against_reference(case, legacy, q, k, v, kwargs, dout, dlse, lse_grad)
+  # Only dq of an atomic backward may differ between runs (its float additions land in any order).
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ffi, legacy):
     if deterministic or name != "dq":
       assert a.tobytes() == b.tobytes(), f"FFI and legacy {name} differ"
-  print(f"{case[0]} deterministic={deterministic}: " + " ".join(f"{key}={val:.2e}" for key, val in errors.items()))
+  print(f"{case[0]} {engine} deterministic={deterministic}: " +
+        " ".join(f"{key}={val:.2e}" for key, val in errors.items()))
+
+
+def test_cudnn_refusals_and_auto():
+  """engine="cudnn" raises, naming the reason, where cuDNN cannot meet te_jax's contract; "auto" runs te_jax's kernels
+  there, and so does a backward whose lse has a gradient."""
+  case = CASES[1]
+  q, k, v, kwargs, dout, dlse = _inputs(case, seed=5)
+  for extra, reason in ((dict(softcap=10.0), "soft-cap"),
+                        (dict(alibi_slopes=jnp.full((q.shape[2],), 0.1, jnp.float32)), "ALiBi")):
+    with pytest.raises(te_jax.EngineUnavailableError, match=reason):
+      jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, engine="cudnn", **dict(kwargs, **extra)))(q, k, v)
+  with pytest.raises(te_jax.EngineUnavailableError, match="gradient through lse"):
+    _run(q, k, v, dict(kwargs, engine="cudnn"), dout, dlse, _GPUS[0], lse_grad=True)
+  auto = _run(q, k, v, dict(kwargs, engine="auto"), dout, dlse, _GPUS[0], lse_grad=True)
+  te = _run(q, k, v, dict(kwargs, engine="te"), dout, dlse, _GPUS[0], lse_grad=True)
+  for name, a, b in zip(("dq", "dk", "dv"), auto[2:], te[2:]):
+    assert _rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 1e-2, name
 
 
 @pytest.mark.parametrize("case", [CASES[5], CASES[15]], ids=[CASES[i][0] for i in (5, 15)])
@@ -150,21 +198,66 @@ def test_gpu_and_cpu_backends_agree(case):
     assert _rel(a[fin], b[fin]) < 5e-2, name
 
 
-def test_invalid_runtime_seqlens_give_nan():
-  """Lengths outside [0, S] that reach the kernel (traced values) are clamped for memory safety and flagged: every
-  output of that batch is NaN; the other batches are unaffected."""
+@pytest.mark.parametrize("engine", ["te", "cudnn"])
+def test_invalid_runtime_seqlens_give_nan(engine):
+  """Lengths outside [0, S] that reach the engine (traced values) are clamped for memory safety and flagged: every
+  output of that batch, forward and backward, is NaN; the other batches are unaffected."""
   case = CASES[4]
   q, k, v, kwargs, dout, dlse = _inputs(case, seed=3)
   qs = jnp.asarray([q.shape[1], q.shape[1] + 50, 5], jnp.int32)
   ks = jnp.asarray([k.shape[1], 7, -3], jnp.int32)
 
   @jax.jit
-  def f(q, k, v, qs, ks):
-    return te_jax.fused_attn(q, k, v, mask_type="padding", q_seqlens=qs, kv_seqlens=ks, return_lse=True)
+  def f(q, k, v, qs, ks, dout):
+    attn = lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="padding", q_seqlens=qs, kv_seqlens=ks,
+                                             engine=engine)
+    out, vjp = jax.vjp(attn, q, k, v)
+    _, lse = te_jax.fused_attn(q, k, v, mask_type="padding", q_seqlens=qs, kv_seqlens=ks, return_lse=True,
+                               engine=engine)
+    return (out, lse, *vjp(dout))
 
-  out, lse = (np.asarray(x, np.float32) for x in f(q, k, v, qs, ks))
-  assert np.isfinite(out[0]).all() and np.isnan(out[1]).all() and np.isnan(out[2]).all()
-  assert np.isnan(lse[1]).all() and np.isnan(lse[2]).all()
+  out, lse, dq, dk, dv = (np.asarray(x, np.float32) for x in f(q, k, v, qs, ks, dout))
+  for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+    assert np.isnan(x[1]).all() and np.isnan(x[2]).all(), f"{name} of the invalid batches is not all NaN"
+    assert not np.isnan(x[0]).any(), f"{name} of the valid batch has NaN"
+
+
+# One non-finite value, placed where it tests something: (id, tensor, index). Causal, s = 200 (so the straddling
+# tiles of the diagonal hold keys some rows do not see), bf16, d = 128, GQA 4/2.
+NONFINITE = [
+    ("nan_q", "q", (0, 3, 1, 5), np.nan),
+    ("inf_k_visible", "k", (1, 7, 0, 2), np.inf),
+    ("nan_v_seen_by_later_rows", "v", (0, 130, 1, 4), np.nan),
+    ("inf_v_seen_by_later_rows", "v", (1, 100, 0, 0), np.inf),
+    ("nan_k_seen_by_later_rows", "k", (0, 150, 1, 3), np.nan),
+]
+
+
+@pytest.mark.parametrize("engine", ["te", "cudnn"])
+@pytest.mark.parametrize("name,tensor,index,value", NONFINITE, ids=[c[0] for c in NONFINITE])
+def test_nonfinite_inputs_follow_the_formula(name, tensor, index, value, engine):
+  """IEEE arithmetic over each row's visible keys: the rows that see the value are non-finite where the float64
+  reference is, every other row is exact; FFI and legacy agree bitwise."""
+  del name
+  rng = np.random.default_rng(1)
+  shapes = dict(q=(2, 200, 4, 128), k=(2, 200, 2, 128), v=(2, 200, 2, 128))
+  x = {n: np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)).astype(np.float32) for n, s in shapes.items()}
+  x[tensor][index] = value
+  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", return_lse=True, engine=engine))
+  with te_jax.custom_call_path("ffi"):
+    out, lse = (np.asarray(t, np.float32) for t in f(q, k, v))
+  with te_jax.custom_call_path("legacy"):
+    out_l, lse_l = (np.asarray(t, np.float32) for t in f(q, k, v))
+  te_jax.raise_legacy_failures()
+  assert out.tobytes() == out_l.tobytes() and lse.tobytes() == lse_l.tobytes()
+  ref = attention_reference(x["q"], x["k"], x["v"], mask_type="causal")
+  bad = ~np.isfinite(ref["out"])
+  assert bad.any()
+  assert np.array_equal(~np.isfinite(out), bad), "non-finite outputs differ from the formula's"
+  assert np.array_equal(np.isnan(lse), np.isnan(ref["lse"]))
+  fin = ~bad
+  assert _rel(out[fin], ref["out"][fin]) < TOL["bfloat16"]["out"]
 
 
 def test_compile_is_cached_in_process():
@@ -175,3 +268,25 @@ def test_compile_is_cached_in_process():
       (1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), jnp.bfloat16)
   ext.prepare(params, "forward")
   assert ext.prepare(params, "forward")["origin"] == "memory"
+
+
+def test_auto_engine_measures_once_and_remembers_on_disk(tmp_path):
+  """engine="auto" times both engines at the first lowering of a configuration and stores the choice; a fresh process
+  reads it back instead of measuring. The log lines say which engine runs and why."""
+  import os
+  import subprocess
+  import sys
+  code = ("import time, jax, jax.numpy as jnp, te_jax\n"
+          "q = jnp.ones((2, 1024, 8, 128), jnp.bfloat16)\n"
+          "t = time.perf_counter()\n"
+          "jax.jit(lambda q: te_jax.fused_attn(q, q, q, mask_type='causal')).lower(q)\n"
+          "print(f'lowering took {time.perf_counter() - t:.2f} s')\n")
+  env = dict(os.environ, TE_JAX_CACHE_DIR=str(tmp_path / "cubin"), TE_JAX_LOG_LEVEL="DEBUG")
+  first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "measured the engines" in first.stderr, first.stderr[-3000:]
+  assert list((tmp_path / "autotune").glob("*.json")), "no measurement was stored"
+  second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "measured the engines" not in second.stderr and "measured earlier" in second.stderr, second.stderr[-3000:]
+  print("first process:", first.stdout.strip(), "| second process:", second.stdout.strip())
