@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One device call: build te_jax (offline), run the CUDA tests, compute-sanitizer on a tiny case, JIT timings and the
-# cuDNN benchmark. Logs under $OUT (default /tmp/te_jax_out). Usage: bash scripts/gpu_check.sh [tests|sanitize|jit|bench]...
-# Sections default to all. TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC).
+# One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
+# JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
+# Usage: bash scripts/gpu_check.sh [tests|sanitize|jit|bench|oldkernels]...   Sections default to all.
+# TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
+# headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
+# it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
+# today's, for a before/after figure. BENCH_ARGS are passed to scripts/cuda_bench.py.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -11,12 +15,13 @@ export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
 SECTIONS=${*:-tests sanitize jit bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
+export CUDNN_FRONTEND_INCLUDE_DIR=${CUDNN_FRONTEND_INCLUDE_DIR:-$REPO/build/cudnn_check/fe/include}
 t0=$(date +%s)
 (cd "$REPO" && python3 -m pip install -q --no-build-isolation --no-deps . ) > "$OUT/build.log" 2>&1 \
   || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 cd /tmp  # import the installed package, not the source tree
-python3 -c "import te_jax._cuda, te_jax._te_jax_cuda as e; print('te_jax cuda ext ok,', e.nvrtc_version(), 'cache', e.cache_dir())"
+python3 -c "import te_jax._cuda, te_jax._te_jax_cuda as e; print('te_jax cuda ext ok,', e.nvrtc_version(), 'cache', e.cache_dir(), 'cudnn', e.cudnn_available(), e.cudnn_version())"
 
 t0=$(date +%s)
 python3 -m te_jax.aot --set tests,bench --jobs 16 > "$OUT/aot.log" 2>&1; tail -1 "$OUT/aot.log"
@@ -26,8 +31,8 @@ for s in $SECTIONS; do
   case $s in
   tests)
     t0=$(date +%s)
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -rA "$REPO"/tests/test_cuda_attention.py 2>&1 \
-      | tee "$OUT/tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|: out=" | tail -45
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
+      "$REPO"/tests/test_cuda_attention.py 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   sanitize)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -56,6 +61,13 @@ print(f"fresh process cache hit: prepare fwd {t_fwd*1e3:.1f} ms ({r['origin']}, 
 PY
     ;;
   bench)
-    timeout 500 python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning ;;
+    timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 \
+      | tee "$OUT/bench.log" | grep -v Warning ;;
+  oldkernels)
+    for root in "$REPO/.device/old_kernels" ""; do
+      echo "te_jax forward, kernels from ${root:-today's tree}:"
+      timeout 150 python3 "$REPO/scripts/cuda_bench.py" --engines te --modes fwd --dims 64,128,256 --seqs 4096 \
+        ${root:+--kernel-root "$root"} 2>&1 | grep -v Warning | tee -a "$OUT/oldkernels.log"
+    done ;;
   esac
 done

@@ -35,19 +35,23 @@ struct ForwardArgs {
   float* lse;
 };
 
-// The length guard (kernels/common/length_guard.cuh) of an engine that reads run-time lengths without checking them:
-// it writes clamped copies and per-batch invalid flags to `guarded`, and after the engine ran, NaN over every output
-// of a batch whose lengths were out of range.
+// The length guard (kernels/common/length_guard.cuh) around an engine that trusts its run-time lengths: before it,
+// clamped copies of the lengths and per-batch invalid flags go to `guarded`; after it, the rows and keys the lengths
+// cut get te_jax's values and the outputs of invalid batch entries NaN. Outputs of the other direction are null.
+inline constexpr int kLengthGuardRowsPerBlock = 32;  // query rows (and keys) per block of the contract kernel
+
 struct LengthGuardArgs {
+  ShapeArgs shape;
   const int32_t* q_seqlens;
   const int32_t* kv_seqlens;
   int32_t* guarded;  // [3][batch]: clamped q lengths, clamped kv lengths, 1 where the batch's lengths were invalid
-  int32_t batch;
-  int32_t seqlen_q;
-  int32_t seqlen_kv;
-  int32_t num_outputs;
-  void* outputs[4];               // batch-major tensors
-  int64_t output_batch_bytes[4];  // bytes of one batch entry of each (a multiple of 4)
+  int32_t head_dim;
+  int32_t head_dim_v;
+  uint16_t* out;  // forward
+  float* lse;
+  uint16_t* dq;  // backward
+  uint16_t* dk;
+  uint16_t* dv;
 };
 
 struct BackwardArgs {

@@ -11,7 +11,7 @@ const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", 
 const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
                                                      "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq"};
 
-const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_poison_invalid_batches"};
+const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_enforce_length_contract"};
 
 const char* VariantName(bool softcap, bool alibi) {
   if (softcap) return alibi ? "softcap_alibi" : "softcap";
@@ -46,8 +46,8 @@ std::string KernelConfig::RenderSource() const {
     return "// te_jax JIT translation unit: " + Name() + "\n#include \"cpp/cuda/kernels/common/length_guard.cuh\"\n"
            "extern \"C\" __global__ void te_jax_guard_lengths(const te_jax::cuda::LengthGuardArgs args) {\n"
            "  te_jax::cuda::GuardLengths(args);\n}\n"
-           "extern \"C\" __global__ void te_jax_poison_invalid_batches(const te_jax::cuda::LengthGuardArgs args) {\n"
-           "  te_jax::cuda::PoisonInvalidBatches(args);\n}\n";
+           "extern \"C\" __global__ void te_jax_enforce_length_contract(const te_jax::cuda::LengthGuardArgs args) {\n"
+           "  te_jax::cuda::EnforceLengthContract(args);\n}\n";
   }
   const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
   const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +

@@ -18,55 +18,70 @@ Status GuardModule(const DriverApi** driver, const LoadedModule** module) {
   return GetLoadedModule(LengthGuardConfig(arch), device, module, &report);
 }
 
-LengthGuardArgs Args(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens, int32_t* guarded) {
+LengthGuardArgs Args(const AttentionParams& p, int32_t* guarded) {
   LengthGuardArgs a{};
-  a.q_seqlens = q_seqlens;
-  a.kv_seqlens = kv_seqlens;
+  a.shape = ShapeArgs{static_cast<int32_t>(p.batch),        static_cast<int32_t>(p.seqlen_q),
+                      static_cast<int32_t>(p.seqlen_kv),    static_cast<int32_t>(p.num_heads),
+                      static_cast<int32_t>(p.num_kv_heads), static_cast<int32_t>(p.mask_type),
+                      static_cast<int32_t>(p.window_left),  static_cast<int32_t>(p.window_right),
+                      p.scale,                              p.softcap};
   a.guarded = guarded;
-  a.batch = static_cast<int32_t>(p.batch);
-  a.seqlen_q = static_cast<int32_t>(p.seqlen_q);
-  a.seqlen_kv = static_cast<int32_t>(p.seqlen_kv);
+  a.head_dim = static_cast<int32_t>(p.head_dim);
+  a.head_dim_v = static_cast<int32_t>(p.head_dim_v);
   return a;
 }
 
-Status Launch(const DriverApi* driver, CUkernel kernel, unsigned gx, unsigned gy, unsigned gz, LengthGuardArgs* args,
-              CUstream stream) {
+Status Launch(int index, const char* what, unsigned gx, unsigned gy, LengthGuardArgs* args, CUstream stream) {
+  const DriverApi* driver = nullptr;
+  const LoadedModule* module = nullptr;
+  TE_JAX_RETURN_IF_ERROR(GuardModule(&driver, &module));
+  if (gx == 0 || gy == 0) return Status::Ok();
   void* params[] = {args};
-  const CUresult r = driver->cuLaunchKernel(reinterpret_cast<CUfunction>(kernel), gx, gy, gz, 256, 1, 1, 0, stream,
-                                            params, nullptr);
-  if (r != CUDA_SUCCESS) return Status::Internal("te_jax length guard launch failed: " + driver->ErrorString(r));
+  const CUresult r = driver->cuLaunchKernel(reinterpret_cast<CUfunction>(module->kernels[index]), gx, gy, 1, 256, 1, 1,
+                                            0, stream, params, nullptr);
+  if (r != CUDA_SUCCESS) return Status::Internal(std::string("te_jax ") + what + " launch failed: " + driver->ErrorString(r));
   return Status::Ok();
 }
 
+Status Enforce(const AttentionParams& p, LengthGuardArgs* args, CUstream stream) {
+  const int64_t rows = p.seqlen_q > p.seqlen_kv ? p.seqlen_q : p.seqlen_kv;
+  return Launch(1, "length contract", static_cast<unsigned>((rows + kLengthGuardRowsPerBlock - 1) / kLengthGuardRowsPerBlock),
+                static_cast<unsigned>(p.batch), args, stream);
+}
+
 }  // namespace
+
+Status PrepareLengthGuard() {
+  const DriverApi* driver = nullptr;
+  const LoadedModule* module = nullptr;
+  return GuardModule(&driver, &module);
+}
 
 int64_t LengthGuardBytes(const AttentionParams& p) { return (3 * p.batch * 4 + 255) / 256 * 256; }
 
 Status GuardLengths(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens, int32_t* guarded,
                     CUstream stream) {
-  if (p.batch == 0) return Status::Ok();
-  const DriverApi* driver = nullptr;
-  const LoadedModule* module = nullptr;
-  TE_JAX_RETURN_IF_ERROR(GuardModule(&driver, &module));
-  LengthGuardArgs args = Args(p, q_seqlens, kv_seqlens, guarded);
-  return Launch(driver, module->kernels[0], static_cast<unsigned>((p.batch + 255) / 256), 1, 1, &args, stream);
+  LengthGuardArgs args = Args(p, guarded);
+  args.q_seqlens = q_seqlens;
+  args.kv_seqlens = kv_seqlens;
+  return Launch(0, "length guard", static_cast<unsigned>((p.batch + 255) / 256), 1, &args, stream);
 }
 
-Status PoisonInvalidBatches(const AttentionParams& p, const int32_t* guarded,
-                            std::initializer_list<std::pair<void*, int64_t>> outputs, CUstream stream) {
-  if (p.batch == 0) return Status::Ok();
-  const DriverApi* driver = nullptr;
-  const LoadedModule* module = nullptr;
-  TE_JAX_RETURN_IF_ERROR(GuardModule(&driver, &module));
-  LengthGuardArgs args = Args(p, nullptr, nullptr, const_cast<int32_t*>(guarded));
-  for (const auto& [ptr, bytes] : outputs) {
-    if (args.num_outputs == 4) return Status::Internal("te_jax length guard: more than 4 outputs");
-    args.outputs[args.num_outputs] = ptr;
-    args.output_batch_bytes[args.num_outputs++] = bytes;
-  }
-  // 8 blocks of 256 threads per (batch entry, output): enough to fill in a poisoned entry quickly, nothing otherwise.
-  return Launch(driver, module->kernels[1], 8, static_cast<unsigned>(p.batch), static_cast<unsigned>(args.num_outputs),
-                &args, stream);
+Status EnforceLengthContract(const AttentionParams& p, const int32_t* guarded, const ForwardBuffers& b,
+                             CUstream stream) {
+  LengthGuardArgs args = Args(p, const_cast<int32_t*>(guarded));
+  args.out = static_cast<uint16_t*>(b.out);
+  args.lse = b.lse;
+  return Enforce(p, &args, stream);
+}
+
+Status EnforceLengthContract(const AttentionParams& p, const int32_t* guarded, const BackwardBuffers& b,
+                             CUstream stream) {
+  LengthGuardArgs args = Args(p, const_cast<int32_t*>(guarded));
+  args.dq = static_cast<uint16_t*>(b.dq);
+  args.dk = static_cast<uint16_t*>(b.dk);
+  args.dv = static_cast<uint16_t*>(b.dv);
+  return Enforce(p, &args, stream);
 }
 
 }  // namespace te_jax::cuda

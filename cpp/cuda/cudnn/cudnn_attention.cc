@@ -26,6 +26,7 @@
 #include "cpp/cuda/cudnn/cudnn_mask.h"
 #include "cpp/cuda/cudnn/cudnn_sdpa_graph.h"
 #include "cpp/cuda/dynamic_libs.h"
+#include "cpp/cuda/length_guard.h"
 #include "cpp/validate.h"
 
 namespace te_jax::cuda::cudnn {
@@ -169,10 +170,33 @@ Status CheckSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const in
   return Status::Ok();
 }
 
+// With a padding mask cuDNN reads the run-time lengths as they come: the workspace starts with the length guard's
+// clamped copies (cpp/cuda/length_guard.h), and cuDNN's own workspace follows.
+int64_t GuardBytes(const AttentionParams& p) { return CudnnMaskFor(p).padding ? LengthGuardBytes(p) : 0; }
+
 int64_t WorkspaceBytes(const AttentionParams& p, Direction direction) {
   const SdpaGraph* graph = nullptr;
   Device device;
-  return GetGraph(p, direction, &graph, &device).ok() ? graph->workspace_bytes : 0;
+  return GetGraph(p, direction, &graph, &device).ok() ? GuardBytes(p) + graph->workspace_bytes : 0;
+}
+
+// Runs `execute(buffers)` between the length guard's two steps when the mask reads run-time lengths: cuDNN gets the
+// clamped lengths and the rest of the workspace, and te_jax's values land on the rows and keys the lengths cut.
+template <typename Buffers, typename Execute>
+Status RunGuarded(const AttentionParams& p, const Buffers& b, int64_t cudnn_bytes, const char* what, CUstream stream,
+                  Execute execute) {
+  TE_JAX_RETURN_IF_ERROR(CheckWorkspace(what, b.workspace_bytes, GuardBytes(p) + cudnn_bytes));
+  if (!CudnnMaskFor(p).padding) return execute(b);
+  TE_JAX_RETURN_IF_ERROR(CheckSeqlens(p, b.q_seqlens, b.kv_seqlens));
+  int32_t* guarded = static_cast<int32_t*>(b.workspace);
+  TE_JAX_RETURN_IF_ERROR(GuardLengths(p, b.q_seqlens, b.kv_seqlens, guarded, stream));
+  Buffers inner = b;
+  inner.q_seqlens = guarded;
+  inner.kv_seqlens = guarded + p.batch;
+  inner.workspace = static_cast<char*>(b.workspace) + GuardBytes(p);
+  inner.workspace_bytes = b.workspace_bytes - GuardBytes(p);
+  TE_JAX_RETURN_IF_ERROR(execute(inner));
+  return EnforceLengthContract(p, guarded, b, stream);
 }
 
 }  // namespace
@@ -195,6 +219,7 @@ Status Prepare(const AttentionParams& params, Direction direction) {
   const SdpaGraph* graph = nullptr;
   Device device;
   TE_JAX_RETURN_IF_ERROR(GetGraph(params, direction, &graph, &device));
+  if (CudnnMaskFor(params).padding) TE_JAX_RETURN_IF_ERROR(PrepareLengthGuard());
   // The execution handle too: cudnnCreate allocates device memory, which must not first happen while XLA captures
   // the call into a command buffer.
   HandleLease lease;
@@ -209,24 +234,22 @@ Status Forward(const AttentionParams& p, const ForwardBuffers& b, CUstream strea
   const SdpaGraph* graph = nullptr;
   Device device;
   TE_JAX_RETURN_IF_ERROR(GetGraph(p, Direction::kForward, &graph, &device));
-  TE_JAX_RETURN_IF_ERROR(CheckWorkspace("forward", b.workspace_bytes, graph->workspace_bytes));
-  TE_JAX_RETURN_IF_ERROR(CheckSeqlens(p, b.q_seqlens, b.kv_seqlens));
   HandleLease lease;
   TE_JAX_RETURN_IF_ERROR(LeaseHandle(device.ordinal, HandleUse::kExecute, &lease));
   TE_JAX_RETURN_IF_ERROR(SetStream(lease, stream));
-  return ExecuteSdpaForward(*graph, p, b, lease.get());
+  return RunGuarded(p, b, graph->workspace_bytes, "forward", stream,
+                    [&](const ForwardBuffers& inner) { return ExecuteSdpaForward(*graph, p, inner, lease.get()); });
 }
 
 Status Backward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
   const SdpaGraph* graph = nullptr;
   Device device;
   TE_JAX_RETURN_IF_ERROR(GetGraph(p, Direction::kBackward, &graph, &device));
-  TE_JAX_RETURN_IF_ERROR(CheckWorkspace("backward", b.workspace_bytes, graph->workspace_bytes));
-  TE_JAX_RETURN_IF_ERROR(CheckSeqlens(p, b.q_seqlens, b.kv_seqlens));
   HandleLease lease;
   TE_JAX_RETURN_IF_ERROR(LeaseHandle(device.ordinal, HandleUse::kExecute, &lease));
   TE_JAX_RETURN_IF_ERROR(SetStream(lease, stream));
-  return ExecuteSdpaBackward(*graph, p, b, lease.get());
+  return RunGuarded(p, b, graph->workspace_bytes, "backward", stream,
+                    [&](const BackwardBuffers& inner) { return ExecuteSdpaBackward(*graph, p, inner, lease.get()); });
 }
 
 }  // namespace te_jax::cuda::cudnn

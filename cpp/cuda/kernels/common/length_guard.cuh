@@ -1,35 +1,65 @@
-// The run-time length check of engines that trust their lengths (cuDNN reads seq_len_q / seq_len_kv as they come), so
-// that every engine keeps te_jax's contract for traced lengths outside [0, S]: nothing is read out of bounds (the
-// engine sees clamped lengths) and every output of that batch entry is NaN (as the sm80 kernels do in-kernel,
-// kernels/sm80/block_range.h).
+// te_jax's contract for run-time lengths around an engine that trusts them (cuDNN reads seq_len_q / seq_len_kv as
+// they come and leaves the rows they cut to its own conventions). Before the engine, GuardLengths clamps the lengths
+// into [0, S], so nothing is read out of bounds. After it, EnforceLengthContract writes what te_jax promises on every
+// row and key the lengths decide about: a query row with no visible key (past q_len, or cut off by kv_len, the
+// bottom-right diagonal or a window) gets out = 0, lse = -inf, dq = 0; a key at or past kv_len gets dk = dv = 0; every
+// output of a batch entry whose lengths were out of range is NaN (as the sm80 kernels do in-kernel,
+// kernels/sm80/block_range.h). Rows and keys the lengths do not touch are left as the engine wrote them.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
+#include "cpp/visible_keys.h"
 
 namespace te_jax::cuda {
 
 // One thread per batch entry (any grid that covers the batch).
 __device__ __forceinline__ void GuardLengths(const LengthGuardArgs& a) {
-  for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < a.batch; b += gridDim.x * blockDim.x) {
+  const ShapeArgs& s = a.shape;
+  for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < s.batch; b += gridDim.x * blockDim.x) {
     const int q = a.q_seqlens[b];
     const int kv = a.kv_seqlens[b];
-    a.guarded[b] = q < 0 ? 0 : (q > a.seqlen_q ? a.seqlen_q : q);
-    a.guarded[a.batch + b] = kv < 0 ? 0 : (kv > a.seqlen_kv ? a.seqlen_kv : kv);
-    a.guarded[2 * a.batch + b] = q < 0 || q > a.seqlen_q || kv < 0 || kv > a.seqlen_kv;
+    a.guarded[b] = q < 0 ? 0 : (q > s.seqlen_q ? s.seqlen_q : q);
+    a.guarded[s.batch + b] = kv < 0 ? 0 : (kv > s.seqlen_kv ? s.seqlen_kv : kv);
+    a.guarded[2 * s.batch + b] = q < 0 || q > s.seqlen_q || kv < 0 || kv > s.seqlen_kv;
   }
 }
 
-// Grid (x: any, y: batch, z: output). A block of a valid batch entry returns at once, so the cost when every length is
-// valid is one small launch.
-__device__ __forceinline__ void PoisonInvalidBatches(const LengthGuardArgs& a) {
+// Sets the `count` 16-bit elements at `row` to `bits`, the block's threads together (count is even).
+__device__ __forceinline__ void FillRow(uint16_t* row, int count, uint32_t bits) {
+  for (int i = threadIdx.x; i < count / 2; i += blockDim.x) reinterpret_cast<uint32_t*>(row)[i] = bits;
+}
+
+// Grid (x: blocks of kLengthGuardRowsPerBlock rows or keys, y: batch); the decisions are uniform per row, and a block
+// whose rows and keys all see their keys writes nothing.
+__device__ __forceinline__ void EnforceLengthContract(const LengthGuardArgs& a) {
+  const ShapeArgs& s = a.shape;
   const int b = blockIdx.y;
-  const int o = blockIdx.z;
-  if (o >= a.num_outputs || !a.guarded[2 * a.batch + b]) return;
-  const int64_t words = a.output_batch_bytes[o] / 4;
-  uint32_t* base = static_cast<uint32_t*>(a.outputs[o]) + b * words;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    base[i] = 0x7FFF7FFFu;  // NaN as float32, and as two bfloat16 or float16
+  const bool invalid = a.guarded[2 * s.batch + b] != 0;
+  const int q_len = a.guarded[b], kv_len = a.guarded[s.batch + b];
+  const RowMask mask = MakeRowMask(static_cast<MaskType>(s.mask_type), q_len, kv_len, s.window_left, s.window_right);
+  constexpr uint32_t kNaN2 = 0x7FFF7FFFu;  // two NaNs in bfloat16 and in float16
+  const int row_elems_q = s.num_heads * a.head_dim, row_elems_o = s.num_heads * a.head_dim_v;
+  const int row_elems_k = s.num_kv_heads * a.head_dim, row_elems_v = s.num_kv_heads * a.head_dim_v;
+  const int first = blockIdx.x * kLengthGuardRowsPerBlock;
+  for (int i = first; i < first + kLengthGuardRowsPerBlock && i < s.seqlen_q; ++i) {
+    const KeyRange keys = mask.Keys(i);
+    if (!invalid && keys.begin < keys.end) continue;
+    const int64_t row = static_cast<int64_t>(b) * s.seqlen_q + i;
+    if (a.out != nullptr) FillRow(a.out + row * row_elems_o, row_elems_o, invalid ? kNaN2 : 0u);
+    if (a.dq != nullptr) FillRow(a.dq + row * row_elems_q, row_elems_q, invalid ? kNaN2 : 0u);
+    if (a.lse != nullptr) {
+      for (int h = threadIdx.x; h < s.num_heads; h += blockDim.x) {
+        a.lse[(static_cast<int64_t>(b) * s.num_heads + h) * s.seqlen_q + i] =
+            invalid ? __int_as_float(0x7fffffff) : -__int_as_float(0x7f800000);
+      }
+    }
+  }
+  if (a.dk == nullptr) return;
+  for (int j = first; j < first + kLengthGuardRowsPerBlock && j < s.seqlen_kv; ++j) {
+    if (!invalid && j < kv_len) continue;
+    const int64_t row = static_cast<int64_t>(b) * s.seqlen_kv + j;
+    FillRow(a.dk + row * row_elems_k, row_elems_k, invalid ? kNaN2 : 0u);
+    FillRow(a.dv + row * row_elems_v, row_elems_v, invalid ? kNaN2 : 0u);
   }
 }
 
