@@ -65,7 +65,7 @@ PY
       | tee "$OUT/bench.log" | grep -v Warning ;;
   oldkernels)
     for root in "$REPO/.device/old_kernels" ""; do
-      echo "te_jax forward, kernels from ${root:-today's tree}:"
+      echo "te_jax forward, kernels from ${root:-the current tree}:"
       timeout 150 python3 "$REPO/scripts/cuda_bench.py" --engines te --modes fwd --dims 64,128,256 --seqs 4096 \
         ${root:+--kernel-root "$root"} 2>&1 | grep -v Warning | tee -a "$OUT/oldkernels.log"
     done ;;
