@@ -108,6 +108,7 @@ def _check_against_reference(case, results, q, k, v, kwargs, dout, dlse, lse_gra
 # The cases cuDNN does not serve, with a pattern of the reason engine="cudnn" must give (engine="auto" then runs
 # te_jax's kernels). Every other case must run on cuDNN and match the reference.
 CUDNN_REFUSES = {
+    "causal_br_sq_gt_skv": "no visible key",
     "softcap_d128": "soft-cap",
     "alibi_d64": "ALiBi",
     "softcap_alibi_window": "soft-cap|ALiBi",
@@ -237,8 +238,9 @@ NONFINITE = [
 @pytest.mark.parametrize("name,tensor,index,value", NONFINITE, ids=[c[0] for c in NONFINITE])
 def test_nonfinite_inputs_follow_the_formula(name, tensor, index, value, engine):
   """IEEE arithmetic over each row's visible keys: the rows that see the value are non-finite where the float64
-  reference is, every other row is exact; FFI and legacy agree bitwise."""
-  del name
+  reference is, every other row is exact; FFI and legacy agree bitwise. cuDNN's one deviation (README): a non-finite v
+  at a key a row does not see may make that row NaN too (it multiplies the masked probabilities, 0, by v); it never
+  leaves a row finite that the formula makes non-finite."""
   rng = np.random.default_rng(1)
   shapes = dict(q=(2, 200, 4, 128), k=(2, 200, 2, 128), v=(2, 200, 2, 128))
   x = {n: np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)).astype(np.float32) for n, s in shapes.items()}
@@ -254,8 +256,11 @@ def test_nonfinite_inputs_follow_the_formula(name, tensor, index, value, engine)
   ref = attention_reference(x["q"], x["k"], x["v"], mask_type="causal")
   bad = ~np.isfinite(ref["out"])
   assert bad.any()
-  assert np.array_equal(~np.isfinite(out), bad), "non-finite outputs differ from the formula's"
   assert np.array_equal(np.isnan(lse), np.isnan(ref["lse"]))
+  if engine == "cudnn" and tensor == "v":
+    assert np.all(~np.isfinite(out[bad])), "a row the formula makes non-finite came out finite"
+    bad = ~np.isfinite(out)
+  assert np.array_equal(~np.isfinite(out), bad), "non-finite outputs differ from the formula's"
   fin = ~bad
   assert _rel(out[fin], ref["out"][fin]) < TOL["bfloat16"]["out"]
 
