@@ -33,6 +33,12 @@ struct Float16 {
   }
 };
 
+// A compile-time bool as a type, for generic lambdas instantiated both ways (NVRTC has no <type_traits>).
+template <bool kB>
+struct BoolConstant {
+  static constexpr bool kValue = kB;
+};
+
 template <typename Element>
 __device__ __forceinline__ bool IsNonFinite(uint16_t x) {
   return (x & Element::kExponentBits) == Element::kExponentBits;

@@ -57,6 +57,17 @@ struct ForwardKernel {
     }
   }
 
+  static __device__ __forceinline__ bool AnyNaN(const float (&o)[kMT][kDvP / 8][4]) {
+    bool any = false;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kDvP / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) any |= o[mt][j][e] != o[mt][j][e];
+    return any;
+  }
+
   // Whether a row's range holds a key. Read with a volatile load so the compiler keeps it here, after the main loop:
   // hoisted above it, the two flags held through the loop made the d = 128 kernel spill.
   static __device__ __forceinline__ bool RowSeesKeys(const int2* range) {
@@ -87,10 +98,6 @@ struct ForwardKernel {
                        {reinterpret_cast<uint16_t*>(smem + QTile::kBytes + 2 * KTile::kBytes + VTile::kBytes)}};
 
     q_tile.template AsyncLoad<kThreads>(q, q_stride, m0, len.q_len, kD, tid);
-    if (tile_begin < tile_end) {
-      k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
-      v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
-    }
     CpAsyncCommit();
 
     Variant variant;
@@ -119,12 +126,25 @@ struct ForwardKernel {
 
     float o[kMT][kDvP / 8][4];
     OnlineSoftmax<kBlockN / 8> softmax[kMT];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int j = 0; j < kDvP / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
-    }
 
+    // The CTA's pass over its key tiles. kCareful adds the handling of inf and NaN in v (nonfinite_tile.h): a tile that
+    // straddles a row's range edge holds keys some rows must not see, and the product o += p v would add 0 * NaN = NaN
+    // to those rows. The plain pass carries no trace of it (in the loop, even an untaken branch with barriers cost the
+    // d = 128 forward 8-11% on an H200); a CTA whose plain pass ended with NaN while it had straddling tiles (only
+    // non-finite inputs do that) runs the careful pass again from the start.
+    auto pass = [&](auto careful) {
+      constexpr bool kCareful = decltype(careful)::kValue;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        softmax[mt].Reset();
+#pragma unroll
+        for (int j = 0; j < kDvP / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
+      }
+      if (tile_begin < tile_end) {
+        k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
+        v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
+      }
+      CpAsyncCommit();
     for (int tile = tile_begin; tile < tile_end; ++tile) {
       const int stage = (tile - tile_begin) & 1;
       CpAsyncWait<0>();
@@ -136,15 +156,14 @@ struct ForwardKernel {
       CpAsyncCommit();
       const int n0 = tile * kBlockN;
       const bool interior = tile >= full_begin && tile < full_end;
-      // Only a tile that straddles a row's range edge holds keys some of its rows must not see (nonfinite_tile.h). The
-      // rare path runs here, next to the loop's barrier, and not between the softmax and o += p v, where its barriers
-      // would keep v's fragment loads from overlapping the exponentials (that cost the forward 8% on an H200).
-      // Poisoning o before this tile's rescale and product is the same: NaN stays NaN.
-      if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(v_tile[stage], tid))) {
-        PoisonColumnsOfNonFiniteValues(o, ranges, v_tile[stage], n0, warp, g, t);
-        __syncthreads();  // every warp has read the values before they are zeroed
-        ZeroNonFinite<Element, kThreads>(v_tile[stage], tid);
-        __syncthreads();
+      // Poisoning o before this tile's rescale and product is the same as after: NaN stays NaN.
+      if constexpr (kCareful) {
+        if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(v_tile[stage], tid))) {
+          PoisonColumnsOfNonFiniteValues(o, ranges, v_tile[stage], n0, warp, g, t);
+          __syncthreads();  // every warp has read the values before they are zeroed
+          ZeroNonFinite<Element, kThreads>(v_tile[stage], tid);
+          __syncthreads();
+        }
       }
 
       // s = q k^T for this warp's 16 * kMT rows and the tile's kBlockN keys; each k fragment feeds kMT mma pairs.
@@ -212,7 +231,15 @@ struct ForwardKernel {
         WarpMmaRegA<Element, kMT, kDvP>(o, a, v_tile[stage], kk * 16, 0, kDvP, lane);
       }
     }
-    CpAsyncWait<0>();
+      CpAsyncWait<0>();
+    };
+
+    pass(BoolConstant<false>{});
+    const bool straddles = !span.all_rows_valid || full_begin > tile_begin || full_end < tile_end;
+    // The barrier also keeps the careful pass's first loads from overwriting a stage another warp still reads.
+    if (straddles && __syncthreads_or(AnyNaN(o) || softmax[0].AnyNaN() || softmax[kMT - 1].AnyNaN())) {
+      pass(BoolConstant<true>{});
+    }
 
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(b) * s.seqlen_q * o_stride + head * kDv;

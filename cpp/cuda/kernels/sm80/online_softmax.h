@@ -35,6 +35,13 @@ struct OnlineSoftmax {
   float max[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
   float sum[2] = {0.0f, 0.0f};
 
+  __device__ __forceinline__ void Reset() {
+    max[0] = max[1] = -__int_as_float(0x7f800000);
+    sum[0] = sum[1] = 0.0f;
+  }
+
+  __device__ __forceinline__ bool AnyNaN() const { return sum[0] != sum[0] || sum[1] != sum[1]; }
+
   // Turns raw scores s (-inf where masked) into unnormalised probabilities in place and returns the factor each row's
   // running output must be rescaled by. log2_scale must be > 0 (the max of x * log2_scale is then max(x) * log2_scale).
   __device__ __forceinline__ void Update(float (&s)[kTiles][4], float log2_scale, float (&rescale)[2]) {
