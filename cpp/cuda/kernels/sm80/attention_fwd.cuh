@@ -81,8 +81,13 @@ struct ForwardKernel {
     const ShapeArgs& s = args.shape;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const auto [m0, head, b, kv_head, len, mask, span, tile_begin, tile_end] =
-        QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens);
+    // Plain locals, not a structured binding: the tile pass below is a lambda, and C++17 cannot capture bindings.
+    const QueryBlockOfCta cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens);
+    const int m0 = cta.m0, head = cta.head, b = cta.b, kv_head = cta.kv_head;
+    const BatchLengths len = cta.len;
+    const RowMask mask = cta.mask;
+    const KeySpan span = cta.span;
+    const int tile_begin = cta.tile_begin, tile_end = cta.tile_end;
 
     const int64_t q_stride = static_cast<int64_t>(s.num_heads) * kD;
     const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
