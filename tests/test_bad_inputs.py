@@ -116,6 +116,12 @@ BAD = [
     ("window_len1", _with(window_size=(1,)), TypeError, r"window_size must be a pair"),
     ("window_int", _with(window_size=4), TypeError, r"window_size must be a pair"),
     ("window_none", _with(window_size=None), TypeError, r"window_size must be a pair"),
+    # Past the kernels' 32-bit range (a 2**63 window used to die in lowering with std::bad_cast).
+    ("window_2_63", _with(window_size=(2**63, 0)), ValueError, r"window_size left must be -1 \(unbounded\) or in \[0, 2147483647\]"),
+    ("window_2_31", _with(window_size=(0, 2**31)), ValueError, r"window_size right must be -1 \(unbounded\) or in"),
+    # engine
+    ("engine_unknown", _with(engine="fastest"), ValueError, r"engine must be one of 'auto', 'te', 'cudnn', got 'fastest'"),
+    ("engine_not_str", _with(engine=1), ValueError, r"engine must be one of"),
     # scale
     ("scale_zero", _with(scale=0.0), ValueError, r"scale must be a finite positive number"),
     ("scale_negative", _with(scale=-0.5), ValueError, r"scale must be a finite positive"),
@@ -229,3 +235,43 @@ def test_float32_unrepresentable_scale_softcap_refused_at_lowering(kwargs):
   name = next(iter(kwargs))
   with pytest.raises(ValueError, match=re.escape(name)):
     jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, **kwargs)).lower(q, k, v)
+
+
+@pytest.mark.parametrize("dtype,value", [(np.int64, 2**32 + 5), (np.uint32, 2**32 - 1), (np.int64, -(2**32) + 3)],
+                         ids=["int64_wraps_to_5", "uint32_reads_as_minus_1", "int64_negative_wraps_to_3"])
+def test_traced_seqlens_convert_saturating(dtype, value):
+  """A traced length of a wider or unsigned integer type is clamped to int32, never wrapped: it stays out of range
+  and the run-time check names the saturated value (2147483647 or -2147483648), not a wrapped one that looks valid."""
+  q, k, v = _qkv()
+  batch = q.shape[0]
+  f = jax.jit(lambda q, k, v, lengths: te_jax.fused_attn(q, k, v, mask_type="padding", q_seqlens=lengths,
+                                                           kv_seqlens=lengths))
+  with jax.enable_x64(True):
+    lengths = jnp.asarray([value] + [1] * (batch - 1), dtype)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"q_seqlens\[0\] = (2147483647|-2147483648) is outside"):
+      jax.block_until_ready(f(q, k, v, lengths))
+
+
+@pytest.mark.parametrize("value,engine", [("te", "te"), ("auto", "te")])
+def test_engine_environment_variable(monkeypatch, value, engine):
+  """$TE_JAX_ENGINE is the default of fused_attn's engine; on the CPU "auto" resolves to te_jax's kernels, named in
+  the custom call."""
+  monkeypatch.setenv("TE_JAX_ENGINE", value)
+  q, k, v = _qkv()
+  text = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v)).lower(q, k, v).as_text()
+  assert f"engine = {['te', 'cudnn'].index(engine)} : i64" in text
+
+
+def test_engine_environment_variable_checked(monkeypatch):
+  monkeypatch.setenv("TE_JAX_ENGINE", "gpu")
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"TE_JAX_ENGINE must be one of auto, te, cudnn, got 'gpu'"):
+    te_jax.fused_attn(q, k, v)
+
+
+def test_engine_cudnn_on_cpu_raises_at_lowering():
+  """The platform is known when the call is lowered: an explicit engine it lacks raises then, saying why, and nothing
+  falls back to another engine."""
+  q, k, v = _qkv()
+  with pytest.raises(te_jax.EngineUnavailableError, match=r"engine='cudnn' needs an NVIDIA GPU"):
+    jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, engine="cudnn")).lower(q, k, v)
