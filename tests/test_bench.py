@@ -123,12 +123,23 @@ def test_small_case_keeps_what_matters():
 
 def test_registry_has_every_backend():
   names = [b.name for b in registry.all_backends()]
-  for expected in ("te_jax-ffi", "te_jax-legacy", "jax-cudnn", "jax-xla", "pallas", "torch-flash", "torch-cudnn",
-                   "torch-efficient", "flash-attn-jax", "flash-attn"):
+  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "jax-cudnn", "jax-xla", "pallas",
+                   "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn"):
     assert expected in names
   assert registry.default_baseline("cpu") == "jax-xla" and registry.default_baseline("gpu") == "jax-cudnn"
   with pytest.raises(ValueError, match="unknown backend"):
     registry.get("nope")
+
+
+def test_te_jax_engines_declare_what_they_serve():
+  """Each engine is a backend: te_jax-te serves what te_jax-ffi does; te_jax-cudnn is GPU-only, without soft-cap or
+  ALiBi, and says so (on a CPU, its reason is the platform)."""
+  te, cudnn = registry.get("te_jax-te"), registry.get("te_jax-cudnn")
+  assert te.caps == registry.get("te_jax-ffi").caps
+  assert cudnn.why_not(case(dtype="bfloat16"), "fwd+bwd", "gpu") is None
+  assert cudnn.why_not(case(dtype="bfloat16", softcap=30.0), "fwd", "gpu") == "no logit softcap"
+  assert cudnn.why_not(case(dtype="bfloat16", alibi=True), "fwd", "gpu") == "no ALiBi"
+  assert "runs on gpu only" in cudnn.why_not(case(), "fwd", "cpu")
 
 
 def test_te_jax_declares_everything():

@@ -111,12 +111,31 @@ class JaxBackend(Backend):
 
 
 class TeJaxBackend(JaxBackend):
-  def __init__(self, path: str):
+  """te_jax.fused_attn on one custom-call path with one engine: te_jax-ffi / te_jax-legacy run the default engine
+  ("auto": the faster that serves the call, measured on the GPU), te_jax-te and te_jax-cudnn pin one (FFI path)."""
+
+  def __init__(self, path: str, engine: str = "auto"):
     self.path = path
-    self.name = f"te_jax-{path}"
-    self.label = f"te_jax ({path})"
-    self.url = "te_jax.fused_attn"
-    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True)
+    self.engine = engine
+    self.name = f"te_jax-{path}" if engine == "auto" else f"te_jax-{engine}"
+    self.label = f"te_jax ({path}, engine {engine})"
+    self.url = f'te_jax.fused_attn(engine="{engine}")'
+    if engine == "cudnn":
+      # cuDNN's fused attention through te_jax: no soft-cap, no arbitrary ALiBi slopes (README "Engines").
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True)
+    else:
+      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True)
+
+  def platform_reason(self, platform: str) -> str | None:
+    reason = super().platform_reason(platform)
+    if reason or self.engine != "cudnn":
+      return reason
+    try:
+      from te_jax._cuda import ext
+    except ImportError as e:
+      return f"te_jax was built without its CUDA backend: {e}"
+    available, why = ext.cudnn_available()
+    return None if available else why
 
   def attention_fn(self, case: Case, alibi):
     import jax.numpy as jnp
@@ -125,7 +144,7 @@ class TeJaxBackend(JaxBackend):
     slopes = None if alibi is None else jnp.asarray(alibi)
 
     def fn(q, k, v):
-      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, **kwargs)
+      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, engine=self.engine, **kwargs)
     return fn
 
   def lowering_context(self):
@@ -218,6 +237,7 @@ class FlashAttnJaxBackend(JaxBackend):
     return fn
 
 
-for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), JaxNNBackend("cudnn"), JaxNNBackend("xla"),
+for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
+                 JaxNNBackend("cudnn"), JaxNNBackend("xla"),
                  PallasBackend(), FlashAttnJaxBackend()):
   register(_backend)
