@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings/core_functions.h"
+#include "bindings/cuda_direction.h"
 #include "bindings/cudnn_functions.h"
 #include "bindings/params_from_python.h"
 #include "cpp/cuda/attention_cuda.h"
@@ -43,12 +44,6 @@ nb::dict LegacyRegistrations() {
   return targets;
 }
 
-cuda::Direction DirectionFromString(const std::string& direction) {
-  if (direction == "forward") return cuda::Direction::kForward;
-  if (direction == "backward") return cuda::Direction::kBackward;
-  throw nb::value_error("direction must be 'forward' or 'backward'");
-}
-
 nb::dict ReportDict(const cuda::JitReport& r) {
   nb::dict d;
   d["name"] = r.name;
@@ -67,7 +62,7 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
     return cuda::LengthGuardConfig(nb::cast<std::string>(d["arch"]));
   }
   cuda::KernelConfig c;
-  c.direction = DirectionFromString(nb::cast<std::string>(d["direction"]));
+  c.direction = CudaDirection(nb::cast<std::string>(d["direction"]));
   const int dtype = nb::cast<int>(d["dtype"]);
   if (dtype != static_cast<int>(DType::kBFloat16) && dtype != static_cast<int>(DType::kFloat16)) {
     throw nb::value_error("CUDA kernels are compiled for bfloat16 (1) or float16 (2)");
@@ -113,7 +108,7 @@ NB_MODULE(_te_jax_cuda, m) {
       "time_attention",
       [](const nb::dict& fields, const std::string& direction) {
         const AttentionParams params = bindings::ParamsFromDict(fields);
-        const cuda::Direction dir = bindings::DirectionFromString(direction);
+        const cuda::Direction dir = bindings::CudaDirection(direction);
         double ms = 0.0;
         Status status;
         {
@@ -144,7 +139,7 @@ NB_MODULE(_te_jax_cuda, m) {
       "prepare",
       [](const nb::dict& fields, const std::string& direction) {
         const AttentionParams params = bindings::ParamsFromDict(fields);
-        const cuda::Direction dir = bindings::DirectionFromString(direction);
+        const cuda::Direction dir = bindings::CudaDirection(direction);
         cuda::JitReport report;
         Status status;
         {

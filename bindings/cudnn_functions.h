@@ -13,16 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include "bindings/cuda_direction.h"
 #include "bindings/params_from_python.h"
 #include "cpp/cuda/cudnn/cudnn_attention.h"
 
 namespace te_jax::bindings {
-
-inline cuda::Direction CudnnDirection(const std::string& direction) {
-  if (direction == "forward") return cuda::Direction::kForward;
-  if (direction == "backward") return cuda::Direction::kBackward;
-  throw nb::value_error("direction must be 'forward' or 'backward'");
-}
 
 inline void DefineCudnnFunctions(nb::module_& m) {
   // (True, "") or (False, the reason: a build without the headers, libcudnn missing or too old).
@@ -43,7 +38,7 @@ inline void DefineCudnnFunctions(nb::module_& m) {
       "cudnn_supports",
       [](const nb::dict& fields, const std::string& direction) -> std::optional<std::string> {
         const AttentionParams params = ParamsFromDict(fields);
-        const cuda::Direction dir = CudnnDirection(direction);
+        const cuda::Direction dir = CudaDirection(direction);
         Status status;
         {
           nb::gil_scoped_release release;
@@ -57,7 +52,7 @@ inline void DefineCudnnFunctions(nb::module_& m) {
       "cudnn_prepare",
       [](const nb::dict& fields, const std::string& direction) {
         const AttentionParams params = ParamsFromDict(fields);
-        const cuda::Direction dir = CudnnDirection(direction);
+        const cuda::Direction dir = CudaDirection(direction);
         Status status;
         {
           nb::gil_scoped_release release;
@@ -70,7 +65,7 @@ inline void DefineCudnnFunctions(nb::module_& m) {
       "cudnn_workspace_bytes",
       [](const nb::dict& fields, const std::string& direction) {
         const AttentionParams params = ParamsFromDict(fields);
-        const cuda::Direction dir = CudnnDirection(direction);
+        const cuda::Direction dir = CudaDirection(direction);
         nb::gil_scoped_release release;
         return dir == cuda::Direction::kForward ? cuda::cudnn::ForwardWorkspaceBytes(params)
                                                 : cuda::cudnn::BackwardWorkspaceBytes(params);

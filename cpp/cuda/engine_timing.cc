@@ -137,8 +137,17 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(kv_seqlens, p.batch, static_cast<uint32_t>(p.seqlen_kv)));
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(alibi, p.batch * p.num_heads, 0));
 
-  ForwardBuffers fb{q, k, v, static_cast<const int32_t*>(q_seqlens), static_cast<const int32_t*>(kv_seqlens),
-                    static_cast<const float*>(alibi), out, static_cast<float*>(lse), workspace, workspace_bytes};
+  ForwardBuffers fb;
+  fb.q = q;
+  fb.k = k;
+  fb.v = v;
+  fb.q_seqlens = static_cast<const int32_t*>(q_seqlens);
+  fb.kv_seqlens = static_cast<const int32_t*>(kv_seqlens);
+  fb.alibi_slopes = static_cast<const float*>(alibi);
+  fb.out = out;
+  fb.lse = static_cast<float*>(lse);
+  fb.workspace = workspace;
+  fb.workspace_bytes = workspace_bytes;
   BackwardBuffers bb;
   if (!forward) {
     void *dout, *dlse, *dq, *dk, *dv;
@@ -149,9 +158,21 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
     TE_JAX_RETURN_IF_ERROR(scratch.Alloc(2 * v_elems, &dv));
     TE_JAX_RETURN_IF_ERROR(scratch.Fill16(dout, o_elems, kFill));
     TE_JAX_RETURN_IF_ERROR(scratch.Fill32(dlse, rows, 0));
-    bb = BackwardBuffers{q, k, v, out, static_cast<const float*>(lse), dout, static_cast<const float*>(dlse),
-                         static_cast<const int32_t*>(q_seqlens), static_cast<const int32_t*>(kv_seqlens),
-                         static_cast<const float*>(alibi), dq, dk, dv, workspace, workspace_bytes};
+    bb.q = q;
+    bb.k = k;
+    bb.v = v;
+    bb.out = out;
+    bb.lse = static_cast<const float*>(lse);
+    bb.dout = dout;
+    bb.dlse = static_cast<const float*>(dlse);
+    bb.q_seqlens = fb.q_seqlens;
+    bb.kv_seqlens = fb.kv_seqlens;
+    bb.alibi_slopes = fb.alibi_slopes;
+    bb.dq = dq;
+    bb.dk = dk;
+    bb.dv = dv;
+    bb.workspace = workspace;
+    bb.workspace_bytes = workspace_bytes;
   }
   auto run = [&]() { return forward ? AttentionForward(p, fb, scratch.stream()) : AttentionBackward(p, bb, scratch.stream()); };
 

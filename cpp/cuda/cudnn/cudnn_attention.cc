@@ -199,6 +199,21 @@ Status RunGuarded(const AttentionParams& p, const Buffers& b, int64_t cudnn_byte
   return EnforceLengthContract(p, guarded, b, stream);
 }
 
+// An execution: the graph of this call (built at lowering), the device's execute handle on XLA's stream, and
+// `execute` (ExecuteSdpaForward or ExecuteSdpaBackward) inside the length guard.
+template <typename Buffers>
+Status RunOnGraph(const AttentionParams& p, const Buffers& b, Direction direction, CUstream stream,
+                  Status (*execute)(const SdpaGraph&, const AttentionParams&, const Buffers&, cudnnContext*)) {
+  const SdpaGraph* graph = nullptr;
+  Device device;
+  TE_JAX_RETURN_IF_ERROR(GetGraph(p, direction, &graph, &device));
+  HandleLease lease;
+  TE_JAX_RETURN_IF_ERROR(LeaseHandle(device.ordinal, HandleUse::kExecute, &lease));
+  TE_JAX_RETURN_IF_ERROR(SetStream(lease, stream));
+  return RunGuarded(p, b, graph->workspace_bytes, direction == Direction::kForward ? "forward" : "backward", stream,
+                    [&](const Buffers& inner) { return execute(*graph, p, inner, lease.get()); });
+}
+
 }  // namespace
 
 void SetLibrarySearchPaths(std::vector<std::string> cudnn_paths, std::vector<std::string> cudart_paths) {
@@ -231,25 +246,11 @@ int64_t ForwardWorkspaceBytes(const AttentionParams& params) { return WorkspaceB
 int64_t BackwardWorkspaceBytes(const AttentionParams& params) { return WorkspaceBytes(params, Direction::kBackward); }
 
 Status Forward(const AttentionParams& p, const ForwardBuffers& b, CUstream stream) {
-  const SdpaGraph* graph = nullptr;
-  Device device;
-  TE_JAX_RETURN_IF_ERROR(GetGraph(p, Direction::kForward, &graph, &device));
-  HandleLease lease;
-  TE_JAX_RETURN_IF_ERROR(LeaseHandle(device.ordinal, HandleUse::kExecute, &lease));
-  TE_JAX_RETURN_IF_ERROR(SetStream(lease, stream));
-  return RunGuarded(p, b, graph->workspace_bytes, "forward", stream,
-                    [&](const ForwardBuffers& inner) { return ExecuteSdpaForward(*graph, p, inner, lease.get()); });
+  return RunOnGraph(p, b, Direction::kForward, stream, ExecuteSdpaForward);
 }
 
 Status Backward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
-  const SdpaGraph* graph = nullptr;
-  Device device;
-  TE_JAX_RETURN_IF_ERROR(GetGraph(p, Direction::kBackward, &graph, &device));
-  HandleLease lease;
-  TE_JAX_RETURN_IF_ERROR(LeaseHandle(device.ordinal, HandleUse::kExecute, &lease));
-  TE_JAX_RETURN_IF_ERROR(SetStream(lease, stream));
-  return RunGuarded(p, b, graph->workspace_bytes, "backward", stream,
-                    [&](const BackwardBuffers& inner) { return ExecuteSdpaBackward(*graph, p, inner, lease.get()); });
+  return RunOnGraph(p, b, Direction::kBackward, stream, ExecuteSdpaBackward);
 }
 
 }  // namespace te_jax::cuda::cudnn
