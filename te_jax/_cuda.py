@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib.metadata
 import os
 import pathlib
 
@@ -32,37 +33,30 @@ def _kernel_root() -> str:
   return str(here / "kernels")
 
 
-def _nvrtc_candidates() -> list[str]:
-  """$TE_JAX_NVRTC_PATH, then the pip wheel's NVRTC (nvidia-cuda-nvrtc: nvidia/cu13/lib or nvidia/cuda_nvrtc/lib)."""
-  paths = []
-  if os.environ.get("TE_JAX_NVRTC_PATH"):
-    paths.append(os.environ["TE_JAX_NVRTC_PATH"])
+def _library_candidates(env_var: str, *patterns: str) -> list[str]:
+  """$env_var, then the pip CUDA wheels' copies (nvidia/<pattern>, e.g. nvidia/cu13/lib/libnvrtc.so.13)."""
+  paths = [os.environ[env_var]] if os.environ.get(env_var) else []
   try:
     import nvidia  # namespace package of the pip CUDA wheels
     for base in nvidia.__path__:
-      for sub in ("cu13/lib", "cuda_nvrtc/lib", "cu12/lib"):
-        paths += sorted(glob.glob(os.path.join(base, sub, "libnvrtc.so.*[0-9]")))
-  except ImportError:
-    pass
-  return [p for p in paths if "builtins" not in os.path.basename(p) and ".alt." not in os.path.basename(p)]
-
-
-def _pip_library_candidates(pattern: str, env_var: str) -> list[str]:
-  """$env_var, then the pip wheels' copies (nvidia/<pattern>)."""
-  paths = [os.environ[env_var]] if os.environ.get(env_var) else []
-  try:
-    import nvidia
-    for base in nvidia.__path__:
-      paths += sorted(glob.glob(os.path.join(base, pattern)))
+      for pattern in patterns:
+        paths += sorted(glob.glob(os.path.join(base, pattern)))
   except ImportError:
     pass
   return paths
 
 
+def _nvrtc_candidates() -> list[str]:
+  """$TE_JAX_NVRTC_PATH, then the pip wheel's NVRTC (nvidia-cuda-nvrtc: nvidia/cu13/lib or nvidia/cuda_nvrtc/lib)."""
+  paths = _library_candidates("TE_JAX_NVRTC_PATH", *(f"{sub}/libnvrtc.so.*[0-9]" for sub in
+                                                       ("cu13/lib", "cuda_nvrtc/lib", "cu12/lib")))
+  return [p for p in paths if "builtins" not in os.path.basename(p) and ".alt." not in os.path.basename(p)]
+
+
 ext.set_kernel_root(_kernel_root())
 ext.set_nvrtc_paths(_nvrtc_candidates())
-ext.set_cudnn_paths(_pip_library_candidates("cudnn/lib/libcudnn.so.9", "TE_JAX_CUDNN_PATH"),
-                    _pip_library_candidates("cu13/lib/libcudart.so.13", "TE_JAX_CUDART_PATH"))
+ext.set_cudnn_paths(_library_candidates("TE_JAX_CUDNN_PATH", "cudnn/lib/libcudnn.so.9"),
+                    _library_candidates("TE_JAX_CUDART_PATH", "cu13/lib/libcudart.so.13"))
 
 
 def _log_report(report: dict, why: str) -> None:
@@ -97,14 +91,9 @@ def cudnn_refusal(params: dict, direction: str, config) -> str | None:
 def _tuner() -> EngineTuner:
   name, driver = ext.device_description()
   identity = dict(gpu=name, driver=driver, cudnn=ext.cudnn_version(), nvrtc=ext.nvrtc_version(),
-                  te_jax=_te_jax_version())
+                  te_jax=importlib.metadata.version("te_jax"))
   cache = pathlib.Path(ext.cache_dir()).parent / "autotune"
   return EngineTuner(ext.time_attention, identity, cache)
-
-
-def _te_jax_version() -> str:
-  from te_jax import __version__
-  return __version__
 
 
 def choose_engine(params: dict, direction: str, config) -> Choice:
