@@ -2,6 +2,7 @@
 
 from te_jax.attention import fused_attn
 from te_jax.custom_call_path import current_custom_call_path, custom_call_path
+from te_jax.drop_in import dot_product_attention
 from te_jax.engine import EngineUnavailableError
 from te_jax.legacy_failures import raise_legacy_failures
 from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing
@@ -12,6 +13,14 @@ try:
 except ImportError:
   pass
 
-__all__ = ["fused_attn", "MaskType", "EngineUnavailableError", "custom_call_path", "current_custom_call_path", "raise_legacy_failures",
+__all__ = ["fused_attn", "dot_product_attention", "MaskType", "EngineUnavailableError", "custom_call_path", "current_custom_call_path", "raise_legacy_failures",
            "reorder_for_load_balancing", "inverse_reorder_for_load_balancing"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # te_jax.flax needs Flax (the `flax` extra), so it is imported on first use, never by `import te_jax`.
+  if name == "flax":
+    import importlib
+    return importlib.import_module("te_jax.flax")
+  raise AttributeError(f"module 'te_jax' has no attribute {name!r}")
