@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-  # te_jax.flax needs Flax (the `flax` extra), so it is imported on first use, never by `import te_jax`.
+  # te_jax.flax (Flax's attention_fn contract) is loaded on first use, so `import te_jax` stays as it was.
   if name == "flax":
     import importlib
     return importlib.import_module("te_jax.flax")

@@ -1,0 +1,125 @@
+"""te_jax.flax: te_jax's fused attention as the `attention_fn` of Flax's MultiHeadAttention (Linen and NNX).
+
+    from flax import nnx
+    import te_jax.flax
+    mha = nnx.MultiHeadAttention(num_heads=8, in_features=512, attention_fn=te_jax.flax.attention_fn, rngs=rngs)
+    y = mha(x, is_causal=True)            # causal: NNX passes is_causal to the attention function
+
+    from flax import linen as nn
+    mha = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=te_jax.flax.make_attention_fn(mask_type="causal"))
+    y = mha(x)                            # causal from the attention function; pass no mask
+
+The functions follow the contract of flax's `dot_product_attention` (query, key, value, bias, mask,
+broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision, module; NNX's is_causal). They need
+nothing from Flax, so this module imports no Flax: install Flax itself (`pip install "te_jax[flax]"`).
+
+What te_jax cannot serve yet is a ValueError that says what to do instead, never a silent fallback: an additive
+`bias`, an arbitrary boolean `mask`, attention dropout while training, sowing the attention weights (`module`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import jax.numpy as jnp
+
+from te_jax.attention import fused_attn
+from te_jax.mask_type import MaskType
+
+# fused_attn's options that make_attention_fn takes: every keyword except the operands that are data (lengths) and
+# return_lse (an attention_fn returns one array).
+_OPTIONS = tuple(name for name, p in inspect.signature(fused_attn).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("q_seqlens", "kv_seqlens", "return_lse"))
+
+
+def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
+  """An attention_fn for Flax's MultiHeadAttention that calls te_jax.fused_attn with `te_jax_options`.
+
+  Args:
+    ignore_mask: drop the `mask` the module passes instead of refusing it. Only for a mask that is exactly what the
+      options already say (e.g. Linen's `nn.make_causal_mask(x)` with `mask_type="causal"`): te_jax does not look at
+      it. Do not rely on it for anything else (padding, segment masks): that mask would simply not apply.
+    te_jax_options: fused_attn's keyword options: mask_type ("no_mask", "causal", "causal_bottom_right"; the padding
+      masks need lengths, which a Flax module does not pass), window_size, scale, softcap, alibi_slopes,
+      deterministic (fused_attn's: a bitwise reproducible backward; not Flax's dropout flag), engine,
+      context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced.
+
+  Returns:
+    A function with the signature of flax's dot_product_attention (see attention_fn).
+  """
+  unknown = sorted(set(te_jax_options) - set(_OPTIONS))
+  if unknown:
+    raise TypeError(f"make_attention_fn: unknown te_jax option(s) {', '.join(unknown)}; the options are "
+                    f"{', '.join(_OPTIONS)}")
+  mask_type = MaskType.parse(te_jax_options.pop("mask_type", "no_mask"))
+  if mask_type.is_padding:
+    raise ValueError(f"make_attention_fn: mask_type {mask_type.name.lower()!r} needs q_seqlens/kv_seqlens, which "
+                     f"a Flax module does not pass to its attention function; call te_jax.fused_attn or "
+                     f"te_jax.dot_product_attention(query_seq_lengths=..., key_value_seq_lengths=...) directly")
+  if not isinstance(ignore_mask, bool):
+    raise TypeError(f"ignore_mask must be a bool, got {ignore_mask!r}")
+
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True, dropout_rng=None,
+                   dropout_rate: float = 0.0, deterministic: bool = False, dtype=None, precision=None, module=None,
+                   force_fp32_for_softmax: bool = False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                   attn_weights_value_einsum=None, is_causal: bool = False):
+    """Flax's dot_product_attention contract on te_jax.fused_attn.
+
+    query `[batch..., Lq, H, D]`, key `[batch..., Lkv, Hkv, D]`, value `[batch..., Lkv, Hkv, Dv]` (any number of
+    batch dims, also none); H a multiple of Hkv. Returns `[batch..., Lq, H, Dv]` in `dtype` (default: the promoted
+    dtype of query, key and value, as Flax).
+
+    bias, mask: must be None (mask: unless made with ignore_mask=True); use is_causal (NNX) or
+    make_attention_fn(mask_type="causal") for a causal mask. dropout_rate > 0 with deterministic=False is refused
+    (te_jax has no attention dropout yet); with deterministic=True it does nothing, as in Flax. module (sow_weights)
+    is refused: the fused kernel never forms the attention weights. precision and force_fp32_for_softmax are
+    accepted and have nothing to change: te_jax's kernels accumulate and take the softmax in float32.
+    """
+    if bias is not None:
+      raise ValueError("te_jax attention_fn: bias must be None: te_jax does not take an additive attention bias "
+                       "yet; use Flax's default attention_fn for a bias")
+    if mask is not None and not ignore_mask:
+      raise ValueError("te_jax attention_fn: the module passed a mask, and te_jax does not take an arbitrary boolean "
+                       "mask yet. For a causal mask pass no mask and either call the NNX module with is_causal=True "
+                       "or build the attention function with te_jax.flax.make_attention_fn(mask_type='causal'); "
+                       "make_attention_fn(mask_type='causal', ignore_mask=True) drops a mask that is exactly "
+                       "nn.make_causal_mask's, unchecked")
+    if dropout_rate and not deterministic:
+      raise ValueError(f"te_jax attention_fn: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
+                       f"is not in te_jax yet; set the module's dropout_rate=0.0, or run it deterministic")
+    if module is not None:
+      raise ValueError("te_jax attention_fn: sow_weights needs the attention weights, which te_jax's fused kernel "
+                       "never forms; use Flax's default attention_fn to inspect them")
+    for name, fn in (("einsum_dot_general", einsum_dot_general), ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                     ("attn_weights_value_einsum", attn_weights_value_einsum)):
+      if fn is not None:
+        raise ValueError(f"te_jax attention_fn: {name} must be None: te_jax's kernels do their own matmuls")
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax  # nothing to do (docstring)
+
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    if query.ndim < 3 or not query.ndim == key.ndim == value.ndim:
+      raise ValueError(f"query, key and value must be [batch..., length, heads, head_dim] with the same batch dims, "
+                       f"got shapes {query.shape}, {key.shape}, {value.shape}")
+    batch_dims = query.shape[:-3]
+    if key.shape[:-3] != batch_dims or value.shape[:-3] != batch_dims:
+      raise ValueError(f"query, key and value must have the same batch dims, got shapes {query.shape}, {key.shape}, "
+                       f"{value.shape}")
+    batch = math.prod(batch_dims)
+    query, key, value = (x.reshape((batch,) + x.shape[-3:]) for x in (query, key, value))
+
+    mask_used = mask_type
+    if is_causal and not mask_type.is_causal:
+      mask_used = MaskType.CAUSAL
+    out = fused_attn(query, key, value, mask_type=mask_used, **te_jax_options)
+    return out.reshape(batch_dims + out.shape[1:])
+
+  return attention_fn
+
+
+attention_fn = make_attention_fn()
+attention_fn.__doc__ = (
+    "te_jax's attention with Flax's attention_fn contract and te_jax's defaults (no mask unless the NNX module is "
+    "called with is_causal=True).\n\n" + inspect.getdoc(attention_fn))

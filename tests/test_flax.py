@@ -1,0 +1,180 @@
+"""te_jax.flax: Flax's MultiHeadAttention (NNX and Linen) with te_jax's attention function trains like the default
+attention (same seed, 50 steps, losses equal to tolerance), causal; Flax's dot_product_attention contract (batch dims,
+dtype, GQA); what it refuses, with a message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import te_jax
+import te_jax.flax
+
+VOCAB, EMBED, HEADS, SEQ, BATCH, STEPS = 37, 32, 4, 24, 4, 50
+# Both attentions run in float32; their per-step difference (~1e-7 relative) grows a little over 50 Adam steps.
+LOSS_RTOL = 1e-4
+
+
+def _tokens(seed=0):
+  return jax.random.randint(jax.random.key(seed), (BATCH, SEQ + 1), 0, VOCAB)
+
+
+def _next_token_loss(logits, tokens):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+class NnxModel(nnx.Module):
+  def __init__(self, attention_fn, rngs, num_kv_heads=None, dropout_rate=0.0):
+    self.embed = nnx.Embed(VOCAB, EMBED, rngs=rngs)
+    kw = {} if attention_fn is None else dict(attention_fn=attention_fn)
+    self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=EMBED, num_kv_heads=num_kv_heads, decode=False,
+                                       dropout_rate=dropout_rate, rngs=rngs, **kw)
+    self.head = nnx.Linear(EMBED, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens, **call_kw):
+    x = self.embed(tokens)
+    return self.head(x + self.attn(x, **call_kw))
+
+
+def _train_nnx(attention_fn, num_kv_heads=None, **call_kw):
+  model = NnxModel(attention_fn, nnx.Rngs(0), num_kv_heads=num_kv_heads)
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  tokens = _tokens()
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: _next_token_loss(m(tokens[:, :-1], **call_kw), tokens))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  return np.array([float(step(model, optimizer)) for _ in range(STEPS)])
+
+
+class LinenModel(nn.Module):
+  attention_fn: object = None
+
+  @nn.compact
+  def __call__(self, tokens, mask=None):
+    x = nn.Embed(VOCAB, EMBED)(tokens)
+    kw = {} if self.attention_fn is None else dict(attention_fn=self.attention_fn)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS, **kw)(x, mask=mask)
+    return nn.Dense(VOCAB)(x)
+
+
+def _train_linen(attention_fn, pass_causal_mask):
+  model = LinenModel(attention_fn)
+  tokens = _tokens()
+  inputs = tokens[:, :-1]
+  mask = nn.make_causal_mask(inputs) if pass_causal_mask else None
+  params = model.init(jax.random.key(0), inputs, mask)
+  tx = optax.adam(1e-2)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state):
+    loss, grads = jax.value_and_grad(lambda p: _next_token_loss(model.apply(p, inputs, mask), tokens))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  for _ in range(STEPS):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(float(loss))
+  return np.array(losses)
+
+
+def _assert_trains_the_same(got, want):
+  assert want[-1] < 0.7 * want[0], f"the reference did not learn: {want[0]} -> {want[-1]}"
+  np.testing.assert_allclose(got, want, rtol=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("num_kv_heads", (None, 2), ids=("mha", "gqa"))
+def test_nnx_causal_trains_like_default(num_kv_heads):
+  want = _train_nnx(None, num_kv_heads, is_causal=True)
+  got = _train_nnx(te_jax.flax.attention_fn, num_kv_heads, is_causal=True)
+  _assert_trains_the_same(got, want)
+
+
+def test_nnx_causal_from_make_attention_fn():
+  want = _train_nnx(None, is_causal=True)
+  got = _train_nnx(te_jax.flax.make_attention_fn(mask_type="causal"))  # no is_causal at the call
+  _assert_trains_the_same(got, want)
+
+
+@pytest.mark.parametrize("te_jax_fn", ("mask_type", "ignore_mask"))
+def test_linen_causal_trains_like_default(te_jax_fn):
+  want = _train_linen(None, pass_causal_mask=True)
+  if te_jax_fn == "mask_type":  # causal from the attention function, the module gets no mask
+    got = _train_linen(te_jax.flax.make_attention_fn(mask_type="causal"), pass_causal_mask=False)
+  else:  # the module keeps its nn.make_causal_mask, which te_jax is told to drop
+    got = _train_linen(te_jax.flax.make_attention_fn(mask_type="causal", ignore_mask=True), pass_causal_mask=True)
+  _assert_trains_the_same(got, want)
+
+
+def test_nnx_dropout_deterministic_is_the_default_attention():
+  """dropout_rate > 0 run deterministic (evaluation) applies no dropout in Flax; te_jax serves that."""
+  x = jax.random.normal(jax.random.key(1), (2, 9, EMBED))
+  kw = dict(num_heads=HEADS, in_features=EMBED, decode=False, dropout_rate=0.3)
+  ref = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  te = nnx.MultiHeadAttention(**kw, attention_fn=te_jax.flax.attention_fn, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(te(x, is_causal=True, deterministic=True), ref(x, is_causal=True, deterministic=True),
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="attention dropout"):
+    te(x, is_causal=True, deterministic=False)
+
+
+@pytest.mark.parametrize("batch_dims", ((), (3,), (2, 3)), ids=("none", "one", "two"))
+@pytest.mark.parametrize("dtype", (None, jnp.bfloat16), ids=("promoted", "bf16"))
+def test_contract_of_flax_dot_product_attention(batch_dims, dtype):
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal(batch_dims + (7, 4, 16)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal(batch_dims + (9, 2, 16)), jnp.bfloat16)  # promoted with q to float32
+  v = jnp.asarray(rng.standard_normal(batch_dims + (9, 2, 16)), jnp.float32)
+  want = nnx.dot_product_attention(q, k, v, dtype=dtype)
+  got = te_jax.flax.attention_fn(q, k, v, dtype=dtype)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def test_refused_with_a_message():
+  x = jax.random.normal(jax.random.key(1), (2, 9, EMBED))
+  q = k = v = x.reshape(2, 9, HEADS, EMBED // HEADS)
+  fn = te_jax.flax.attention_fn
+  with pytest.raises(ValueError, match="mask.*is_causal=True"):
+    fn(q, k, v, mask=nn.make_causal_mask(x[..., 0]))
+  with pytest.raises(ValueError, match="mask"):  # a padding mask: data te_jax cannot take from a Flax module yet
+    fn(q, k, v, mask=nn.make_attention_mask(jnp.arange(9)[None] < 5, jnp.arange(9)[None] < 5))
+  with pytest.raises(ValueError, match="bias must be None"):
+    fn(q, k, v, bias=jnp.zeros((2, HEADS, 9, 9)))
+  with pytest.raises(ValueError, match="attention dropout"):
+    fn(q, k, v, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="sow_weights"):
+    nnx.MultiHeadAttention(num_heads=HEADS, in_features=EMBED, decode=False, attention_fn=fn,
+                           rngs=nnx.Rngs(0))(x, sow_weights=True)
+  with pytest.raises(ValueError, match="needs q_seqlens"):
+    te_jax.flax.make_attention_fn(mask_type="padding")
+  with pytest.raises(TypeError, match="unknown te_jax option"):
+    te_jax.flax.make_attention_fn(dropout=0.1)
+
+
+def test_make_attention_fn_passes_te_jax_options():
+  x = jax.random.normal(jax.random.key(2), (2, 10, 2, 16))
+  fn = te_jax.flax.make_attention_fn(mask_type="causal", window_size=(3, 0), softcap=5.0, scale=0.2)
+  want = te_jax.fused_attn(x, x, x, mask_type="causal", window_size=(3, 0), softcap=5.0, scale=0.2)
+  np.testing.assert_array_equal(np.asarray(fn(x, x, x)), np.asarray(want))
+
+
+def test_te_jax_flax_is_reachable_from_te_jax():
+  """`import te_jax` does not load te_jax.flax; `te_jax.flax` does, on first use."""
+  code = ("import sys, te_jax; assert 'te_jax.flax' not in sys.modules; "
+          "assert callable(te_jax.flax.attention_fn); assert 'te_jax.flax' in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True)
