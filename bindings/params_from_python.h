@@ -67,6 +67,9 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   p.softcap = Field<float>(d, "softcap");
   p.has_alibi = Field<bool>(d, "has_alibi");
   p.deterministic = Field<bool>(d, "deterministic");
+  // Absent in the parameters of older callers (tests, tools): no packed sequences.
+  p.has_segment_ids = d.contains("has_segment_ids") && Field<bool>(d, "has_segment_ids");
+  p.has_positions = d.contains("has_positions") && Field<bool>(d, "has_positions");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
   p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
   return p;
@@ -90,6 +93,8 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["softcap"] = p.softcap;
   d["has_alibi"] = p.has_alibi;
   d["deterministic"] = p.deterministic;
+  d["has_segment_ids"] = p.has_segment_ids;
+  d["has_positions"] = p.has_positions;
   return d;
 }
 

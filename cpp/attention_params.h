@@ -14,7 +14,12 @@ namespace te_jax {
 // Layouts (row-major):
 //   q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, H, Dv], lse float32 [B, H, Sq],
 //   q_seqlens / kv_seqlens int32 [B], alibi_slopes float32 [B, H] (read only when has_alibi).
-// q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv.
+//   q_segment_ids / q_positions int32 [B, Sq], kv_segment_ids / kv_positions int32 [B, Skv] (read only when
+//   has_segment_ids / has_positions; see cpp/token_mask.h for what they mean).
+// q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv. The
+// segment ids and positions are always passed too, so every layer (lowering, batching, sharding) sees one operand list
+// of one shape: without the flag the Python layer passes zeros of the same shape, which XLA materialises as a
+// broadcast constant (B * S int32s, nothing beside q's B * S * H * D elements).
 struct AttentionParams {
   int64_t batch = 0;
   int64_t seqlen_q = 0;
@@ -30,6 +35,9 @@ struct AttentionParams {
   float scale = 0.0f;         // applied to q.k; the Python layer resolves the 1/sqrt(D) default
   float softcap = 0.0f;       // 0: off
   bool has_alibi = false;
+  // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal, and on the CPU backend only so far.
+  bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding (sees and is seen by none)
+  bool has_positions = false;    // causal masks, windows and ALiBi use these positions instead of the indices
   // Backward only. false: the CUDA backward sums dq over key blocks with float atomics in one pass (fast; the order
   // of the additions, and so dq's last bits, can differ between runs). true: a second pass recomputes each dq row in
   // a fixed order (bitwise reproducible, ~1.4x the backward's work). The CPU backward likewise sums dq in an order that
@@ -45,6 +53,10 @@ struct ForwardBuffers {
   const int32_t* q_seqlens = nullptr;
   const int32_t* kv_seqlens = nullptr;
   const float* alibi_slopes = nullptr;
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
+  const int32_t* q_positions = nullptr;
+  const int32_t* kv_positions = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
@@ -66,6 +78,10 @@ struct BackwardBuffers {
   const int32_t* q_seqlens = nullptr;
   const int32_t* kv_seqlens = nullptr;
   const float* alibi_slopes = nullptr;
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
+  const int32_t* q_positions = nullptr;
+  const int32_t* kv_positions = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

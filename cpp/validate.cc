@@ -51,6 +51,15 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   if (!(std::isfinite(p.softcap) && p.softcap >= 0.0f)) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
+  if ((p.has_segment_ids || p.has_positions) && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
+    return Status::InvalidArgument(
+        "segment ids and positions go with mask_type no_mask or causal only: for padding use segment id 0, for a "
+        "bottom-right diagonal pass positions (e.g. q_positions = kv_len - q_len + i)");
+  }
+  if (backend == Backend::kCuda && (p.has_segment_ids || p.has_positions)) {
+    return Status::InvalidArgument("segment ids and positions run on the CPU backend only so far (issue 11); the CUDA "
+                                   "kernels do not read them yet");
+  }
   if (static_cast<int>(p.engine) >= kNumEngines) {
     return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));
   }

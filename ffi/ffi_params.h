@@ -21,6 +21,16 @@ struct AttentionAttrs {
   bool has_alibi;
   bool deterministic;
   int64_t engine;  // cpp/engine.h code, resolved at lowering
+  bool has_segment_ids;
+  bool has_positions;
+};
+
+// The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
+struct TokenArgs {
+  const xla::ffi::AnyBuffer& q_segment_ids;
+  const xla::ffi::AnyBuffer& kv_segment_ids;
+  const xla::ffi::AnyBuffer& q_positions;
+  const xla::ffi::AnyBuffer& kv_positions;
 };
 
 inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype) {
@@ -48,8 +58,8 @@ inline Status ExpectShape(const char* name, const xla::ffi::AnyBuffer& buffer, s
 // Decodes params from q, k, v and checks that every other buffer of the call has the shape and type they imply.
 inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
-                            const xla::ffi::AnyBuffer& alibi_slopes, const AttentionAttrs& attrs,
-                            AttentionParams* params) {
+                            const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
+                            const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
     return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim])");
   }
@@ -74,6 +84,16 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
       alibi_slopes.element_type() != xla::ffi::DataType::F32) {
     return Status::InvalidArgument("q_seqlens and kv_seqlens must be int32 and alibi_slopes float32");
   }
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("q_segment_ids", tokens.q_segment_ids, {p.batch, p.seqlen_q}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_segment_ids", tokens.kv_segment_ids, {p.batch, p.seqlen_kv}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("q_positions", tokens.q_positions, {p.batch, p.seqlen_q}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_positions", tokens.kv_positions, {p.batch, p.seqlen_kv}));
+  for (const xla::ffi::AnyBuffer* b :
+       {&tokens.q_segment_ids, &tokens.kv_segment_ids, &tokens.q_positions, &tokens.kv_positions}) {
+    if (b->element_type() != xla::ffi::DataType::S32) {
+      return Status::InvalidArgument("segment ids and positions must be int32");
+    }
+  }
   if (attrs.mask_type < 0 || attrs.mask_type >= kNumMaskTypes) {
     return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
                                    std::to_string(kNumMaskTypes) + ")");
@@ -90,14 +110,25 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.softcap = attrs.softcap;
   p.has_alibi = attrs.has_alibi;
   p.deterministic = attrs.deterministic;
+  p.has_segment_ids = attrs.has_segment_ids;
+  p.has_positions = attrs.has_positions;
   *params = p;
   return Status::Ok();
+}
+
+template <typename Buffers>
+void SetTokenBuffers(const TokenArgs& tokens, Buffers* b) {
+  b->q_segment_ids = static_cast<const int32_t*>(tokens.q_segment_ids.untyped_data());
+  b->kv_segment_ids = static_cast<const int32_t*>(tokens.kv_segment_ids.untyped_data());
+  b->q_positions = static_cast<const int32_t*>(tokens.q_positions.untyped_data());
+  b->kv_positions = static_cast<const int32_t*>(tokens.kv_positions.untyped_data());
 }
 
 inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
                                             const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                             const xla::ffi::AnyBuffer& kv_seqlens,
-                                            const xla::ffi::AnyBuffer& alibi_slopes, xla::ffi::AnyBuffer& out,
+                                            const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
+                                            xla::ffi::AnyBuffer& out,
                                             xla::ffi::AnyBuffer& lse, xla::ffi::AnyBuffer& workspace) {
   ForwardBuffers b;
   b.q = q.untyped_data();
@@ -106,6 +137,7 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
   b.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
   b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
+  SetTokenBuffers(tokens, &b);
   b.out = out.untyped_data();
   b.lse = static_cast<float*>(lse.untyped_data());
   b.workspace = workspace.untyped_data();
@@ -119,7 +151,8 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
                                               const xla::ffi::AnyBuffer& dlse,
                                               const xla::ffi::AnyBuffer& q_seqlens,
                                               const xla::ffi::AnyBuffer& kv_seqlens,
-                                              const xla::ffi::AnyBuffer& alibi_slopes, xla::ffi::AnyBuffer& dq,
+                                              const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
+                                              xla::ffi::AnyBuffer& dq,
                                               xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv,
                                               xla::ffi::AnyBuffer& workspace) {
   BackwardBuffers b;
@@ -133,6 +166,7 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
   b.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
   b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
+  SetTokenBuffers(tokens, &b);
   b.dq = dq.untyped_data();
   b.dk = dk.untyped_data();
   b.dv = dv.untyped_data();

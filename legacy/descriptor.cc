@@ -75,7 +75,8 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint8_t>(static_cast<uint8_t>(p.dtype));
   w.Put<uint8_t>(static_cast<uint8_t>(p.mask_type));
   w.Put<uint8_t>(p.has_alibi ? 1 : 0);
-  w.Put<uint8_t>(p.deterministic ? kFlagDeterministic : 0);
+  w.Put<uint8_t>((p.deterministic ? kFlagDeterministic : 0) | (p.has_segment_ids ? kFlagSegmentIds : 0) |
+                 (p.has_positions ? kFlagPositions : 0));
   w.Put<uint8_t>(static_cast<uint8_t>(p.engine));
   w.Put<uint32_t>(Fnv1a(w.bytes().data(), w.bytes().size()));
   return w.bytes();
@@ -125,15 +126,18 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
                                    ", has_alibi " + std::to_string(has_alibi) + ", engine " + std::to_string(engine) +
                                    ")");
   }
-  if ((flags & ~kFlagDeterministic) != 0) {
+  if ((flags & ~kKnownFlags) != 0) {
     return Status::InvalidArgument("legacy descriptor field flags has unknown bits set (" + std::to_string(flags) +
-                                   "); only bit 0, deterministic, is defined");
+                                   "); only bits 0 (deterministic), 1 (has_segment_ids) and 2 (has_positions) are "
+                                   "defined");
   }
   out.dtype = static_cast<DType>(dtype);
   out.mask_type = static_cast<MaskType>(mask_type);
   out.has_alibi = has_alibi == 1;
   out.engine = static_cast<Engine>(engine);
   out.deterministic = (flags & kFlagDeterministic) != 0;
+  out.has_segment_ids = (flags & kFlagSegmentIds) != 0;
+  out.has_positions = (flags & kFlagPositions) != 0;
   *p = out;
   return Status::Ok();
 }

@@ -10,10 +10,23 @@
 
 namespace te_jax::legacy {
 
-inline constexpr int kForwardInputs = 6;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes
-inline constexpr int kForwardOutputs = 3;  // out, lse, workspace
-inline constexpr int kBackwardInputs = 10;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes
-inline constexpr int kBackwardOutputs = 4;  // dq, dk, dv, workspace
+// Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
+// kv_positions (zeros when the descriptor's flags say they are absent).
+inline constexpr int kTokenInputs = 4;
+inline constexpr int kForwardInputs = 6 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens
+inline constexpr int kForwardOutputs = 3;                 // out, lse, workspace
+inline constexpr int kBackwardInputs = 10 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                           // alibi_slopes, tokens
+inline constexpr int kBackwardOutputs = 4;                 // dq, dk, dv, workspace
+
+// in[first], ... are q_segment_ids, kv_segment_ids, q_positions, kv_positions.
+template <typename Buffers>
+void SetTokenBuffers(const void* const* in, int first, Buffers* b) {
+  b->q_segment_ids = static_cast<const int32_t*>(in[first]);
+  b->kv_segment_ids = static_cast<const int32_t*>(in[first + 1]);
+  b->q_positions = static_cast<const int32_t*>(in[first + 2]);
+  b->kv_positions = static_cast<const int32_t*>(in[first + 3]);
+}
 
 // Legacy buffers carry no sizes: `workspace_bytes` is the backend's workspace size for params, the size the lowering
 // gave the workspace result from the same params.
@@ -25,6 +38,7 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
   b.q_seqlens = static_cast<const int32_t*>(in[3]);
   b.kv_seqlens = static_cast<const int32_t*>(in[4]);
   b.alibi_slopes = static_cast<const float*>(in[5]);
+  SetTokenBuffers(in, 6, &b);
   b.out = out[0];
   b.lse = static_cast<float*>(out[1]);
   b.workspace = out[2];
@@ -44,6 +58,7 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
   b.q_seqlens = static_cast<const int32_t*>(in[7]);
   b.kv_seqlens = static_cast<const int32_t*>(in[8]);
   b.alibi_slopes = static_cast<const float*>(in[9]);
+  SetTokenBuffers(in, 10, &b);
   b.dq = out[0];
   b.dk = out[1];
   b.dv = out[2];

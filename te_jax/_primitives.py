@@ -2,8 +2,11 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes            -> out, lse, workspace
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes -> dq, dk, dv, workspace
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens            -> out, lse, workspace
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens -> dq, dk, dv, workspace
+where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv]):
+always present, zeros when config.has_segment_ids / has_positions say they are absent (see no_tokens), so lowering,
+batching and sharding handle one operand list of one shape.
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -29,17 +32,26 @@ attention_backward_p = Primitive("te_jax_attention_backward")
 attention_backward_p.multiple_results = True
 
 
-def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *, config: AttentionConfig):
-  del k, q_seqlens, kv_seqlens, alibi_slopes, config
+NUM_TOKEN_OPERANDS = 4
+
+
+def no_tokens(batch: int, seqlen_q: int, seqlen_kv: int):
+  """The token operands of a call without segment ids and positions: zeros the kernels do not read."""
+  zq, zkv = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
+  return zq, zkv, zq, zkv
+
+
+def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, config: AttentionConfig):
+  del k, q_seqlens, kv_seqlens, alibi_slopes, tokens, config
   batch, seqlen_q, num_heads, _ = q.shape
   out = jax.core.ShapedArray((batch, seqlen_q, num_heads, v.shape[3]), q.dtype)
   lse = jax.core.ShapedArray((batch, num_heads, seqlen_q), jnp.float32)
   return out, lse
 
 
-def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *,
+def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens,
                             config: AttentionConfig):
-  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, config
+  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, tokens, config
   return (jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
           jax.core.ShapedArray(v.shape, v.dtype))
 

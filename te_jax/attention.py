@@ -25,7 +25,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                window_size: tuple[int, int] = (-1, -1), scale: float | None = None, softcap: float = 0.0,
                alibi_slopes=None, return_lse: bool = False, deterministic: bool = False, engine: str | None = None,
                context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
-               context_parallel_load_balanced: bool = False):
+               context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
+               q_positions=None, kv_positions=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -52,6 +53,13 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     context_parallel_strategy: "all_gather" (gather K/V, compute the local query rows) or "ring" (K/V blocks passed
       around the axis with collective permutes, results merged by log-sum-exp).
     context_parallel_load_balanced: q, k, v (and so out, lse) are in te_jax.reorder_for_load_balancing order.
+    q_segment_ids, kv_segment_ids: int32 [B, Sq] / [B, Skv] (packed sequences): a query sees only keys with its own
+      id; id 0 is padding (such a query gives out = 0, lse = -inf and zero gradients; such a key is never seen).
+      q_segment_ids alone with Sq == Skv: the keys use the same ids. te_jax.segment_ids_from_lengths builds them.
+    q_positions, kv_positions: int32 [B, Sq] / [B, Skv]: the positions causal masks, windows and ALiBi use instead of
+      the indices (each defaults to 0..S-1): causal means kv_pos <= q_pos, a window (l, r) means
+      q_pos - l <= kv_pos <= q_pos + r, ALiBi adds slope * (kv_pos - q_pos). Need not be sorted or distinct.
+      Segment ids and positions go with mask_type "no_mask" or "causal" only; CPU backend only so far.
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
@@ -68,37 +76,41 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   for flag, name in ((return_lse, "return_lse"), (deterministic, "deterministic")):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
+  tokens, has_ids, has_positions = _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask,
+                                                   batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
   config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
-                           engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None)
+                           engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None,
+                           has_segment_ids=has_ids, has_positions=has_positions)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
   return (out, lse) if return_lse else out
 
 
 # `cp` (a ContextParallel or None) is static like config. Both directions bind the partitioned primitives of
-# te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py.
+# te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py. `tokens` is the tuple of the four
+# segment-id and position operands (zeros when absent); like the lengths, they get no gradient.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
-  return _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens):
+  return _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
 
 
-def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi)
-  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi)
+def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens):
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
-  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi = residuals
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens = residuals
   dout, dlse = cotangents
   dq, dk, dv = _sharding.backward(config, cp, q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
-                                  q_seqlens, kv_seqlens, alibi)
-  return dq, dk, dv, None, None, None
+                                  q_seqlens, kv_seqlens, alibi, tokens)
+  return dq, dk, dv, None, None, None, (None,) * len(tokens)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -214,3 +226,52 @@ def _alibi_operand(alibi_slopes, batch: int, num_heads: int):
   if not jnp.issubdtype(alibi_slopes.dtype, jnp.floating):
     raise TypeError(f"alibi_slopes must be a float array, got {alibi_slopes.dtype}")
   return jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (batch, num_heads))
+
+
+def _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask: MaskType, batch: int,
+                    seqlen_q: int, seqlen_kv: int):
+  """The four token operands (te_jax/_primitives.py) and whether ids / positions were given."""
+  has_ids = q_segment_ids is not None or kv_segment_ids is not None
+  has_positions = q_positions is not None or kv_positions is not None
+  if has_ids or has_positions:
+    what = "segment ids" if not has_positions else "positions" if not has_ids else "segment ids and positions"
+    if mask.is_padding:
+      raise ValueError(f"{what} go with mask_type 'no_mask' or 'causal' only, got {mask.name.lower()!r}: mark "
+                       "padding tokens with segment id 0 instead of q_seqlens/kv_seqlens")
+    if mask.is_bottom_right:
+      raise ValueError(f"{what} go with mask_type 'no_mask' or 'causal' only, got {mask.name.lower()!r}: for a "
+                       "bottom-right diagonal pass positions (e.g. q_positions = Skv - Sq + i) with mask_type 'causal'")
+  if has_ids:
+    if q_segment_ids is None:
+      raise ValueError("kv_segment_ids needs q_segment_ids (the ids of the queries)")
+    q_ids = _token_array(q_segment_ids, "q_segment_ids", batch, seqlen_q, "Sq")
+    if kv_segment_ids is None:
+      if seqlen_q != seqlen_kv:
+        raise ValueError(f"q_segment_ids alone needs Sq == Skv (the keys then use the same ids); got Sq={seqlen_q}, "
+                         f"Skv={seqlen_kv}: pass kv_segment_ids too")
+      kv_ids = q_ids
+    else:
+      kv_ids = _token_array(kv_segment_ids, "kv_segment_ids", batch, seqlen_kv, "Skv")
+  else:
+    q_ids, kv_ids = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
+  if has_positions:
+    q_pos = (_token_array(q_positions, "q_positions", batch, seqlen_q, "Sq") if q_positions is not None else
+             _indices(batch, seqlen_q))
+    kv_pos = (_token_array(kv_positions, "kv_positions", batch, seqlen_kv, "Skv") if kv_positions is not None else
+              _indices(batch, seqlen_kv))
+  else:
+    q_pos, kv_pos = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
+  return (q_ids, kv_ids, q_pos, kv_pos), has_ids, has_positions
+
+
+def _indices(batch: int, seqlen: int):
+  return jnp.broadcast_to(jnp.arange(seqlen, dtype=jnp.int32), (batch, seqlen))
+
+
+def _token_array(x, name: str, batch: int, seqlen: int, seq_name: str):
+  x = _as_array(x, name, allow_sequence=True)
+  if tuple(x.shape) != (batch, seqlen):
+    raise ValueError(f"{name} must have shape [B, {seq_name}] = ({batch}, {seqlen}), got {tuple(x.shape)}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer (int32) array, got {x.dtype}")
+  return _saturate_to_int32(jnp.asarray(x))

@@ -26,6 +26,9 @@ class AttentionConfig:
   # Whether the backward may receive a nonzero cotangent of lse (the user asked for lse, or context parallelism merges
   # partial results by it): an engine whose backward ignores dlse cannot serve such a backward.
   lse_cotangent: bool = False
+  # Packed sequences (issue 11): whether the token operands hold segment ids / positions (else zeros, unread).
+  has_segment_ids: bool = False
+  has_positions: bool = False
 
   def ffi_attributes(self, engine_code: int) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering
@@ -33,7 +36,8 @@ class AttentionConfig:
     return dict(mask_type=np.int64(int(self.mask_type)), window_left=np.int64(self.window_left),
                 window_right=np.int64(self.window_right), scale=np.float32(self.scale),
                 softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
-                deterministic=bool(self.deterministic), engine=np.int64(engine_code))
+                deterministic=bool(self.deterministic), engine=np.int64(engine_code),
+                has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0) -> dict:
     """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them);
@@ -43,4 +47,5 @@ class AttentionConfig:
                 head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
                 mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
                 scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi),
-                deterministic=bool(self.deterministic), engine=int(engine_code))
+                deterministic=bool(self.deterministic), engine=int(engine_code),
+                has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions))

@@ -66,6 +66,10 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if seqlen_q % chunks:
     raise ValueError(f"{where}: the sequence length {seqlen_q} must be a multiple of {chunks} (the axis size "
                      f"{cp.size}{' times 2 chunks per shard for load balancing' if cp.load_balanced else ''})")
+  if config.has_segment_ids or config.has_positions:
+    raise NotImplementedError(
+        f"{where}: segment ids and positions (packed sequences) are not supported with context parallelism yet; "
+        "shard packed rows over the batch instead")
   mask = config.mask_type
   has_window = config.window_left >= 0 or config.window_right >= 0
   if has_window and not mask.is_causal:
@@ -129,7 +133,7 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
 
 def _block_forward(config, kind, q, k, v, blk: _Block, alibi):
   full, causal = _kernel_configs(config)
-  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi,
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_tokens(q, k),
                                                   config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
@@ -141,7 +145,12 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
   return _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
-                                               config=full if kind == "full" else causal)
+                                               *_no_tokens(q, k), config=full if kind == "full" else causal)
+
+
+def _no_tokens(q, k):
+  """Blocks run without segment ids and positions (check_supported refuses them with context parallelism)."""
+  return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -211,8 +220,10 @@ def _check_axis_size(cp: ContextParallel):
 # --------------------------------------------------------------------------------------------------------------------
 # The per-shard forward and backward (they run inside shard_map or a custom_partitioning lowering).
 
-def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *, config: AttentionConfig, cp: ContextParallel):
-  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse."""
+def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig, cp: ContextParallel):
+  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `tokens` are the unused
+  placeholders of the segment ids and positions (refused with context parallelism)."""
+  del tokens
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -285,9 +296,10 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
   return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
 
 
-def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *, config: AttentionConfig,
+def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig,
                    cp: ContextParallel):
   """Local shards -> local dq, dk, dv (each block uses the final out and lse, so its softmax is exact)."""
+  del tokens
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -368,11 +380,11 @@ def _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, 
 # --------------------------------------------------------------------------------------------------------------------
 # The unpartitioned meaning (one device holds everything): undo the load-balancing order, attend, redo it.
 
-def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *, config, cp):
+def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config, cp):
   from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
   if cp is not None and cp.load_balanced:
     q, k, v = (inv(x, cp.size, 1) for x in (q, k, v))
-  out, lse = _primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config)
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
     if cp.load_balanced:
@@ -381,13 +393,13 @@ def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *, config, cp):
   return out, lse
 
 
-def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *, config, cp):
+def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, config, cp):
   from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
   if cp is not None and cp.load_balanced:
     q, k, v, out, dout = (inv(x, cp.size, 1) for x in (q, k, v, out, dout))
     lse, dlse = inv(lse, cp.size, 2), inv(dlse, cp.size, 2)
   dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
-                                                     config=config)
+                                                     *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
     if cp.load_balanced:

@@ -8,8 +8,10 @@ import numpy as np
 from te_jax.mask_type import MaskType
 
 
-def visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size=(-1, -1)) -> np.ndarray:
-  """bool [B, Sq, Skv]: whether query i of batch b sees key j."""
+def visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size=(-1, -1), q_segment_ids=None,
+                 kv_segment_ids=None, q_positions=None, kv_positions=None) -> np.ndarray:
+  """bool [B, Sq, Skv]: whether query i of batch b sees key j. Segment ids: same nonzero id on both sides. Positions
+  (each side defaults to its indices when the other is given): the causal mask and the window compare them."""
   mask_type = MaskType.parse(mask_type)
   left, right = window_size
   i = np.arange(seqlen_q)[None, :, None]
@@ -18,6 +20,13 @@ def visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_s
   skv = np.asarray(kv_seqlens, np.int64)[:, None, None]
   p = i + (skv - sq if mask_type.is_bottom_right else 0)
   visible = (i < sq) & (j < skv)
+  if q_segment_ids is not None:
+    q_ids = np.asarray(q_segment_ids, np.int64)
+    kv_ids = q_ids if kv_segment_ids is None else np.asarray(kv_segment_ids, np.int64)
+    visible &= (q_ids[:, :, None] != 0) & (q_ids[:, :, None] == kv_ids[:, None, :])
+  if q_positions is not None or kv_positions is not None:
+    p, j = _positions(q_positions, kv_positions, len(sq), seqlen_q, seqlen_kv)
+    p, j = p[:, :, None], j[:, None, :]
   if mask_type.is_causal:
     visible &= j <= p
   if left >= 0:
@@ -25,6 +34,13 @@ def visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_s
   if right >= 0:
     visible &= j <= p + right
   return visible
+
+
+def _positions(q_positions, kv_positions, batch, seqlen_q, seqlen_kv):
+  """int64 [B, Sq] query and [B, Skv] key positions, the indices where not given."""
+  q = np.broadcast_to(np.arange(seqlen_q), (batch, seqlen_q)) if q_positions is None else q_positions
+  kv = np.broadcast_to(np.arange(seqlen_kv), (batch, seqlen_kv)) if kv_positions is None else kv_positions
+  return np.asarray(q, np.int64), np.asarray(kv, np.int64)
 
 
 def _diag_positions(mask_type, seqlen_q, q_seqlens, kv_seqlens) -> np.ndarray:
@@ -35,8 +51,9 @@ def _diag_positions(mask_type, seqlen_q, q_seqlens, kv_seqlens) -> np.ndarray:
   return np.broadcast_to(i, (len(q_seqlens), seqlen_q))
 
 
-def _logits(q, k, scale, softcap, alibi_slopes, p):
-  """Returns (s, dlogit/draw) in float64, [B, H, Sq, Skv]; k already expanded to H heads."""
+def _logits(q, k, scale, softcap, alibi_slopes, p, key_positions):
+  """Returns (s, dlogit/draw) in float64, [B, H, Sq, Skv]; k already expanded to H heads; p [B, Sq] and key_positions
+  [B, Skv] are the positions ALiBi uses."""
   raw = np.einsum("bihd,bjhd->bhij", q, k) * scale
   if softcap > 0:
     t = np.tanh(raw / softcap)
@@ -45,8 +62,7 @@ def _logits(q, k, scale, softcap, alibi_slopes, p):
     s, dsdraw = raw, np.full_like(raw, scale)
   if alibi_slopes is not None:
     slopes = np.broadcast_to(np.asarray(alibi_slopes, np.float64), (q.shape[0], q.shape[2]))
-    j = np.arange(k.shape[1])
-    s = s + slopes[:, :, None, None] * (j[None, None, None, :] - p[:, None, :, None])
+    s = s + slopes[:, :, None, None] * (key_positions[:, None, None, :] - p[:, None, :, None])
   return s, dsdraw
 
 
@@ -69,7 +85,8 @@ def _visible_sum(weights, values, visible, over: str):
 
 
 def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seqlens=None, window_size=(-1, -1),
-                        scale=None, softcap=0.0, alibi_slopes=None, dout=None, dlse=None):
+                        scale=None, softcap=0.0, alibi_slopes=None, dout=None, dlse=None, q_segment_ids=None,
+                        kv_segment_ids=None, q_positions=None, kv_positions=None):
   """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv (all float64).
 
   IEEE arithmetic over each row's visible keys: a NaN or inf in the row's q, in a visible key's k or v, or in a slope
@@ -84,9 +101,13 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
   scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
   ke, ve = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   p = _diag_positions(mask_type, seqlen_q, q_seqlens, kv_seqlens)
+  key_positions = np.broadcast_to(np.arange(seqlen_kv), (batch, seqlen_kv))
+  if q_positions is not None or kv_positions is not None:
+    p, key_positions = _positions(q_positions, kv_positions, batch, seqlen_q, seqlen_kv)
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-    s, dsdraw = _logits(q, ke, scale, softcap, alibi_slopes, p)
-    visible = visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size)[:, None]
+    s, dsdraw = _logits(q, ke, scale, softcap, alibi_slopes, p, key_positions)
+    visible = visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size, q_segment_ids,
+                           kv_segment_ids, q_positions, kv_positions)[:, None]
     any_visible = visible.any(axis=-1, keepdims=True)
     s = np.where(visible, s, -np.inf)
     # The row max shifts the exponentials; NaN and +inf in it carry through, and a row whose visible logits are all

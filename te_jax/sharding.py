@@ -50,13 +50,15 @@ sharded_backward_p = Primitive("te_jax_sharded_attention_backward")
 sharded_backward_p.multiple_results = True
 
 
-def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi):
-  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config, cp=cp))
+# `tokens`: q_segment_ids, kv_segment_ids, q_positions, kv_positions (te_jax/_primitives.py). They shard like the
+# sequence they belong to: with their batch, and over the context-parallel axis with it (where they are placeholders).
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config=config, cp=cp))
 
 
-def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi):
-  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config=config,
-                                       cp=cp))
+def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens):
+  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens,
+                                       config=config, cp=cp))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -160,15 +162,20 @@ class _Plan:
   def forward_shardings(self):
     b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
     args = (self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, s, kv, ()), self.named(b),
-            self.named(b), self.named(b, h))
+            self.named(b), self.named(b, h)) + self.token_shardings()
     results = (self.named(b, s, h, ()), self.named(b, h, s))
     return args, results
 
   def backward_shardings(self):
     b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
     qs, kvs, lses = self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, h, s)
-    args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h))
+    args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
     return args, (qs, kvs, kvs)
+
+  def token_shardings(self):
+    """q_segment_ids, kv_segment_ids, q_positions, kv_positions: [B, S] like their sequence."""
+    seq = self.named(self.b_axes, self.s_axes)
+    return (seq, seq, seq, seq)
 
 
 def _mesh_ok(mesh, arg_shapes) -> bool:
@@ -183,13 +190,15 @@ def _is_shape(x):
 # --------------------------------------------------------------------------------------------------------------------
 # custom_partitioning of the forward.
 
-def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, config, cp):
-  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, config=config, cp=cp)
+def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, config, cp):
+  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
+                                     config=config, cp=cp)
 
 
-def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config, cp):
-  return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config=config,
-                                      cp=cp)
+def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
+                            config, cp):
+  return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids,
+                                      q_pos, kv_pos, config=config, cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -209,8 +218,8 @@ def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
   plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=True)
   args, results = plan.forward_shardings()
   if cp is None:
-    def lower(q, k, v, q_seqlens, kv_seqlens, alibi):
-      return tuple(_primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, config=config))
+    def lower(*operands):
+      return tuple(_primitives.attention_forward_p.bind(*operands, config=config))
   else:
     lower = partial(cpmod.local_forward, config=config, cp=cp)
   return mesh, lower, results, args
@@ -226,13 +235,11 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
   args, results = plan.backward_shardings()
   g_axes = plan.g_axes
 
-  def lower(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi):
+  def lower(q, k, v, *operands):
     if cp is None:
-      dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                         alibi, config=config)
+      dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, *operands, config=config)
     else:
-      dq, dk, dv = cpmod.local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, config=config,
-                                        cp=cp)
+      dq, dk, dv = cpmod.local_backward(q, k, v, *operands, config=config, cp=cp)
     if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
       dk = jax.lax.psum(dk.astype(jnp.float32), g_axes).astype(k.dtype)
       dv = jax.lax.psum(dv.astype(jnp.float32), g_axes).astype(v.dtype)
@@ -269,28 +276,33 @@ def _heads_rule(value_types):
   return "(hk g)", {"g": group}
 
 
+def _token_rule(s: str, skv: str) -> str:
+  """q_segment_ids, kv_segment_ids, q_positions, kv_positions: the factors of the sequence each belongs to."""
+  return f"b {s}, b {skv}, b {s}, b {skv}"
+
+
 def _forward_rule(config, cp, mesh, value_types, result_types):
   h, sizes = _heads_rule(value_types)
   if cp is None:
-    rule = (f"b sq {h} d, b skv hk d, b skv hk dv, b, b, b {h} -> b sq {h} dv, b {h} sq")
+    rule = (f"b sq {h} d, b skv hk d, b skv hk dv, b, b, b {h}, {_token_rule('sq', 'skv')} -> b sq {h} dv, b {h} sq")
     return rule, dict(need_replication_factors=("sq", "d", "skv", "dv"), **sizes)
-  rule = f"b s {h} d, b s hk d, b s hk dv, b, b, b {h} -> b s {h} dv, b {h} s"
+  rule = f"b s {h} d, b s hk d, b s hk dv, b, b, b {h}, {_token_rule('s', 's')} -> b s {h} dv, b {h} s"
   return rule, dict(need_replication_factors=("d", "dv"), **sizes)
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
   h, sizes = _heads_rule(value_types)
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
-  rule = (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}"
-          f" -> b {s} {h} d, b {skv} hk d, b {skv} hk dv")
+  rule = (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
+          f"{_token_rule(s, skv)} -> b {s} {h} d, b {skv} hk d, b {skv} hk dv")
   need = ("sq", "d", "skv", "dv") if cp is None else ("d", "dv")
   return rule, dict(need_replication_factors=need, **sizes)
 
 
-_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(6, 7))
+_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(10, 11))
 _partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
                                    sharding_rule=_forward_rule)
-_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(10, 11))
+_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(14, 15))
 _partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
                                     sharding_rule=_backward_rule)
 

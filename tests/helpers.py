@@ -106,6 +106,8 @@ class Inputs:
   alibi: np.ndarray | None
   q_seqlens: np.ndarray | None
   kv_seqlens: np.ndarray | None
+  # Packed sequences: fused_attn's q_segment_ids / kv_segment_ids / q_positions / kv_positions keyword arguments.
+  tokens: dict | None = None
 
 
 def make_inputs(case: Case) -> Inputs:
@@ -145,6 +147,7 @@ def attn_kwargs(case: Case, inputs: Inputs) -> dict:
     kw["q_seqlens"] = inputs.q_seqlens
   if inputs.kv_seqlens is not None:
     kw["kv_seqlens"] = inputs.kv_seqlens
+  kw.update(inputs.tokens or {})
   return kw
 
 
@@ -185,14 +188,14 @@ def reference(case: Case, inputs: Inputs) -> dict:
   return attention_reference(inputs.q, inputs.k, inputs.v, mask_type=case.mask, q_seqlens=inputs.q_seqlens,
                              kv_seqlens=inputs.kv_seqlens, window_size=case.window, scale=case.scale,
                              softcap=case.softcap, alibi_slopes=inputs.alibi, dout=inputs.dout,
-                             dlse=inputs.dlse if case.return_lse and case.with_dlse else None)
+                             dlse=inputs.dlse if case.return_lse and case.with_dlse else None, **(inputs.tokens or {}))
 
 
 def visibility(case: Case, inputs: Inputs) -> np.ndarray:
   """bool [B, Sq, Skv]."""
   qs = np.full(case.batch, case.seqlen_q) if inputs.q_seqlens is None else inputs.q_seqlens
   kvs = np.full(case.batch, case.seqlen_kv) if inputs.kv_seqlens is None else inputs.kv_seqlens
-  return visible_mask(case.mask, case.seqlen_q, case.seqlen_kv, qs, kvs, case.window)
+  return visible_mask(case.mask, case.seqlen_q, case.seqlen_kv, qs, kvs, case.window, **(inputs.tokens or {}))
 
 
 def assert_close(name: str, actual: np.ndarray, ref: np.ndarray, tol: float) -> None:

@@ -1,8 +1,9 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (3) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
-u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic) | u8 engine | u32 FNV-1a.
+Wire format, little-endian: u32 magic "TEJD" | u16 version (4) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
+u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
+bit 2: has_positions) | u8 engine | u32 FNV-1a.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "he
 
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
-              deterministic=True, engine=0)
+              deterministic=True, engine=0, has_segment_ids=False, has_positions=False)
 
 
 def fnv1a(data: bytes) -> int:
@@ -33,11 +34,12 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=3, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=4, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
-  flags = int(p["deterministic"]) if flags is None else flags
+  if flags is None:
+    flags = int(p["deterministic"]) | int(p["has_segment_ids"]) << 1 | int(p["has_positions"]) << 2
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
                      p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"])
   return body + struct.pack("<I", fnv1a(body))
@@ -51,7 +53,7 @@ def packed() -> bytes:
 def test_size_and_layout(packed):
   assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 97
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 3 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 4 and fields[2] == SIZE
   assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
   assert fields[14:19] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1, PARAMS["engine"])
@@ -155,7 +157,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 3, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 4, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -169,22 +171,23 @@ def test_fuzz_random_fields_with_valid_checksum():
   for _ in range(2000):
     dtype, mask, alibi, flags, engine = (int(x) for x in rng.integers(0, 256, 5))
     if rng.random() < 0.5:  # make in-range values common too
-      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 2, engine % 2
+      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 8, engine % 2
     data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags, engine=engine)
-    if dtype < 3 and mask < 6 and alibi < 2 and flags < 2 and engine < 2:
+    if dtype < 3 and mask < 6 and alibi < 2 and flags < 8 and engine < 2:
       back = te_jax_cpu.unpack_descriptor(data)
-      assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"], back["engine"]) == (
-          dtype, mask, bool(alibi), bool(flags), engine)
+      assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"], back["has_segment_ids"],
+              back["has_positions"], back["engine"]) == (dtype, mask, bool(alibi), bool(flags & 1), bool(flags & 2),
+                                                         bool(flags & 4), engine)
     else:
       with pytest.raises(ValueError, match="out-of-range enum|flags has unknown bits"):
         te_jax_cpu.unpack_descriptor(data)
 
 
 # 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
-# engine byte.
-@pytest.mark.parametrize("version", [0, 1, 2, 4, 0xFFFF])
+# engine byte; 3: before the packed-sequence flags (and operands).
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 3"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 4"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 
@@ -195,10 +198,18 @@ def test_deterministic_is_flags_bit_0(deterministic):
   assert te_jax_cpu.unpack_descriptor(data)["deterministic"] is deterministic
 
 
-@pytest.mark.parametrize("flags", [0x02, 0x03, 0x80, 0xFF])
+@pytest.mark.parametrize("segment_ids,positions", [(False, False), (True, False), (False, True), (True, True)])
+def test_packed_sequence_flags_are_bits_1_and_2(segment_ids, positions):
+  data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_segment_ids=segment_ids, has_positions=positions))
+  assert struct.unpack(FORMAT, data)[17] == 1 | int(segment_ids) << 1 | int(positions) << 2
+  back = te_jax_cpu.unpack_descriptor(data)
+  assert (back["has_segment_ids"], back["has_positions"]) == (segment_ids, positions)
+
+
+@pytest.mark.parametrize("flags", [0x08, 0x09, 0x80, 0xFF])
 def test_unknown_flag_bits_raise(flags):
-  with pytest.raises(ValueError, match=rf"legacy descriptor field flags has unknown bits set \({flags}\); only bit 0, "
-                                       r"deterministic, is defined"):
+  with pytest.raises(ValueError, match=rf"legacy descriptor field flags has unknown bits set \({flags}\); only bits 0 "
+                                       r"\(deterministic\), 1 \(has_segment_ids\) and 2 \(has_positions\) are defined"):
     te_jax_cpu.unpack_descriptor(craft(flags=flags))
 
 
@@ -288,7 +299,8 @@ def _bad_descriptor_call(descriptor: bytes):
   q = jnp.ones((1, 4, 2, 8), jnp.float32)
   k = jnp.ones((1, 4, 1, 8), jnp.float32)
   lens = jnp.array([4], jnp.int32)
-  return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2))))(q, k))
+  tokens = (jnp.zeros((1, 4), jnp.int32),) * 4  # q/kv segment ids and positions, unread (flags 0)
+  return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2)), *tokens))(q, k))
 
 
 MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, dtype=0,

@@ -23,9 +23,11 @@
 #include "cpp/cpu/softmax_backward.h"
 #include "cpp/cpu/tile_gemm.h"
 #include "cpp/cpu/tile_key_ranges.h"
+#include "cpp/cpu/tile_token_bounds.h"
 #include "cpp/cpu/worker_loop.h"
 #include "cpp/validate.h"
 #include "cpp/variants.h"
+#include "cpp/token_mask.h"
 #include "cpp/visible_keys.h"
 
 namespace te_jax::cpu {
@@ -54,8 +56,24 @@ Variant MakeVariant(const AttentionParams& p, const float* alibi_slopes, int64_t
   return Variant{p.scale, p.softcap, Variant::kHasAlibi ? alibi_slopes[b * p.num_heads + h] : 0.0f};
 }
 
+// The index-based part of the mask. With positions the causal diagonal and the window are TokenMask's, by position,
+// so the index range is the whole (unpadded: positions never come with padding masks) key axis.
 RowMask BatchMask(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens, int64_t b) {
+  if (p.has_positions) return MakeRowMask(MaskType::kNoMask, q_seqlens[b], kv_seqlens[b], -1, -1);
   return MakeRowMask(p.mask_type, q_seqlens[b], kv_seqlens[b], p.window_left, p.window_right);
+}
+
+// The segment ids and positions of one call; BatchTokens gives batch entry b's TokenMask (inactive without them).
+struct TokenOperands {
+  const int32_t* q_ids;
+  const int32_t* kv_ids;
+  const int32_t* q_pos;
+  const int32_t* kv_pos;
+};
+
+TokenMask BatchTokens(const AttentionParams& p, const TokenOperands& t, int64_t b) {
+  return MakeTokenMask(p.has_segment_ids, p.has_positions, t.q_ids, t.kv_ids, t.q_pos, t.kv_pos, p.seqlen_q,
+                       p.seqlen_kv, IsCausal(p.mask_type), p.window_left, p.window_right, b);
 }
 
 // One (batch, head) of a [B, S, heads, dim] tensor: row i starts at base + i * stride.
@@ -94,13 +112,18 @@ void PackTransposed(const T* first, int64_t stride, int64_t rows, int64_t lanes,
   }
 }
 
-// scores[key][row] = Logit(dot) in log2 units, for the variants that are not linear in the dot.
+// scores[key][row] = Logit(dot) in log2 units, for the variants that are not linear in the dot. ALiBi reads the
+// positions: row r's is first_position + r and key c's first_key + c, or the tokens' positions when it has them.
 template <typename Variant>
 void ApplyLogits(const Variant& variant, const float* dots, float* scores, int64_t keys, int64_t lanes,
-                 int64_t first_position, int64_t first_key) {
+                 int64_t first_position, int64_t first_key, const TokenMask& tokens, int64_t first_row,
+                 int64_t rows) {
   for (int64_t c = 0; c < keys; ++c) {
+    const int64_t key_position = tokens.has_positions() ? tokens.kv_pos[first_key + c] : first_key + c;
     for (int64_t r = 0; r < lanes; ++r) {
-      scores[c * kTileQ + r] = kLog2e * variant.Logit(dots[c * kTileQ + r], first_position + r, first_key + c);
+      const int64_t row_position =
+          tokens.has_positions() ? (r < rows ? tokens.q_pos[first_row + r] : 0) : first_position + r;
+      scores[c * kTileQ + r] = kLog2e * variant.Logit(dots[c * kTileQ + r], row_position, key_position);
     }
   }
 }
@@ -122,31 +145,63 @@ void AddVisibleProducts(const TileKeyRanges<kRows>& ranges, const float* probs, 
                         int64_t keys, int64_t rows, int64_t dv, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < keys; ++c) {
-      if (key0 + c < ranges.begin[r] || key0 + c >= ranges.end[r]) continue;
+      if (!ranges.Sees(r, key0 + c)) continue;
       const float p = probs[c * kRows + r];
       for (int64_t j = 0; j < dv; ++j) out[r * dv + j] += p * v_tile.data[c * v_tile.row_stride + j];
     }
   }
 }
 
-// The visible keys of every Q tile of every batch, [B, Q tiles]: the forward's cost estimate and the backward's test of
-// which Q tiles meet a KV tile.
-std::vector<KeyRange> QTileKeys(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
+// What every Q tile of every batch can see, [B, Q tiles]: its index range of keys and the bounds of its rows' segment
+// ids and positions. The forward's cost estimate and the backward's test of which Q tiles meet a KV tile.
+struct QTileReach {
+  KeyRange keys;
+  RowTokenBounds tokens;
+};
+
+std::vector<QTileReach> QTileKeys(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens,
+                                  const TokenOperands& token_operands) {
   const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
-  std::vector<KeyRange> keys(p.batch * q_tiles);
+  std::vector<QTileReach> reach(p.batch * q_tiles);
   TileKeyRanges<kTileQ> ranges;
   for (int64_t b = 0; b < p.batch; ++b) {
     const RowMask mask = BatchMask(p, q_seqlens, kv_seqlens, b);
+    const TokenMask tokens = BatchTokens(p, token_operands, b);
     for (int64_t t = 0; t < q_tiles; ++t) {
-      ranges.Compute(mask, t * kTileQ, std::min(kTileQ, p.seqlen_q - t * kTileQ));
-      keys[b * q_tiles + t] = ranges.any;
+      ranges.Compute(mask, tokens, t * kTileQ, std::min(kTileQ, p.seqlen_q - t * kTileQ));
+      reach[b * q_tiles + t] = {ranges.any, ranges.token_rows};
     }
   }
-  return keys;
+  return reach;
+}
+
+// The segment id and position bounds of every KV tile (aligned to kTileKV) of every batch, [B, KV tiles]; empty
+// without segment ids and positions.
+std::vector<KeyTokenBounds> KVTileTokens(const AttentionParams& p, const TokenOperands& token_operands) {
+  if (!p.has_segment_ids && !p.has_positions) return {};
+  const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
+  std::vector<KeyTokenBounds> bounds(p.batch * kv_tiles);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const TokenMask tokens = BatchTokens(p, token_operands, b);
+    for (int64_t t = 0; t < kv_tiles; ++t) {
+      bounds[b * kv_tiles + t].Compute(tokens, t * kTileKV, std::min(kTileKV, p.seqlen_kv - t * kTileKV));
+    }
+  }
+  return bounds;
 }
 
 bool Meets(const KeyRange& keys, int64_t begin, int64_t end) {
   return keys.begin < keys.end && keys.begin < end && begin < keys.end;
+}
+
+// Whether a Q tile may see KV tile `kv_tile` (aligned) of batch entry b: its index range meets the tile and, with
+// segment ids or positions, their bounds do.
+bool Meets(const AttentionParams& p, const QTileReach& q_tile, const KeyTokenBounds* kv_tile_tokens, int64_t b,
+           int64_t kv_tile) {
+  const int64_t begin = kv_tile * kTileKV, end = std::min(p.seqlen_kv, begin + kTileKV);
+  if (!Meets(q_tile.keys, begin, end)) return false;
+  if (kv_tile_tokens == nullptr) return true;
+  return MayMeet(p.has_segment_ids, p.has_positions, q_tile.tokens, kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + kv_tile]);
 }
 
 // A work item and its estimated cost: items run most expensive first, so the long causal rows do not end up alone on
@@ -173,6 +228,8 @@ struct ForwardArgs {
   const int32_t* q_seqlens;
   const int32_t* kv_seqlens;
   const float* alibi_slopes;
+  TokenOperands tokens;
+  const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
 };
 
 struct ForwardScratch {
@@ -201,30 +258,43 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
   const HeadRows<const T> k = Head(args.k, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
   const HeadRows<const T> v = Head(args.v, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
   const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
+  const TokenMask tokens = BatchTokens(p, args.tokens, b);
   const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
 
-  s.ranges.Compute(mask, first_row, rows);
+  s.ranges.Compute(mask, tokens, first_row, rows);
   s.softmax.Reset();
   std::fill(s.out.begin(), s.out.begin() + rows * dv, 0.0f);
   PackTransposed(q.Row(first_row), q.stride, rows, lanes, d, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f,
                  s.q_t.data());
 
   float* scores = s.scores.data();
-  for (int64_t key0 = s.ranges.any.begin; key0 < s.ranges.any.end; key0 += kTileKV) {
+  // With segment ids or positions the key tiles are the aligned ones, whose bounds KVTileTokens computed once; a tile
+  // whose ids or positions no row of this tile can see is skipped before anything of it is loaded.
+  const int64_t first_key = tokens.active() ? s.ranges.any.begin / kTileKV * kTileKV : s.ranges.any.begin;
+  const KeyTokenBounds no_tokens;
+  for (int64_t key0 = first_key; key0 < s.ranges.any.end; key0 += kTileKV) {
     const int64_t keys = std::min(kTileKV, s.ranges.any.end - key0);
+    const KeyTokenBounds& key_tokens =
+        tokens.active() ? args.kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + key0 / kTileKV] : no_tokens;
+    if (!s.ranges.MayMeet(key_tokens)) continue;
+    const bool all_see = s.ranges.AllSee(key0, key0 + keys, key_tokens);
     const MatrixB k_tile = RowsAsFloat(k.Row(key0), k.stride, keys, d, s.k.data());
     TileGemm(keys, lanes, d, {k_tile.data, k_tile.row_stride, 1}, {s.q_t.data(), kTileQ}, {scores, kTileQ},
              Accumulate::kNo);
     if constexpr (!kIsLinear<Variant>) {
-      ApplyLogits(variant, scores, scores, keys, lanes, first_row + mask.diag_offset, key0);
+      ApplyLogits(variant, scores, scores, keys, lanes, first_row + mask.diag_offset, key0, tokens, first_row, rows);
     }
-    if (!s.ranges.AllSee(key0, key0 + keys)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+    if (!all_see) {
+      s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+    } else if (tokens.active()) {
+      s.ranges.MarkAllSeen(rows);
+    }
     s.softmax.Update(scores, kTileQ, keys, lanes, s.rescale);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < dv; ++j) s.out[r * dv + j] *= s.rescale[r];
     }
     const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
-    if (!s.ranges.AllSee(key0, key0 + keys) && !AllFinite(v_tile, keys, dv)) {
+    if (!all_see && !AllFinite(v_tile, keys, dv)) {
       AddVisibleProducts(s.ranges, scores, v_tile, key0, keys, rows, dv, s.out.data());
     } else {
       TileGemm(rows, dv, keys, {scores, 1, kTileQ}, v_tile, {s.out.data(), dv}, Accumulate::kYes);
@@ -237,7 +307,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
     // A row that sees no key gives out = 0 and lse = -inf whatever its accumulator holds. A row that sees keys follows
     // the formula in IEEE arithmetic: a NaN anywhere in it, or a sum of 0 (all its logits -inf, from inf inputs),
     // comes out as NaN.
-    const bool sees_keys = s.ranges.begin[r] < s.ranges.end[r];
+    const bool sees_keys = s.ranges.RowSeesKeys(r);
     const float sum = s.softmax.sum[r];
     const float inv_sum = 1.0f / sum;
     T* out_row = out.Row(first_row + r);
@@ -249,15 +319,22 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
 template <typename T, typename Variant>
 void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler* scheduler) {
   const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
-  const std::vector<KeyRange> tile_keys = QTileKeys(p, args.q_seqlens, args.kv_seqlens);
+  const std::vector<QTileReach> reach = QTileKeys(p, args.q_seqlens, args.kv_seqlens, args.tokens);
+  std::vector<int64_t> costs(p.batch * q_tiles);
+  for (int64_t i = 0; i < p.batch * q_tiles; ++i) {
+    const KeyRange keys = reach[i].keys;
+    costs[i] = std::max<int64_t>(0, keys.end - keys.begin);
+    if (args.kv_tile_tokens == nullptr || costs[i] == 0) continue;
+    costs[i] = 0;  // the keys of the tiles it may meet
+    for (int64_t t = keys.begin / kTileKV; t * kTileKV < keys.end; ++t) {
+      if (Meets(p, reach[i], args.kv_tile_tokens, i / q_tiles, t)) costs[i] += kTileKV;
+    }
+  }
   std::vector<WorkItem> items;
   items.reserve(p.batch * p.num_heads * q_tiles);
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.num_heads; ++h) {
-      for (int64_t t = 0; t < q_tiles; ++t) {
-        const KeyRange keys = tile_keys[b * q_tiles + t];
-        items.push_back({b, h, t, std::max<int64_t>(0, keys.end - keys.begin)});
-      }
+      for (int64_t t = 0; t < q_tiles; ++t) items.push_back({b, h, t, costs[b * q_tiles + t]});
     }
   }
   SortByCostDescending(&items);
@@ -284,6 +361,8 @@ struct BackwardArgs {
   const int32_t* q_seqlens;
   const int32_t* kv_seqlens;
   const float* alibi_slopes;
+  TokenOperands tokens;
+  const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
   T* dq;
   T* dk;
   T* dv;
@@ -305,9 +384,9 @@ struct BackwardScratch {
 
 // dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is added to.
 template <typename T, typename Variant>
-void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const MatrixB& k_tile,
-                   const MatrixB& v_tile, int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys,
-                   float* dq_part) {
+void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const TokenMask& tokens,
+                   const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, int64_t b,
+                   int64_t h, int64_t first_row, int64_t key0, int64_t keys, float* dq_part) {
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
@@ -319,7 +398,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   const float* dlse = args.dlse + (b * p.num_heads + h) * p.seqlen_q + first_row;
   const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
 
-  s.ranges.Compute(mask, first_row, rows);
+  s.ranges.Compute(mask, tokens, first_row, rows);
   const MatrixB q_rows = RowsAsFloat(q.Row(first_row), q.stride, rows, d, s.q.data());
   const MatrixB dout_rows = RowsAsFloat(dout.Row(first_row), dout.stride, rows, dv, s.dout.data());
   PackTransposed(q.Row(first_row), q.stride, rows, lanes, d, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f,
@@ -345,10 +424,10 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
            Accumulate::kNo);
   float* scores = dots;
   if constexpr (!kIsLinear<Variant>) {
-    ApplyLogits(variant, dots, probs, keys, lanes, first_row + mask.diag_offset, key0);
+    ApplyLogits(variant, dots, probs, keys, lanes, first_row + mask.diag_offset, key0, tokens, first_row, rows);
     scores = probs;
   }
-  if (!s.ranges.AllSee(key0, key0 + keys)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+  if (!s.ranges.AllSee(key0, key0 + keys, key_tokens)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
   RecomputeProbabilities(scores, s.lse2, kTileQ, keys, lanes, probs);
 
   // dS^T = P^T * (dP^T - delta) * dLogit/dDot, with dP^T = V dO^T.
@@ -369,7 +448,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
 
 // Writes the KV tile's dK and dV and adds its dQ contributions to dq_part, heads and Q tiles in ascending order.
 template <typename T, typename Variant>
-void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<KeyRange>& q_tile_keys,
+void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<QTileReach>& q_tile_reach,
                     const WorkItem& item, float* dq_part) {
   const AttentionParams& p = args.params;
   const int64_t b = item.batch, kv_head = item.head;
@@ -381,6 +460,10 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
   const HeadRows<const T> k = Head(args.k, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
   const HeadRows<const T> v = Head(args.v, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
   const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
+  const TokenMask tokens = BatchTokens(p, args.tokens, b);
+  const KeyTokenBounds key_tokens =
+      args.kv_tile_tokens != nullptr ? args.kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + item.tile]
+                                     : KeyTokenBounds{};
 
   std::fill(s.dk.begin(), s.dk.begin() + keys * d, 0.0f);
   std::fill(s.dv.begin(), s.dv.begin() + keys * dv, 0.0f);
@@ -388,8 +471,9 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
   const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
   for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     for (int64_t t = 0; t < q_tiles; ++t) {
-      if (!Meets(q_tile_keys[b * q_tiles + t], key0, key0 + keys)) continue;
-      BackwardQTile<T, Variant>(args, s, mask, k_tile, v_tile, b, h, t * kTileQ, key0, keys, dq_part);
+      if (!Meets(p, q_tile_reach[b * q_tiles + t], args.kv_tile_tokens, b, item.tile)) continue;
+      BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, b, h, t * kTileQ, key0, keys,
+                                dq_part);
     }
   }
 
@@ -402,14 +486,15 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
 }
 
 // How many Q tiles of one head meet each KV tile, [B, KV tiles]: a KV tile's cost per head of its group.
-std::vector<int64_t> KVTileCosts(const AttentionParams& p, const std::vector<KeyRange>& q_tile_keys) {
+std::vector<int64_t> KVTileCosts(const AttentionParams& p, const std::vector<QTileReach>& q_tile_reach,
+                                 const KeyTokenBounds* kv_tile_tokens) {
   const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
   const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
   std::vector<int64_t> costs(p.batch * kv_tiles, 0);
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t t = 0; t < kv_tiles; ++t) {
       for (int64_t qt = 0; qt < q_tiles; ++qt) {
-        costs[b * kv_tiles + t] += Meets(q_tile_keys[b * q_tiles + qt], t * kTileKV, (t + 1) * kTileKV);
+        costs[b * kv_tiles + t] += Meets(p, q_tile_reach[b * q_tiles + qt], kv_tile_tokens, b, t);
       }
     }
   }
@@ -460,8 +545,8 @@ template <typename T, typename Variant>
 void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskScheduler* scheduler) {
   const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const std::vector<KeyRange> q_tile_keys = QTileKeys(p, args.q_seqlens, args.kv_seqlens);
-  const std::vector<int64_t> tile_costs = KVTileCosts(p, q_tile_keys);
+  const std::vector<QTileReach> q_tile_reach = QTileKeys(p, args.q_seqlens, args.kv_seqlens, args.tokens);
+  const std::vector<int64_t> tile_costs = KVTileCosts(p, q_tile_reach, args.kv_tile_tokens);
   const int64_t runs = p.deterministic ? DeterministicChunks(p, kv_tiles) : kv_tiles;
   const std::vector<int64_t> run_starts =
       p.deterministic ? BalancedRuns(tile_costs, p.batch, kv_tiles, runs) : SingleTileRuns(p.batch, kv_tiles);
@@ -498,7 +583,7 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
     if (!p.deterministic && dq_part.empty()) dq_part.assign(dq_size, 0.0f);
     const int64_t* start = run_starts.data() + item.batch * (runs + 1);
     for (int64_t t = start[item.tile]; t < start[item.tile + 1]; ++t) {
-      BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_keys, {item.batch, item.head, t, item.cost},
+      BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_reach, {item.batch, item.head, t, item.cost},
                                  dq_part.data());
     }
   });
@@ -532,6 +617,8 @@ void DispatchDType(DType dtype, F&& f) {
 Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buffers, TaskScheduler* scheduler) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
+  const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
+  const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const ForwardArgs<T> args{params,
@@ -542,7 +629,9 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
                               buffers.lse,
                               buffers.q_seqlens,
                               buffers.kv_seqlens,
-                              buffers.alibi_slopes};
+                              buffers.alibi_slopes,
+                              tokens,
+                              kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data()};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Forward<T, decltype(variant_tag)>(params, args, scheduler);
     });
@@ -553,6 +642,8 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
 Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, TaskScheduler* scheduler) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
+  const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
+  const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const BackwardArgs<T> args{params,
@@ -566,6 +657,8 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
                                buffers.q_seqlens,
                                buffers.kv_seqlens,
                                buffers.alibi_slopes,
+                               tokens,
+                               kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
                                static_cast<T*>(buffers.dq),
                                static_cast<T*>(buffers.dk),
                                static_cast<T*>(buffers.dv)};

@@ -24,6 +24,7 @@ typedef int32_t I32x8Unaligned __attribute__((vector_size(32), aligned(4), may_a
 inline F32x8 Load(const float* p) { return *reinterpret_cast<const F32x8Unaligned*>(p); }
 inline I32x8 Load(const int32_t* p) { return *reinterpret_cast<const I32x8Unaligned*>(p); }
 inline void Store(float* p, const F32x8& v) { *reinterpret_cast<F32x8Unaligned*>(p) = v; }
+inline void StoreI(int32_t* p, const I32x8& v) { *reinterpret_cast<I32x8Unaligned*>(p) = v; }
 // Written as a shuffle: GCC 12 expands the obvious {x, x, ...} into eight inserts inside target("avx2") functions.
 inline F32x8 Splat(float x) {
   const F32x4 v = {x};

@@ -20,6 +20,11 @@ Status CheckCudnnContract(const AttentionParams& p) {
     return Status::InvalidArgument("cuDNN's ALiBi uses fixed geometric slopes per head (and only with a causal "
                                    "mask); te_jax takes arbitrary alibi_slopes per (batch, head)");
   }
+  if (p.has_segment_ids || p.has_positions) {
+    // cuDNN has no per-token ids or positions for a padded (non-ragged) layout; ragged offsets would need te_jax to
+    // repack the rows, which is not done yet (issue 11).
+    return Status::InvalidArgument("the cuDNN engine does not take segment ids or positions (issue 11)");
+  }
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return Status::InvalidArgument("cuDNN's graphs need non-empty tensors (batch, seqlen_q and seqlen_kv >= 1)");
   }

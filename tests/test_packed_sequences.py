@@ -1,0 +1,190 @@
+"""Packed sequences (issue 11): segment ids and explicit positions. Forward, lse and gradients against the float64
+reference for random packings and positions, on both custom-call paths (bitwise equal with deterministic=True); a
+packed row equals its documents run as separate batch entries; argument errors name the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+from helpers import (Case, assert_bitwise_equal, check_against_reference, make_inputs, reference, run_on_path,
+                     tolerance)
+from te_jax.packing import positions_from_lengths, segment_ids_from_lengths
+
+# Sequences long enough for several query tiles (64) and key tiles (128) of the CPU kernel.
+BASE = Case(batch=4, seqlen_q=200, seqlen_kv=200, heads=4, kv_heads=2, head_dim=32, mask="causal", with_dlse=True)
+
+
+def random_lengths(rng, batch: int, seqlen: int) -> np.ndarray:
+  """[B, 8] document lengths: 1..8 documents of lengths 1..S per row (cut at S), row 1 empty, the last row one
+  document filling it."""
+  lengths = np.zeros((batch, 8), np.int32)
+  for b in range(batch):
+    if b == 1:
+      continue  # an empty row: every id 0
+    if b == batch - 1:
+      lengths[b, 0] = seqlen
+      continue
+    n = rng.integers(1, 9)
+    cuts = np.sort(rng.integers(1, seqlen + 1, n))
+    lengths[b, :n] = np.diff(np.concatenate([[0], cuts]))
+    lengths[b, :n] = np.maximum(lengths[b, :n], 1)
+  return lengths
+
+
+def packed_tokens(case: Case, kind: str) -> dict:
+  rng = np.random.default_rng(abs(hash((case.id(), kind))) % 2**32)
+  b, sq, skv = case.batch, case.seqlen_q, case.seqlen_kv
+  if kind == "ids":
+    return dict(q_segment_ids=np.asarray(segment_ids_from_lengths(random_lengths(rng, b, sq), sq)))
+  if kind == "ids+positions":
+    lengths = random_lengths(rng, b, sq)
+    return dict(q_segment_ids=np.asarray(segment_ids_from_lengths(lengths, sq)),
+                q_positions=np.asarray(positions_from_lengths(lengths, sq)),
+                kv_positions=np.asarray(positions_from_lengths(lengths, sq)))
+  if kind == "random_ids":  # unsorted ids from a small set, with zeros: only conservative tile bounds hold
+    return dict(q_segment_ids=rng.integers(0, 4, (b, sq)).astype(np.int32),
+                kv_segment_ids=rng.integers(0, 4, (b, skv)).astype(np.int32))
+  if kind == "random_positions":  # unsorted, repeated
+    return dict(q_positions=rng.integers(-20, sq + 20, (b, sq)).astype(np.int32),
+                kv_positions=rng.integers(0, skv, (b, skv)).astype(np.int32))
+  if kind == "decode":  # q_positions = cache length + i, the keys by index
+    return dict(q_positions=(skv - sq + np.arange(sq, dtype=np.int32))[None].repeat(b, 0))
+  raise ValueError(kind)
+
+
+CASES = [
+    (BASE, "ids"),
+    (BASE.replace(mask="no_mask"), "ids"),
+    (BASE, "ids+positions"),
+    (BASE.replace(mask="no_mask", window=(16, 8)), "ids+positions"),
+    (BASE.replace(window=(30, -1)), "ids"),
+    (BASE.replace(softcap=3.0, alibi="bh"), "ids+positions"),
+    (BASE.replace(alibi="h", head_dim_v=16), "ids"),
+    (BASE.replace(seqlen_kv=300), "random_ids"),
+    (BASE.replace(mask="no_mask", seqlen_kv=150), "random_ids"),
+    (BASE, "random_positions"),
+    (BASE.replace(mask="no_mask", window=(10, 5), alibi="h"), "random_positions"),
+    (BASE.replace(seqlen_q=7, seqlen_kv=300), "decode"),
+    (BASE.replace(seqlen_q=70, seqlen_kv=300, window=(100, -1), alibi="h"), "decode"),
+    (BASE.replace(dtype="bfloat16"), "ids+positions"),
+    (BASE.replace(dtype="float16", heads=2, kv_heads=1, head_dim=64, head_dim_v=32), "ids"),
+]
+
+
+@pytest.mark.parametrize("case,kind", CASES, ids=[f"{c.id()}-{k}" for c, k in CASES])
+def test_against_reference_both_paths(case, kind):
+  case = case.replace(deterministic=True)
+  inputs = make_inputs(case)
+  inputs.tokens = packed_tokens(case, kind)
+  got = {path: run_on_path(case, inputs, path) for path in ("ffi", "legacy")}
+  check_against_reference(case, inputs, got["ffi"], reference(case, inputs))
+  assert_bitwise_equal(got["ffi"], got["legacy"])
+
+
+def test_all_padding_rows_give_zero_and_minus_inf():
+  case = BASE.replace(batch=2)
+  inputs = make_inputs(case)
+  inputs.tokens = dict(q_segment_ids=np.zeros((2, 200), np.int32))
+  got = run_on_path(case, inputs, "ffi")
+  assert np.all(got["out"] == 0) and np.all(got["lse"] == -np.inf)
+  for n in ("dq", "dk", "dv"):
+    assert np.all(got[n] == 0), n
+
+
+@pytest.mark.parametrize("mask,alibi", [("causal", None), ("no_mask", "h"), ("causal", "h")])
+def test_packed_row_equals_documents_as_batch(mask, alibi):
+  """A row holding documents of 70, 130 and 56 tokens (and padding) gives, for each document, the outputs and
+  gradients of that document alone."""
+  lengths = [70, 130, 56]
+  seqlen, heads, d = 300, 2, 32
+  rng = np.random.default_rng(3)
+  q, k, v, dout = (rng.standard_normal((1, seqlen, heads, d)).astype(np.float32) for _ in range(4))
+  slopes = rng.uniform(-0.3, 0.3, heads).astype(np.float32) if alibi else None
+  ids = segment_ids_from_lengths(np.array([lengths]), seqlen)
+  pos = positions_from_lengths(np.array([lengths]), seqlen)
+
+  def loss(q, k, v, **kw):
+    return jnp.sum(te_jax.fused_attn(q, k, v, mask_type=mask, alibi_slopes=slopes, **kw) * dout)
+
+  out = te_jax.fused_attn(q, k, v, mask_type=mask, alibi_slopes=slopes, q_segment_ids=ids, q_positions=pos,
+                          kv_positions=pos)
+  grads = jax.grad(lambda q, k, v: loss(q, k, v, q_segment_ids=ids, q_positions=pos, kv_positions=pos),
+                   argnums=(0, 1, 2))(q, k, v)
+  start = 0
+  for n in lengths:
+    part = slice(start, start + n)
+    qd, kd, vd = q[:, part], k[:, part], v[:, part]
+    ref_out = te_jax.fused_attn(qd, kd, vd, mask_type=mask, alibi_slopes=slopes)
+    ref_grads = jax.grad(lambda q, k, v: jnp.sum(te_jax.fused_attn(q, k, v, mask_type=mask, alibi_slopes=slopes) *
+                                                 dout[:, part]), argnums=(0, 1, 2))(qd, kd, vd)
+    tol = tolerance("float32")
+    np.testing.assert_allclose(out[:, part], ref_out, atol=tol, rtol=tol)
+    for g, rg in zip(grads, ref_grads):
+      np.testing.assert_allclose(g[:, part], rg, atol=2 * tol, rtol=2 * tol)
+    start += n
+  assert np.all(np.asarray(out)[:, start:] == 0)
+  for g in grads:
+    assert np.all(np.asarray(g)[:, start:] == 0)
+
+
+def test_vmap_and_jit_with_segment_ids():
+  case = BASE.replace(batch=2, seqlen_q=100, seqlen_kv=100)
+  inputs = make_inputs(case)
+  ids = packed_tokens(case, "ids")["q_segment_ids"]
+  f = lambda q, k, v, ids: te_jax.fused_attn(q, k, v, mask_type="causal", q_segment_ids=ids)
+  batched = jax.jit(jax.vmap(f))(*(x[None].repeat(2, 0) for x in (inputs.q, inputs.k, inputs.v, ids)))
+  single = f(inputs.q, inputs.k, inputs.v, ids)
+  np.testing.assert_array_equal(batched[0], single)
+  np.testing.assert_array_equal(batched[1], single)
+
+
+def test_helpers_from_lengths():
+  ids = segment_ids_from_lengths(np.array([[3, 2], [0, 4], [0, 0]]), 7)
+  pos = positions_from_lengths(np.array([[3, 2], [0, 4], [0, 0]]), 7)
+  np.testing.assert_array_equal(ids, [[1, 1, 1, 2, 2, 0, 0], [2, 2, 2, 2, 0, 0, 0], [0] * 7])
+  np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0, 0], [0, 1, 2, 3, 0, 0, 0], [0] * 7])
+  assert ids.dtype == jnp.int32 and pos.dtype == jnp.int32
+  np.testing.assert_array_equal(segment_ids_from_lengths(np.array([[5, 5]]), 7), [[1, 1, 1, 1, 1, 2, 2]])
+
+
+def _qkv(sq=16, skv=16):
+  return jnp.ones((2, sq, 2, 8)), jnp.ones((2, skv, 2, 8)), jnp.ones((2, skv, 2, 8))
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(mask_type="padding", q_seqlens=[16, 16], kv_seqlens=[16, 16], q_segment_ids=np.ones((2, 16), np.int32)),
+     ValueError, "segment id 0"),
+    (dict(mask_type="causal_bottom_right", q_positions=np.zeros((2, 16), np.int32)), ValueError, "positions"),
+    (dict(q_segment_ids=np.ones((2, 15), np.int32)), ValueError, "q_segment_ids"),
+    (dict(q_segment_ids=np.ones((2, 16), np.float32)), TypeError, "q_segment_ids"),
+    (dict(q_segment_ids=np.ones((2, 16), np.int32), kv_segment_ids=np.ones((16,), np.int32)), ValueError,
+     "kv_segment_ids"),
+    (dict(kv_segment_ids=np.ones((2, 16), np.int32)), ValueError, "q_segment_ids"),
+    (dict(q_positions=np.ones((1, 16), np.int32)), ValueError, "q_positions"),
+    (dict(kv_positions=np.ones((2, 16), np.float16)), TypeError, "kv_positions"),
+])
+def test_argument_errors(kw, error, match):
+  with pytest.raises(error, match=match):
+    te_jax.fused_attn(*_qkv(), **kw)
+
+
+def test_q_segment_ids_alone_needs_equal_lengths():
+  with pytest.raises(ValueError, match="Sq == Skv"):
+    te_jax.fused_attn(*_qkv(16, 24), q_segment_ids=np.ones((2, 16), np.int32))
+
+
+def test_core_refuses_tokens_on_cuda_and_with_padding_masks():
+  from te_jax import _te_jax_cpu as _cpu
+  from te_jax.attention_config import AttentionConfig
+  from te_jax.mask_type import MaskType
+  config = AttentionConfig(MaskType.CAUSAL, -1, -1, 0.125, 0.0, False, has_segment_ids=True)
+  params = config.core_params((1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64), jnp.bfloat16)
+  _cpu.validate(params, 0)
+  with pytest.raises(ValueError, match="CPU backend only"):
+    _cpu.validate(params, 1)
+  with pytest.raises(ValueError, match="no_mask or causal"):
+    _cpu.validate(dict(params, mask_type=int(MaskType.PADDING_CAUSAL)), 0)
