@@ -272,12 +272,17 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
   // whose ids or positions no row of this tile can see is skipped before anything of it is loaded.
   const int64_t first_key = tokens.active() ? s.ranges.any.begin / kTileKV * kTileKV : s.ranges.any.begin;
   const KeyTokenBounds no_tokens;
-  for (int64_t key0 = first_key; key0 < s.ranges.any.end; key0 += kTileKV) {
-    const int64_t keys = std::min(kTileKV, s.ranges.any.end - key0);
+  for (int64_t tile0 = first_key; tile0 < s.ranges.any.end; tile0 += kTileKV) {
     const KeyTokenBounds& key_tokens =
-        tokens.active() ? args.kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + key0 / kTileKV] : no_tokens;
+        tokens.active() ? args.kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + tile0 / kTileKV] : no_tokens;
     if (!s.ranges.MayMeet(key_tokens)) continue;
-    const bool all_see = s.ranges.AllSee(key0, key0 + keys, key_tokens);
+    int64_t key0 = tile0, key_end = std::min(tile0 + kTileKV, s.ranges.any.end);
+    const bool all_see = s.ranges.AllSee(key0, key_end, key_tokens);
+    if (!all_see && tokens.active()) {
+      s.ranges.TrimKeys(&key0, &key_end);
+      if (key0 == key_end) continue;
+    }
+    const int64_t keys = key_end - key0;
     const MatrixB k_tile = RowsAsFloat(k.Row(key0), k.stride, keys, d, s.k.data());
     TileGemm(keys, lanes, d, {k_tile.data, k_tile.row_stride, 1}, {s.q_t.data(), kTileQ}, {scores, kTileQ},
              Accumulate::kNo);
