@@ -188,3 +188,23 @@ def test_core_refuses_tokens_on_cuda_and_with_padding_masks():
     _cpu.validate(params, 1)
   with pytest.raises(ValueError, match="no_mask or causal"):
     _cpu.validate(dict(params, mask_type=int(MaskType.PADDING_CAUSAL)), 0)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_nonfinite_v_reaches_only_its_document(mask):
+  """A NaN in V of a key of document 1 and an inf in V of document 2, inside key tiles that straddle the documents'
+  boundary: the other document's rows stay finite and exact (keys a row does not see never affect it)."""
+  from helpers import assert_close
+  from te_jax.reference import attention_reference
+  rng = np.random.default_rng(5)
+  q, k, v = (rng.standard_normal((1, 200, 2, 32)).astype(np.float32) for _ in range(3))
+  v[0, 90, 1, 3] = np.nan
+  v[0, 120, 0, 7] = np.inf
+  ids = np.asarray(segment_ids_from_lengths(np.array([[100, 100]]), 200))
+  out, lse = te_jax.fused_attn(q, k, v, mask_type=mask, q_segment_ids=ids, return_lse=True)
+  ref = attention_reference(q, k, v, mask_type=mask, q_segment_ids=ids)
+  out = np.asarray(out)
+  assert np.isfinite(out[0, :100, 0]).all() and np.isfinite(out[0, 100:, 1]).all()  # the other document's values
+  assert np.isnan(out[0, 90:100, 1, 3]).all() and np.isinf(out[0, 120:, 0, 7]).all()  # their own document's rows
+  assert_close("out", out, ref["out"], tolerance("float32"))
+  assert_close("lse", np.asarray(lse), ref["lse"], tolerance("float32"))

@@ -180,6 +180,40 @@ def test_batch_and_head_sharding_is_local(mesh_shape, spec, kv_spec, heads, kv_h
     assert collectives(fwd_hlo) == set()
 
 
+@in_process
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_packed_sequences_shard_with_their_batch(with_positions):
+  """Segment ids and positions [B, S] sharded over the batch axes with q, k, v: local, no collective."""
+  from te_jax.packing import positions_from_lengths, segment_ids_from_lengths
+  q, k, v, dout = inputs(batch=8, seqlen=32)
+  lens = np.random.default_rng(1).integers(1, 12, (8, 4))
+  ids = np.asarray(segment_ids_from_lengths(lens, 32))
+  pos = np.asarray(positions_from_lengths(lens, 32))
+  mesh = make_mesh((2, 2, 2))
+  spec = P(("dp", "cp"), None, "tp")
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+
+  def fn(q, k, v, d, ids, pos):
+    tokens = dict(q_segment_ids=ids)
+    if with_positions:
+      tokens.update(q_positions=pos, kv_positions=pos)
+    return attention_and_grads(q, k, v, d, mask_type="causal", **tokens)
+
+  args = (shard(q, spec), shard(k, spec), shard(v, spec), shard(dout, spec), shard(ids, P(("dp", "cp"))),
+          shard(pos, P(("dp", "cp"))))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fn).lower(*args).compile()
+      results = [np.asarray(r) for r in compiled(*args)]
+  assert collectives(compiled.as_text()) == set(), collectives(compiled.as_text())
+  expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, ids, pos)]
+  for name, got, want in zip(("out", "dq", "dk", "dv"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
+  tokens = dict(q_segment_ids=ids, **(dict(q_positions=pos, kv_positions=pos) if with_positions else {}))
+  check_against_reference(results, q, k, v, dout, mask_type="causal", **tokens)
+
+
 def run_forward(mesh, spec, kv_spec, q, k, v, **kwargs):
   shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec))
@@ -361,6 +395,8 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
     (dict(context_parallel_axis="sp"), ValueError, "'sp' is not an axis of the mesh in context"),
     (dict(context_parallel_strategy="tree"), ValueError, "context_parallel_strategy must be one of"),
     (dict(context_parallel_load_balanced=True, seqlen=24), ValueError, "must be a multiple of 16"),
+    (dict(mask_type="causal", q_segment_ids=np.ones((4, 32), np.int32)), NotImplementedError,
+     "segment ids and positions"),
 ])
 def test_context_parallel_refusals(kwargs, error, match):
   kwargs = dict(kwargs)
