@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from te_jax.attention import fused_attn
 from te_jax.mask_type import MaskType
 
-# fused_attn's options that make_attention_fn takes: every keyword except the operands that are data (lengths) and
-# return_lse (an attention_fn returns one array).
-_OPTIONS = tuple(name for name, p in inspect.signature(fused_attn).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("q_seqlens", "kv_seqlens", "return_lse"))
+# fused_attn's options that make_attention_fn takes: its static keywords (and the ALiBi slopes, fixed per model); not
+# per-batch data such as lengths (a Flax module passes none), nor return_lse (an attention_fn returns one array).
+_OPTIONS = ("mask_type", "window_size", "scale", "softcap", "alibi_slopes", "deterministic", "engine",
+            "context_parallel_axis", "context_parallel_strategy", "context_parallel_load_balanced")
 
 
 def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
