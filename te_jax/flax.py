@@ -13,15 +13,18 @@ The functions follow the contract of flax's `dot_product_attention` (query, key,
 broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision, module; NNX's is_causal). They need
 nothing from Flax, so this module imports no Flax: install Flax itself (`pip install "te_jax[flax]"`).
 
+Packed documents: pass `mask=te_jax.flax.PackedSequences(segment_ids)` to the module (te_jax's segment ids).
 What te_jax cannot serve yet is a ValueError that says what to do instead, never a silent fallback: an additive
 `bias`, an arbitrary boolean `mask`, attention dropout while training, sowing the attention weights (`module`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
+import jax
 import jax.numpy as jnp
 
 from te_jax.attention import fused_attn
@@ -31,6 +34,38 @@ from te_jax.mask_type import MaskType
 # per-batch data such as lengths (a Flax module passes none), nor return_lse (an attention_fn returns one array).
 _OPTIONS = ("mask_type", "window_size", "scale", "softcap", "alibi_slopes", "deterministic", "engine",
             "context_parallel_axis", "context_parallel_strategy", "context_parallel_load_balanced")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedSequences:
+  """Segment ids (and positions) of packed sequences, passed where a Flax module takes its `mask`:
+
+      y = mha(x, mask=te_jax.flax.PackedSequences(segment_ids), is_causal=True)   # NNX
+
+  te_jax's attention_fn hands them to fused_attn (q_segment_ids, kv_segment_ids, q_positions, kv_positions; see
+  te_jax.fused_attn): a query sees only keys of its own segment, id 0 is padding. Each is int32 `[batch..., L]` with
+  the module's batch dims. The same mask for Flax's default attention is
+  `nn.make_attention_mask(segment_ids, segment_ids, jnp.equal)` (which, unlike te_jax, lets id-0 tokens see each
+  other). Only te_jax's attention_fn understands this object; te_jax serves it on the CPU backend so far.
+  """
+  q_segment_ids: jax.Array
+  kv_segment_ids: jax.Array | None = None
+  q_positions: jax.Array | None = None
+  kv_positions: jax.Array | None = None
+
+  def fused_attn_kwargs(self, batch_dims: tuple[int, ...], batch: int) -> dict:
+    kwargs = {}
+    for field in dataclasses.fields(self):
+      x = getattr(self, field.name)
+      if x is None:
+        continue
+      x = jnp.asarray(x)
+      if x.ndim < 1 or x.shape[:-1] != batch_dims:
+        raise ValueError(f"PackedSequences.{field.name} must be [batch..., L] with the batch dims {batch_dims} of "
+                         f"query, got shape {tuple(x.shape)}")
+      kwargs[field.name] = x.reshape(batch, x.shape[-1])
+    return kwargs
 
 
 def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
@@ -70,8 +105,9 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     batch dims, also none); H a multiple of Hkv. Returns `[batch..., Lq, H, Dv]` in `dtype` (default: the promoted
     dtype of query, key and value, as Flax).
 
-    bias, mask: must be None (mask: unless made with ignore_mask=True); use is_causal (NNX) or
-    make_attention_fn(mask_type="causal") for a causal mask. dropout_rate > 0 with deterministic=False is refused
+    bias: must be None. mask: None, a PackedSequences (segment ids of packed documents), or anything when made
+    with ignore_mask=True (then dropped); use is_causal (NNX) or make_attention_fn(mask_type="causal") for a causal
+    mask. dropout_rate > 0 with deterministic=False is refused
     (te_jax has no attention dropout yet); with deterministic=True it does nothing, as in Flax. module (sow_weights)
     is refused: the fused kernel never forms the attention weights. precision and force_fp32_for_softmax are
     accepted and have nothing to change: te_jax's kernels accumulate and take the softmax in float32.
@@ -79,12 +115,14 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     if bias is not None:
       raise ValueError("te_jax attention_fn: bias must be None: te_jax does not take an additive attention bias "
                        "yet; use Flax's default attention_fn for a bias")
-    if mask is not None and not ignore_mask:
+    packed = mask if isinstance(mask, PackedSequences) else None
+    if mask is not None and packed is None and not ignore_mask:
       raise ValueError("te_jax attention_fn: the module passed a mask, and te_jax does not take an arbitrary boolean "
                        "mask yet. For a causal mask pass no mask and either call the NNX module with is_causal=True "
                        "or build the attention function with te_jax.flax.make_attention_fn(mask_type='causal'); "
                        "make_attention_fn(mask_type='causal', ignore_mask=True) drops a mask that is exactly "
-                       "nn.make_causal_mask's, unchecked")
+                       "nn.make_causal_mask's, unchecked. For packed documents pass "
+                       "mask=te_jax.flax.PackedSequences(segment_ids)")
     if dropout_rate and not deterministic:
       raise ValueError(f"te_jax attention_fn: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
                        f"is not in te_jax yet; set the module's dropout_rate=0.0, or run it deterministic")
@@ -113,7 +151,8 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     mask_used = mask_type
     if is_causal and not mask_type.is_causal:
       mask_used = MaskType.CAUSAL
-    out = fused_attn(query, key, value, mask_type=mask_used, **te_jax_options)
+    tokens = {} if packed is None else packed.fused_attn_kwargs(batch_dims, batch)
+    out = fused_attn(query, key, value, mask_type=mask_used, **tokens, **te_jax_options)
     return out.reshape(batch_dims + out.shape[1:])
 
   return attention_fn

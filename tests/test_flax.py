@@ -103,6 +103,40 @@ def test_nnx_causal_trains_like_default(num_kv_heads):
   _assert_trains_the_same(got, want)
 
 
+def _segment_ids():
+  """Documents of lengths 5..11 packed back to back in each row, ids from 1 (no padding)."""
+  rng = np.random.default_rng(1)
+  rows = []
+  for _ in range(BATCH):
+    lengths = []
+    while sum(lengths) < SEQ:
+      lengths.append(int(rng.integers(5, 12)))
+    rows.append(np.repeat(np.arange(1, len(lengths) + 1), lengths)[:SEQ])
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def test_nnx_packed_documents_train_like_a_segment_mask():
+  """te_jax's segment ids (PackedSequences in the mask slot) against Flax's default attention with the boolean mask
+  of the same documents, both causal."""
+  ids = _segment_ids()
+  want = _train_nnx(None, 2, is_causal=True, mask=nn.make_attention_mask(ids, ids, jnp.equal))
+  got = _train_nnx(te_jax.flax.attention_fn, 2, is_causal=True, mask=te_jax.flax.PackedSequences(ids))
+  _assert_trains_the_same(got, want)
+  causal_only = _train_nnx(te_jax.flax.attention_fn, 2, is_causal=True)
+  assert np.abs(causal_only - got).max() > 1e-3, "the segment ids changed nothing"
+
+
+def test_packed_sequences_with_batch_dims():
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(rng.standard_normal((2, 3, 10, 2, 8)), jnp.float32)
+  ids = jnp.asarray(np.repeat([[1] * 4 + [2] * 6], 6, axis=0).reshape(2, 3, 10), jnp.int32)
+  got = te_jax.flax.attention_fn(q, q, q, mask=te_jax.flax.PackedSequences(ids), is_causal=True)
+  want = nnx.dot_product_attention(q, q, q, mask=nn.make_attention_mask(ids, ids, jnp.equal), is_causal=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="PackedSequences.q_segment_ids must be"):
+    te_jax.flax.attention_fn(q, q, q, mask=te_jax.flax.PackedSequences(ids[0]))
+
+
 def test_nnx_causal_from_make_attention_fn():
   want = _train_nnx(None, is_causal=True)
   got = _train_nnx(te_jax.flax.make_attention_fn(mask_type="causal"))  # no is_causal at the call
