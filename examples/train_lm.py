@@ -11,9 +11,11 @@ loss, tokens/s after the first, compiling, step) and writes the loss curve as a 
 The corpus is generated here, deterministically (--seed), so nothing is downloaded: short character-level
 documents of two kinds, "count 7 by 3: 7 10 13 16" (continue an arithmetic progression) and "copy kqzt: kqzt" (repeat
 what came before, which only attention can do), each ending in a newline. Documents are packed: the stream of
-documents is cut into rows of seq_len + 1 tokens with no padding, so a row starts and ends mid-document. The model sees
-each row as one causal sequence (attention crosses the document boundaries, as in most packed pre-training); with
-per-document masking (segment ids) each document would see only itself.
+documents is cut into rows of seq_len + 1 tokens with no padding, so a row starts and ends mid-document.
+--packing documents (the default on the CPU) gives each document of a row its segment id, so a token attends only to
+earlier tokens of its own document (te_jax: te_jax.flax.PackedSequences, fused_attn's segment ids; jax: the same as a
+boolean mask). --packing rows (the default elsewhere: te_jax's CUDA kernels take no segment ids yet) makes each row one
+causal sequence, attention crossing the document boundaries.
 """
 
 from __future__ import annotations
@@ -89,10 +91,15 @@ class Tokenizer:
     return np.array([self.ids[c] for c in text], np.int32)
 
 
-def packed_rows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-  """[N, seq_len + 1]: the token stream cut into rows (inputs are row[:-1], targets row[1:])."""
+def packed_rows(tokens: np.ndarray, seq_len: int, newline: int) -> tuple[np.ndarray, np.ndarray]:
+  """The token stream cut into rows: tokens [N, seq_len + 1] (inputs are row[:-1], targets row[1:]) and the inputs'
+  segment ids [N, seq_len]: 1 for the row's first (partial) document, 2 for the next, ... (a newline ends its
+  document)."""
   n = (len(tokens) - 1) // seq_len
-  return np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
+  document = np.concatenate([[0], np.cumsum(tokens == newline)[:-1]])  # documents ended before each token
+  rows = np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
+  ids = np.stack([document[i * seq_len: i * seq_len + seq_len] - document[i * seq_len] + 1 for i in range(n)])
+  return rows, ids.astype(np.int32)
 
 
 # --------------------------------------------------------------------------------------------------------------- model
@@ -105,11 +112,18 @@ def attention_function(name: str):
   if name == "jax-cudnn":
     def cudnn_attention(query, key, value, bias=None, mask=None, dropout_rate=0.0, deterministic=True,
                         is_causal=False, **unused):
-      if bias is not None or mask is not None or (dropout_rate and not deterministic):
-        raise ValueError("jax-cudnn attention here serves causal self-attention only")
-      return jax.nn.dot_product_attention(query, key, value, is_causal=is_causal, implementation="cudnn")
+      if dropout_rate and not deterministic:
+        raise ValueError("jax-cudnn attention here has no dropout")
+      return jax.nn.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal, implementation="cudnn")
     return cudnn_attention
   raise ValueError(f"unknown attention {name!r}")
+
+
+def document_mask(attention: str, segment_ids):
+  """What the attention takes as the mask of packed documents: te_jax its segment ids, jax.nn a boolean mask."""
+  if attention == "te_jax":
+    return te_jax.flax.PackedSequences(segment_ids)
+  return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, L, L]
 
 
 class Block(nnx.Module):
@@ -121,8 +135,8 @@ class Block(nnx.Module):
     self.up = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
     self.down = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x):
-    x = x + self.attn(self.norm1(x), is_causal=True)
+  def __call__(self, x, mask):
+    x = x + self.attn(self.norm1(x), mask=mask, is_causal=True)
     return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
 
@@ -134,22 +148,22 @@ class DecoderLM(nnx.Module):
     self.norm = nnx.RMSNorm(size.d_model, dtype=dtype, rngs=rngs)
     self.out = nnx.Linear(size.d_model, vocab, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens):
+  def __call__(self, tokens, mask=None):
     x = self.embed(tokens) + self.pos[...][: tokens.shape[1]].astype(self.embed.dtype or jnp.float32)
     for block in self.blocks:
-      x = block(x)
+      x = block(x, mask)
     return self.out(self.norm(x)).astype(jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------------------------ training
-def loss_fn(model, rows):
-  logits = model(rows[:, :-1])
+def loss_fn(model, rows, mask):
+  logits = model(rows[:, :-1], mask)
   return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
 
 @nnx.jit
-def train_step(model, optimizer, rows):
-  loss, grads = nnx.value_and_grad(loss_fn)(model, rows)
+def train_step(model, optimizer, rows, mask):
+  loss, grads = nnx.value_and_grad(loss_fn)(model, rows, mask)
   optimizer.update(model, grads)
   return loss
 
@@ -206,6 +220,10 @@ def main(argv=None) -> dict:
   p.add_argument("--lr", type=float, help="overrides the size's peak learning rate")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  help="default: float32 on the CPU, bfloat16 elsewhere (te_jax's CUDA kernels take bf16/fp16)")
+  p.add_argument("--packing", choices=("documents", "rows"),
+                 help="documents: each token sees only its own document (segment ids); rows: each row is one causal "
+                      "sequence. Default: documents on the CPU, rows elsewhere (te_jax's CUDA kernels take no "
+                      "segment ids yet)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default="train_lm_loss.png", help="where the loss curve PNG goes ('' for none)")
   p.add_argument("--summary-json", help="also write the summary as JSON here")
@@ -217,12 +235,15 @@ def main(argv=None) -> dict:
                                                    if getattr(args, k) is not None})
   backend = jax.default_backend()
   dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
+  packing = args.packing or ("documents" if backend == "cpu" else "rows")
 
   # Enough text for every step to see fresh rows once (then it cycles).
   text = make_corpus(size.steps * size.batch * size.seq_len + size.seq_len + 1, args.seed)
   tokenizer = Tokenizer(text)
-  rows = packed_rows(tokenizer.encode(text), size.seq_len)
-  batches = rows[: len(rows) // size.batch * size.batch].reshape(-1, size.batch, size.seq_len + 1)
+  rows, segment_ids = packed_rows(tokenizer.encode(text), size.seq_len, tokenizer.ids["\n"])
+  num_batches = len(rows) // size.batch
+  batches = rows[: num_batches * size.batch].reshape(num_batches, size.batch, size.seq_len + 1)
+  batch_ids = segment_ids[: num_batches * size.batch].reshape(num_batches, size.batch, size.seq_len)
 
   model = DecoderLM(tokenizer.vocab_size, size, attention_function(args.attention), dtype, nnx.Rngs(args.seed))
   warmup = max(1, size.steps // 20)
@@ -232,14 +253,16 @@ def main(argv=None) -> dict:
   print(f"train_lm: attention {args.attention}, {backend} ({jax.devices()[0].device_kind}), {dtype.name}, "
         f"{size.layers} layers, d_model {size.d_model}, {size.heads} heads (head dim {size.d_model // size.heads}), "
         f"seq {size.seq_len}, batch {size.batch}, {size.steps} steps, {params:,} parameters, vocab "
-        f"{tokenizer.vocab_size}, {len(rows)} packed rows", flush=True)
+        f"{tokenizer.vocab_size}, {len(rows)} packed rows, packing {packing}", flush=True)
 
   losses, progress = [], Progress(size.steps, enabled=not args.no_progress)
   start = time.perf_counter()
   first_step_s = None
   try:
     for step in range(size.steps):
-      loss = float(train_step(model, optimizer, jnp.asarray(batches[step % len(batches)])))  # waits for the step
+      b = step % num_batches
+      mask = document_mask(args.attention, jnp.asarray(batch_ids[b])) if packing == "documents" else None
+      loss = float(train_step(model, optimizer, jnp.asarray(batches[b]), mask))  # float() waits for the step
       if step == 0:
         first_step_s = time.perf_counter() - start
         timed_from = time.perf_counter()
@@ -251,7 +274,8 @@ def main(argv=None) -> dict:
     progress.close()
   total_s = time.perf_counter() - start
   timed_steps = size.steps - 1
-  summary = dict(attention=args.attention, backend=backend, dtype=dtype.name, size=dataclasses.asdict(size),
+  summary = dict(attention=args.attention, backend=backend, dtype=dtype.name, packing=packing,
+                 size=dataclasses.asdict(size),
                  parameters=params, first_loss=losses[0], last_loss=float(np.mean(losses[-10:])),
                  tokens_per_s=(timed_steps * size.batch * size.seq_len / (total_s - first_step_s)
                                if timed_steps else math.nan),
@@ -261,7 +285,7 @@ def main(argv=None) -> dict:
         f"(first step, with compiling: {first_step_s:.1f} s); total {total_s:.1f} s", flush=True)
   if args.plot:
     plot_losses(losses, args.plot, f"train_lm: {args.attention}, {backend} {dtype.name}, {size.layers}x{size.d_model}, "
-                                   f"seq {size.seq_len}, {summary['tokens_per_s']:,.0f} tokens/s")
+                                   f"seq {size.seq_len}, packing {packing}, {summary['tokens_per_s']:,.0f} tokens/s")
     print(f"loss curve: {args.plot}")
   if args.summary_json:
     with open(args.summary_json, "w") as f:
