@@ -45,7 +45,8 @@ class PackedSequences:
 
   te_jax's attention_fn hands them to fused_attn (q_segment_ids, kv_segment_ids, q_positions, kv_positions; see
   te_jax.fused_attn): a query sees only keys of its own segment, id 0 is padding. Each is int32 `[batch..., L]` with
-  the module's batch dims. The same mask for Flax's default attention is
+  the module's batch dims. A padding mask is ids 1 for tokens and 0 for padding: `PackedSequences(valid.astype(int))`
+  (padded query rows give 0, where Flax's attention gives the mean of value). The same mask for Flax's default attention is
   `nn.make_attention_mask(segment_ids, segment_ids, jnp.equal)` (which, unlike te_jax, lets id-0 tokens see each
   other). Only te_jax's attention_fn understands this object; te_jax serves it on the CPU backend so far.
   """

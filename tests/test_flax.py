@@ -126,6 +126,48 @@ def test_nnx_packed_documents_train_like_a_segment_mask():
   assert np.abs(causal_only - got).max() > 1e-3, "the segment ids changed nothing"
 
 
+def test_nnx_padding_as_segment_id_0_trains_like_a_padding_mask():
+  """A padding mask is segment ids 1 (token) and 0 (padding). Padded query rows differ (te_jax 0, Flax the mean of
+  value), so the loss counts real tokens only, and then training is the same."""
+  lengths = np.array([SEQ, SEQ - 5, 9, 17])
+  valid = jnp.asarray(np.arange(SEQ)[None, :] < lengths[:, None])
+  tokens = _tokens()
+  weights = valid.astype(jnp.float32)
+
+  def train(attention_fn, mask):
+    model = NnxModel(attention_fn, nnx.Rngs(0), num_kv_heads=2)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def loss_fn(m):
+      losses = optax.softmax_cross_entropy_with_integer_labels(m(tokens[:, :-1], mask=mask, is_causal=True),
+                                                               tokens[:, 1:])
+      return (losses * weights).sum() / weights.sum()
+
+    @nnx.jit
+    def step(model, optimizer):
+      loss, grads = nnx.value_and_grad(loss_fn)(model)
+      optimizer.update(model, grads)
+      return loss
+
+    return np.array([float(step(model, optimizer)) for _ in range(STEPS)])
+
+  want = train(None, nn.make_attention_mask(valid, valid))
+  got = train(te_jax.flax.attention_fn, te_jax.flax.PackedSequences(valid.astype(jnp.int32)))
+  _assert_trains_the_same(got, want)
+
+
+def test_linen_packed_documents_forward():
+  ids = _segment_ids()
+  x = jax.random.normal(jax.random.key(3), (BATCH, SEQ, EMBED))
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  te = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=te_jax.flax.make_attention_fn(mask_type="causal"))
+  params = ref.init(jax.random.key(0), x)
+  want = ref.apply(params, x, mask=nn.combine_masks(nn.make_attention_mask(ids, ids, jnp.equal),
+                                                    nn.make_causal_mask(ids)))
+  got = te.apply(params, x, mask=te_jax.flax.PackedSequences(ids))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_packed_sequences_with_batch_dims():
   rng = np.random.default_rng(2)
   q = jnp.asarray(rng.standard_normal((2, 3, 10, 2, 8)), jnp.float32)
