@@ -36,7 +36,7 @@ struct AttentionParams {
   float softcap = 0.0f;       // 0: off
   bool has_alibi = false;
   // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal, and on the CPU backend only so far.
-  bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding (sees and is seen by none)
+  bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding
   bool has_positions = false;    // causal masks, windows and ALiBi use these positions instead of the indices
   // Backward only. false: the CUDA backward sums dq over key blocks with float atomics in one pass (fast; the order
   // of the additions, and so dq's last bits, can differ between runs). true: a second pass recomputes each dq row in

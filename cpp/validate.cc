@@ -51,12 +51,13 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   if (!(std::isfinite(p.softcap) && p.softcap >= 0.0f)) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
-  if ((p.has_segment_ids || p.has_positions) && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
+  const bool packed = p.has_segment_ids || p.has_positions;
+  if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
     return Status::InvalidArgument(
         "segment ids and positions go with mask_type no_mask or causal only: for padding use segment id 0, for a "
         "bottom-right diagonal pass positions (e.g. q_positions = kv_len - q_len + i)");
   }
-  if (backend == Backend::kCuda && (p.has_segment_ids || p.has_positions)) {
+  if (backend == Backend::kCuda && packed) {
     return Status::InvalidArgument("segment ids and positions run on the CPU backend only so far (issue 11); the CUDA "
                                    "kernels do not read them yet");
   }

@@ -24,34 +24,37 @@ class XlaPoolScheduler final : public cpu::TaskScheduler {
 };
 
 ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                      ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
-                      ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_positions, ffi::AnyBuffer kv_positions,
+                      ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes,
+                      ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_positions,
+                      ffi::AnyBuffer kv_positions,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                       ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
                       int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic,
                       int64_t engine, bool has_segment_ids, bool has_positions) {
   AttentionParams params;
   const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
-                             engine,    has_segment_ids, has_positions};
+                             engine, has_segment_ids, has_positions};
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   XlaPoolScheduler scheduler(pool);
   return ToFfiError(cpu::AttentionForward(
-      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, *out, *lse, *workspace), &scheduler));
+      params, ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, *out, *lse, *workspace),
+      &scheduler));
 }
 
 ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                        ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens,
                        ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
-                      ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_positions, ffi::AnyBuffer kv_positions, ffi::Result<ffi::AnyBuffer> dq,
+                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_positions, ffi::AnyBuffer kv_positions,
+                       ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                        ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left,
                        int64_t window_right, float scale, float softcap, bool has_alibi, bool deterministic,
                        int64_t engine, bool has_segment_ids, bool has_positions) {
   AttentionParams params;
   const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
-                             engine,    has_segment_ids, has_positions};
+                             engine, has_segment_ids, has_positions};
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, attrs, &params);
   if (!status.ok()) return ToFfiError(status);

@@ -53,6 +53,11 @@ def packed_tokens(case: Case, kind: str) -> dict:
                 kv_positions=rng.integers(0, skv, (b, skv)).astype(np.int32))
   if kind == "decode":  # q_positions = cache length + i, the keys by index
     return dict(q_positions=(skv - sq + np.arange(sq, dtype=np.int32))[None].repeat(b, 0))
+  if kind == "huge_positions":  # near int32's ends, where pos +- window must not wrap
+    top = np.iinfo(np.int32).max
+    return dict(q_positions=(top - sq + np.arange(sq))[None].repeat(b, 0).astype(np.int32),
+                kv_positions=(top - skv + np.arange(skv))[None].repeat(b, 0).astype(np.int32),
+                q_segment_ids=np.ones((b, sq), np.int32), kv_segment_ids=np.ones((b, skv), np.int32))
   raise ValueError(kind)
 
 
@@ -70,6 +75,8 @@ CASES = [
     (BASE.replace(mask="no_mask", window=(10, 5), alibi="h"), "random_positions"),
     (BASE.replace(seqlen_q=7, seqlen_kv=300), "decode"),
     (BASE.replace(seqlen_q=70, seqlen_kv=300, window=(100, -1), alibi="h"), "decode"),
+    (BASE.replace(mask="no_mask", window=(2**31 - 1, 20)), "huge_positions"),
+    (BASE.replace(window=(30, 2**31 - 1)), "huge_positions"),
     (BASE.replace(dtype="bfloat16"), "ids+positions"),
     (BASE.replace(dtype="float16", heads=2, kv_heads=1, head_dim=64, head_dim_v=32), "ids"),
 ]

@@ -201,7 +201,8 @@ bool Meets(const AttentionParams& p, const QTileReach& q_tile, const KeyTokenBou
   const int64_t begin = kv_tile * kTileKV, end = std::min(p.seqlen_kv, begin + kTileKV);
   if (!Meets(q_tile.keys, begin, end)) return false;
   if (kv_tile_tokens == nullptr) return true;
-  return MayMeet(p.has_segment_ids, p.has_positions, q_tile.tokens, kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + kv_tile]);
+  const KeyTokenBounds& keys = kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + kv_tile];
+  return MayMeet(p.has_segment_ids, p.has_positions, q_tile.tokens, keys);
 }
 
 // A work item and its estimated cost: items run most expensive first, so the long causal rows do not end up alone on

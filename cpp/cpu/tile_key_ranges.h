@@ -66,7 +66,8 @@ struct TileKeyRanges {
 
   bool AllSee(int64_t key_begin, int64_t key_end) const { return key_begin >= all.begin && key_end <= all.end; }
   bool AllSee(int64_t key_begin, int64_t key_end, const KeyTokenBounds& key_tokens) const {
-    return AllSee(key_begin, key_end) && (!tokens.active() || AllMeet(tokens.has_ids(), tokens.has_positions(), token_rows, key_tokens));
+    return AllSee(key_begin, key_end) &&
+           (!tokens.active() || AllMeet(tokens.has_ids(), tokens.has_positions(), token_rows, key_tokens));
   }
 
   // Narrows the keys [*key_begin, *key_end) of a masked tile to those some row may see, by the rows' id and position
