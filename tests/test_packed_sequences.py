@@ -215,3 +215,29 @@ def test_nonfinite_v_reaches_only_its_document(mask):
   assert np.isnan(out[0, 90:100, 1, 3]).all() and np.isinf(out[0, 120:, 0, 7]).all()  # their own document's rows
   assert_close("out", out, ref["out"], tolerance("float32"))
   assert_close("lse", np.asarray(lse), ref["lse"], tolerance("float32"))
+
+
+def test_padding_tokens_never_reach_other_tokens():
+  """The id-0 tokens after the last document hold garbage: NaN (the forward of every other token stays finite and
+  exact) or huge finite values (its gradients too; a NaN there may, like any non-finite value of an invisible key in
+  a straddling tile, poison gradients in that tile: docs/ARCHITECTURE.md "NaN and inf"). The padding rows give out 0,
+  lse -inf and zero gradients."""
+  from te_jax.reference import attention_reference
+  rng = np.random.default_rng(9)
+  q, k, v, dout = (rng.standard_normal((2, 200, 2, 32)).astype(np.float32) for _ in range(4))
+  ids = np.asarray(segment_ids_from_lengths(np.array([[60, 70], [150, 0]]), 200))
+  pad = (ids == 0)[..., None, None]
+  ref = attention_reference(q, k, v, mask_type="causal", q_segment_ids=ids, dout=dout)
+  f = lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", q_segment_ids=ids, return_lse=True)
+  tol = tolerance("float32")
+  for garbage in (np.nan, 1e4):
+    qg, kg, vg = (np.where(pad, np.float32(garbage), x) for x in (q, k, v))
+    (out, lse), vjp = jax.vjp(f, qg, kg, vg)
+    results = dict(out=out)
+    if np.isfinite(garbage):
+      results.update(zip(("dq", "dk", "dv"), vjp((dout, np.zeros_like(lse)))))
+    for name, got in results.items():
+      got = np.asarray(got)
+      assert np.isfinite(got).all(), (garbage, name)
+      np.testing.assert_allclose(got, np.where(pad, 0.0, ref[name]), rtol=2 * tol, atol=2 * tol, err_msg=name)
+    assert np.all(np.asarray(lse).transpose(0, 2, 1)[ids == 0] == -np.inf)
