@@ -135,6 +135,12 @@ NB_MODULE(_te_jax_cuda, m) {
     bindings::ThrowIfError(cuda::NvrtcVersionString(&v));
     return v;
   });
+  // Changes whenever a kernel source does: what a measurement of te_jax's kernels depends on (te_jax/_engine_choice.py).
+  m.def("kernel_sources_digest", [] {
+    const cuda::KernelSources* sources = nullptr;
+    bindings::ThrowIfError(cuda::GetKernelSources(&sources));
+    return sources->digest;
+  });
   m.def(
       "prepare",
       [](const nb::dict& fields, const std::string& direction) {

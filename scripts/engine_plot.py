@@ -20,7 +20,8 @@ def main(src: str, dst: str) -> None:
   modes = data["args"]["modes"].split(",")
   labels = [f"d{r['d']} s{r['s'] // 1024 or r['s']}{'k' if r['s'] >= 1024 else ''}{' c' if r['causal'] else ''}"
             for r in rows]
-  fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), sharey=True)
+  fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), sharey=True, squeeze=False)
+  axes = axes[0]
   for ax, mode in zip(axes, modes):
     for engine, marker in zip(engines, "osx^"):
       ratio = [r[f"{engine}_{mode}"] / r[f"jax-cudnn_{mode}"] for r in rows]

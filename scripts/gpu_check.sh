@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [tests|sanitize|jit|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|sanitize|jit|bench|oldkernels]...   Sections default to all.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
@@ -29,6 +29,9 @@ echo "aot precompile: $(( $(date +%s) - t0 )) s"
 
 for s in $SECTIONS; do
   case $s in
+  smoke)
+    timeout ${SMOKE_TIMEOUT:-180} python3 "$REPO/scripts/gpu_smoke.py" 2>&1 | tee "$OUT/smoke.log" | grep -v Warning
+    echo "smoke rc=$?" ;;
   tests)
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \

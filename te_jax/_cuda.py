@@ -91,7 +91,7 @@ def cudnn_refusal(params: dict, direction: str, config) -> str | None:
 def _tuner() -> EngineTuner:
   name, driver = ext.device_description()
   identity = dict(gpu=name, driver=driver, cudnn=ext.cudnn_version(), nvrtc=ext.nvrtc_version(),
-                  te_jax=importlib.metadata.version("te_jax"))
+                  te_jax=importlib.metadata.version("te_jax"), kernels=ext.kernel_sources_digest()[:16])
   cache = pathlib.Path(ext.cache_dir()).parent / "autotune"
   return EngineTuner(ext.time_attention, identity, cache)
 

@@ -6,6 +6,8 @@
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/cuda/kernels/sm90/tile_size.h"
+#include "cpp/cuda/tensor_maps.h"
 #include "cpp/validate.h"
 
 namespace te_jax::cuda {
@@ -26,12 +28,15 @@ ShapeArgs MakeShape(const AttentionParams& p) {
   return s;
 }
 
-Status Module(const AttentionParams& params, Direction direction, const LoadedModule** module) {
+Status Module(const AttentionParams& params, Direction direction, const LoadedModule** module,
+              KernelFamily* family = nullptr) {
   CUdevice device = 0;
   std::string arch;
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
+  const KernelConfig config = ConfigFor(params, direction, arch);
+  if (family != nullptr) *family = config.Family();
   JitReport report;
-  return GetLoadedModule(ConfigFor(params, direction, arch), device, module, &report);
+  return GetLoadedModule(config, device, module, &report);
 }
 
 template <typename Args>
@@ -82,12 +87,33 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   const DriverApi* driver = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
   const LoadedModule* module = nullptr;
-  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &module));
+  KernelFamily family = KernelFamily::kSm80;
+  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &module, &family));
   ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse};
-  const sm80::TileSize tile = sm80::ForwardTileSize(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+  const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  if (family == KernelFamily::kSm80) {
+    const sm80::TileSize tile = sm80::ForwardTileSize(d, dv);
+    return Launch(driver, module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
+                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * tile.warps,
+                  module->smem_bytes[0], stream, &args);
+  }
+  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
+  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv);
+  TmaForwardArgs tma{args, {}, {}, {}};
+  TE_JAX_RETURN_IF_ERROR(
+      EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
+  if (p.seqlen_kv == 0) {
+    // No row sees a key: the kernel loads no k or v, and their maps need only be valid ones (q's stands in).
+    tma.k = tma.v = tma.q;
+  } else {
+    TE_JAX_RETURN_IF_ERROR(
+        EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, d, tile.block_n, &tma.k));
+    TE_JAX_RETURN_IF_ERROR(
+        EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n, &tma.v));
+  }
   return Launch(driver, module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
-                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * tile.warps,
-                module->smem_bytes[0], stream, &args);
+                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kForwardThreads,
+                module->smem_bytes[0], stream, &tma);
 }
 
 namespace {

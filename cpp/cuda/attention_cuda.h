@@ -1,7 +1,7 @@
 // The CUDA backend's entry points, shared by the FFI handlers and the legacy custom calls: validate, then run the engine
 // the lowering chose (params.engine): te_jax's kernels (find the compiled module for the configuration, launch on the
 // caller's stream) or cuDNN's graphs (cpp/cuda/cudnn/). No synchronisation; errors are launch errors only (run-time
-// length errors are reported in-kernel as NaN outputs, see kernels/sm80/block_range.h).
+// length errors are reported in-kernel as NaN outputs, see kernels/common/block_range.h).
 #pragma once
 
 #include <cuda.h>

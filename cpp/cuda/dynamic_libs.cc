@@ -71,6 +71,7 @@ Status GetDriver(const DriverApi** api) {
     Bind(lib, "cuEventDestroy_v2", &driver.cuEventDestroy, &missing);
     Bind(lib, "cuEventRecord", &driver.cuEventRecord, &missing);
     Bind(lib, "cuEventElapsedTime", &driver.cuEventElapsedTime, &missing);  // v1: also in CUDA 12 drivers
+    Bind(lib, "cuTensorMapEncodeTiled", &driver.cuTensorMapEncodeTiled, &missing);
     if (!missing.empty()) {
       return Status::Unavailable("libcuda.so.1 lacks " + missing + " (te_jax needs a CUDA 12.0 or newer driver)");
     }

@@ -35,6 +35,21 @@ struct ForwardArgs {
   float* lse;
 };
 
+// A CUtensorMap (cuda.h), opaque: 128 bytes, 128-byte aligned. Kernels built by NVRTC see no cuda.h, so they take it as
+// this; the host encodes a CUtensorMap and copies it in (tensor_maps.h checks the sizes agree).
+struct alignas(128) TensorMap {
+  uint64_t opaque[16];
+};
+
+// The sm90 forward's parameters: the forward's, and TMA tensor maps of q, k and v as 4-D tensors [B][S][H][D] (innermost
+// first: D, H, S, B), each copied box by box as 64 columns x the tile's rows of one (batch, head).
+struct TmaForwardArgs {
+  ForwardArgs args;
+  TensorMap q;
+  TensorMap k;
+  TensorMap v;
+};
+
 // The length guard (kernels/common/length_guard.cuh) around an engine that trusts its run-time lengths: before it,
 // clamped copies of the lengths and per-batch invalid flags go to `guarded`; after it, the rows and keys the lengths
 // cut get te_jax's values and the outputs of invalid batch entries NaN. Outputs of the other direction are null.

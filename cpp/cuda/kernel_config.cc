@@ -1,6 +1,7 @@
 #include "cpp/cuda/kernel_config.h"
 
 #include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/cuda/kernels/sm90/tile_size.h"
 
 namespace te_jax::cuda {
 namespace {
@@ -33,12 +34,25 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
   return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
 }
 
+KernelFamily KernelConfig::Family() const {
+  const bool served = kind == ModuleKind::kAttention && direction == Direction::kForward && arch == "sm_90a" &&
+                    sm90::ServesForward(head_dim, head_dim_v);
+  return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
+}
+
 std::string KernelConfig::Name() const {
   if (kind == ModuleKind::kLengthGuard) return "length_guard_" + arch;
   const char* what = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
-  return std::string(what) + "_" +
-         (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" + std::to_string(head_dim) + "_dv" +
-         std::to_string(head_dim_v) + "_" + VariantName(softcap, alibi) + "_" + arch;
+  std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
+                     std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
+                     VariantName(softcap, alibi) + "_" + arch;
+  if (direction != Direction::kForward) return name;
+  if (Family() == KernelFamily::kSm90) {
+    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v);
+    return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
+  }
+  const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v);
+  return name + "_sm80_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
 }
 
 std::string KernelConfig::RenderSource() const {
@@ -54,7 +68,13 @@ std::string KernelConfig::RenderSource() const {
                               (alibi ? "true" : "false") + ">";
   const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
   std::string src = "// te_jax JIT translation unit: " + Name() + "\n#include \"cpp/variants.h\"\n";
-  if (direction == Direction::kForward) {
+  if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
+    // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
+    src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n"
+           "using Fwd = te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
+           "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads, 1)\n"
+           "te_jax_attention_forward(const __grid_constant__ te_jax::cuda::TmaForwardArgs args) { Fwd::Run(args); }\n";
+  } else if (direction == Direction::kForward) {
     src += "#include \"cpp/cuda/kernels/sm80/attention_fwd.cuh\"\n"
            "using Fwd = te_jax::cuda::sm80::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
            "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"

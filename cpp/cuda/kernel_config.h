@@ -18,6 +18,11 @@ enum class Direction { kForward, kBackward };
 // theirs (kernels/common/length_guard.cuh), which depends on the arch alone.
 enum class ModuleKind { kAttention, kLengthGuard };
 
+// Which kernel family serves a configuration: sm80 (mma.sync, cp.async; every arch from sm_80) or sm90 (wgmma, TMA,
+// warp specialisation; the forward on sm_90a). The family follows from the configuration, so the AOT sets, the
+// cache and the launcher agree on it.
+enum class KernelFamily { kSm80, kSm90 };
+
 struct KernelConfig {
   ModuleKind kind = ModuleKind::kAttention;
   Direction direction = Direction::kForward;
@@ -29,7 +34,8 @@ struct KernelConfig {
   bool deterministic = false;  // backward only: the three-kernel backward without atomics (kernels/sm80/attention_bwd.cuh)
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
 
-  std::string Name() const;
+  KernelFamily Family() const;
+  std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string RenderSource() const;
   // Entry points of the module, in launch order (forward: 1; backward: preprocess, dk/dv + dq, dq conversion;
   // deterministic backward: preprocess, dk/dv, dq).

@@ -9,6 +9,7 @@
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/jit_cache.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/nvrtc_compiler.h"
 #include "cpp/cuda/sha256.h"
 
@@ -82,6 +83,7 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
+  if (c.Family() == KernelFamily::kSm90) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v);
   if (c.direction == Direction::kForward) return sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v);
   if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
   if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v);

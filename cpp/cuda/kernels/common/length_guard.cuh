@@ -4,7 +4,7 @@
 // row and key the lengths decide about: a query row with no visible key (past q_len, or cut off by kv_len, the
 // bottom-right diagonal or a window) gets out = 0, lse = -inf, dq = 0; a key at or past kv_len gets dk = dv = 0; every
 // output of a batch entry whose lengths were out of range is NaN (as the sm80 kernels do in-kernel,
-// kernels/sm80/block_range.h). Rows and keys the lengths do not touch are left as the engine wrote them.
+// kernels/common/block_range.h). Rows and keys the lengths do not touch are left as the engine wrote them.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"

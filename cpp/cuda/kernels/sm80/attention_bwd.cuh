@@ -14,9 +14,9 @@
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/cuda/kernels/sm80/block_range.h"
+#include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/sm80/bulk_reduce.h"
-#include "cpp/cuda/kernels/sm80/online_softmax.h"
+#include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"

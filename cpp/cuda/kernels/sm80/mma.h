@@ -7,14 +7,9 @@
 #pragma once
 
 #include "cpp/cuda/kernels/common/element.h"
+#include "cpp/cuda/kernels/common/shared_memory.h"
 
 namespace te_jax::cuda::sm80 {
-
-__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
-  uint32_t a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"

@@ -3,6 +3,7 @@
 // shared-memory traffic per mma (the kernels' main cost).
 #pragma once
 
+#include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 
 namespace te_jax::cuda::sm80 {
@@ -13,16 +14,6 @@ __device__ __forceinline__ void ZeroFragments(float (&acc)[kMT][kN8][4]) {
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int j = 0; j < kN8; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
-}
-
-// Two adjacent C tiles (columns 16 kk .. 16 kk + 15) rounded to 16 bits: exactly the A fragment of k 16 kk .. + 15, which
-// is how P and dS feed the next product without leaving registers.
-template <typename Element, int kN8>
-__device__ __forceinline__ void PackAFragment(const float (&c)[kN8][4], int kk, uint32_t (&a)[4]) {
-  a[0] = Element::Pack(c[2 * kk][0], c[2 * kk][1]);
-  a[1] = Element::Pack(c[2 * kk][2], c[2 * kk][3]);
-  a[2] = Element::Pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-  a[3] = Element::Pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
 // acc[mt] (16 x kN) += A B^T over k in [0, kK): A's m tile mt is rows a_row + 16 mt of a row-major tile, B is rows

@@ -8,7 +8,7 @@
 
 #include "cpp/host_device.h"
 
-namespace te_jax::cuda::sm80 {
+namespace te_jax::cuda {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
@@ -79,4 +79,4 @@ struct OnlineSoftmax {
   }
 };
 
-}  // namespace te_jax::cuda::sm80
+}  // namespace te_jax::cuda

@@ -7,7 +7,7 @@
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/visible_keys.h"
 
-namespace te_jax::cuda::sm80 {
+namespace te_jax::cuda {
 
 // The batch's lengths. Out-of-range values (outside [0, S]) are clamped, so nothing reads out of bounds, and flagged:
 // the kernels then write NaN to every output of that batch (the CPU backend raises instead; the Python layer checks
@@ -71,11 +71,12 @@ struct QueryBlockOfCta {
   int tile_begin, tile_end;
 };
 
+// The query block is blockIdx.x unless the kernel orders its blocks otherwise (sm90: the longest first).
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ QueryBlockOfCta QueryBlockOf(const ShapeArgs& s, const int32_t* q_seqlens,
-                                                        const int32_t* kv_seqlens) {
+                                                        const int32_t* kv_seqlens, int m_block = blockIdx.x) {
   QueryBlockOfCta c;
-  c.m0 = blockIdx.x * kBlockM;
+  c.m0 = m_block * kBlockM;
   c.head = blockIdx.y;
   c.b = blockIdx.z;
   c.kv_head = c.head / (s.num_heads / s.num_kv_heads);
@@ -110,4 +111,4 @@ __device__ __forceinline__ RowSpan RowsOfKeys(const RowMask& mask, int n0, int n
 
 __device__ __forceinline__ bool Visible(const KeyRange& keys, int j) { return j >= keys.begin && j < keys.end; }
 
-}  // namespace te_jax::cuda::sm80
+}  // namespace te_jax::cuda

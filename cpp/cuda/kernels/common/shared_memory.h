@@ -1,0 +1,15 @@
+// Shared-memory addresses as the 32-bit offsets into the shared window that PTX's .shared instructions take (ldmatrix,
+// cp.async, mbarrier, TMA, wgmma descriptors): converted once from a generic pointer, then advanced in 32-bit arithmetic.
+#pragma once
+
+#include "cpp/host_device.h"
+
+namespace te_jax::cuda {
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+}  // namespace te_jax::cuda

@@ -1,0 +1,408 @@
+// Forward flash attention, sm90 family (sm_90a): wgmma products, TMA copies into mbarrier-guarded rings, and warp
+// specialisation. A CTA owns 128 query rows of one (batch, head) and has three warpgroups:
+//   - the producer: one thread issues the TMA copies of q (once) and of each k and v tile into two-stage rings; the
+//     warpgroup gives most of its registers to the others (setmaxnreg);
+//   - two consumers of 64 rows each: s = q k^T with q and k from shared memory, the mask and variant on s, the online
+//     softmax, and o += p v with p from registers. Each iteration issues the next tile's q k^T before this tile's p v
+//     and runs the softmax while both products run, so the tensor cores rarely wait for the softmax.
+// k and v have separate rings: a k stage goes back to the producer as soon as its q k^T is done, so the next tiles' k
+// is in flight a whole iteration ahead. Masks, variants and non-finite values follow the sm80 family
+// (kernels/sm80/attention_fwd.cuh): tiles outside every row's key range are never loaded, tiles inside it skip the
+// per-element mask, and a CTA whose tiles straddle a range edge and whose result holds NaN runs its pass again with
+// the careful product below.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/fragment.h"
+#include "cpp/cuda/kernels/common/online_softmax.h"
+#include "cpp/cuda/kernels/sm90/mbarrier.h"
+#include "cpp/cuda/kernels/sm90/swizzled_tile.h"
+#include "cpp/cuda/kernels/sm90/tile_size.h"
+#include "cpp/cuda/kernels/sm90/tma.h"
+#include "cpp/cuda/kernels/sm90/wgmma.h"
+
+namespace te_jax::cuda::sm90 {
+
+// Whether any thread of the CTA passes true (a barrier over all kThreads threads, named 1 so it never meets
+// __syncthreads).
+template <int kThreads>
+__device__ __forceinline__ bool CtaAny(bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.red.or.pred q, 1, %2, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "n"(kThreads)
+      : "memory");
+  return any != 0;
+}
+
+// Named barriers 2 and 3 take turns between the two consumer warpgroups (FlashAttention-3's ping-pong): a warpgroup
+// waits for its turn before issuing its products and hands the turn over right after, so one warpgroup's softmax
+// runs while the other's products keep the tensor cores busy.
+__device__ __forceinline__ void WaitTurn(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(2 + wg) : "memory"); }
+__device__ __forceinline__ void PassTurn(int wg) { asm volatile("bar.arrive %0, 256;" ::"r"(3 - wg) : "memory"); }
+
+template <typename Element, int kD, int kDv, typename Variant>
+struct ForwardKernel {
+  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kThreads = kForwardThreads;
+  static constexpr int kDP = PadTo64(kD);
+  static constexpr int kDvP = PadTo64(kDv);
+  static constexpr int kQkSteps = (kD + 15) / 16;  // k16 steps of q k^T; the zero padding past kD is skipped
+  static constexpr int kPvN = kDvP % 128 == 0 ? 128 : 64;  // n of each p v instruction
+  using QTile = SwizzledTile<kBlockM, kDP>;
+  using KTile = SwizzledTile<kBlockN, kDP>;
+  using VTile = SwizzledTile<kBlockN, kDvP>;
+  static constexpr int kKOffset = QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
+  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 4 * kStages);
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kBlockM == 2 * 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups of 64 rows");
+  static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
+
+  // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h).
+  static constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+
+  // The shared-memory map, from the 1024-byte-aligned base.
+  struct Smem {
+    uint32_t base;
+    __device__ __forceinline__ QTile Q() const { return {base}; }
+    __device__ __forceinline__ KTile K(int stage) const { return {base + kKOffset + stage * KTile::kBytes}; }
+    __device__ __forceinline__ VTile V(int stage) const { return {base + kVOffset + stage * VTile::kBytes}; }
+    __device__ __forceinline__ uint32_t QFull() const { return base + kBarrierOffset; }
+    __device__ __forceinline__ uint32_t KFull(int stage) const { return QFull() + 8 * (1 + stage); }
+    __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
+    __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
+    __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
+  };
+
+  // The position of the i-th tile a CTA consumes (counted over both passes) in the rings.
+  static __device__ __forceinline__ int StageOf(int i) { return i % kStages; }
+  static __device__ __forceinline__ uint32_t ParityOf(int i) { return static_cast<uint32_t>(i / kStages) & 1u; }
+
+  // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`.
+  static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
+                                                 bool load_q, int i) {
+    if (load_q) {
+      MbarrierArriveExpectBytes(sm.QFull(), QTile::kBytes);
+#pragma unroll
+      for (int c = 0; c < kDP / 64; ++c) {
+        TmaLoad4d(sm.Q().base + c * QTile::kBlockBytes, &a.q, sm.QFull(), 64 * c, cta.head, cta.m0, cta.b);
+      }
+    }
+    for (int tile = cta.tile_begin; tile < cta.tile_end; ++tile, ++i) {
+      const int stage = StageOf(i);
+      const uint32_t parity = ParityOf(i) ^ 1u;  // the consumers' release of this stage's previous tile
+      MbarrierWait(sm.KEmpty(stage), parity);
+      MbarrierArriveExpectBytes(sm.KFull(stage), KTile::kBytes);
+#pragma unroll
+      for (int c = 0; c < kDP / 64; ++c) {
+        TmaLoad4d(sm.K(stage).base + c * KTile::kBlockBytes, &a.k, sm.KFull(stage), 64 * c, cta.kv_head,
+                  tile * kBlockN, cta.b);
+      }
+      MbarrierWait(sm.VEmpty(stage), parity);
+      MbarrierArriveExpectBytes(sm.VFull(stage), VTile::kBytes);
+#pragma unroll
+      for (int c = 0; c < kDvP / 64; ++c) {
+        TmaLoad4d(sm.V(stage).base + c * VTile::kBlockBytes, &a.v, sm.VFull(stage), 64 * c, cta.kv_head,
+                  tile * kBlockN, cta.b);
+      }
+    }
+  }
+
+  // s = q k^T for the warpgroup's 64 rows (from `row0` of the q tile) and the stage's keys; issued and committed, not
+  // waited for.
+  static __device__ __forceinline__ void IssueQKt(float (&s)[kBlockN / 8][4], const Smem& sm, int row0, int stage) {
+    float(&flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+#pragma unroll
+    for (int kk = 0; kk < kQkSteps; ++kk) {
+      Wgmma<Element, kBlockN>::SS(flat, sm.Q().KMajor(row0, kk), sm.K(stage).KMajor(0, kk), kk > 0);
+    }
+    WgmmaCommit();
+  }
+
+  // o += p v for the stage's keys; issued and committed, not waited for.
+  static __device__ __forceinline__ void IssuePV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kBlockN / 16][4],
+                                                 const Smem& sm, int stage) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < kDvP / kPvN; ++n) {
+        float(&part)[kPvN / 2] = reinterpret_cast<float(&)[kPvN / 2]>(o[n * kPvN / 8]);
+        Wgmma<Element, kPvN>::RS(part, p[kk], sm.V(stage).MNMajor(kk, n * kPvN));
+      }
+    }
+    WgmmaCommit();
+  }
+
+  // o += p v for a tile that straddles a row's range edge, key by key in plain arithmetic, adding only the keys the row
+  // sees: a tensor-core product would add 0 * v to every row, and 0 * inf or 0 * NaN from a key the row does not see
+  // is NaN. Only the careful pass runs it.
+  static __device__ __forceinline__ void CarefulPV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kBlockN / 16][4],
+                                                   const Smem& sm, int stage, int n0, const int2 (&keys)[2], int lane) {
+    const VTile v = sm.V(stage);
+    const int t = lane & 3;
+    // kk and h unrolled: p must stay in registers (a run-time index would move it to local memory for the whole kernel).
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll 1
+        for (int owner = 0; owner < 4; ++owner) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // Fragment register 2h + r of the quad's lane `owner` holds row r's p at keys 16kk + 8h + 2 owner + {0, 1}.
+            const uint32_t pair = __shfl_sync(0xffffffffu, p[kk][2 * h + r], (lane & ~3) | owner);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int key = 16 * kk + 8 * h + 2 * owner + c;
+              // Selects, not a branch: registers wgmma reads must not be written on divergent paths.
+              const bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
+              const float pk = Element::ToFloat(static_cast<uint16_t>(c ? pair >> 16 : pair & 0xffffu));
+#pragma unroll
+              for (int j = 0; j < kDvP / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  uint16_t x;
+                  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(v.Address(key, 8 * j + 2 * t + e)));
+                  const float sum = fmaf(pk, Element::ToFloat(x), o[j][2 * r + e]);
+                  o[j][2 * r + e] = seen ? sum : o[j][2 * r + e];
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ bool AnyNaN(const float (&o)[kDvP / 8][4]) {
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < kDvP / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) any |= o[j][e] != o[j][e];
+    return any;
+  }
+
+  static __device__ __forceinline__ void Run(const TmaForwardArgs& a) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const Smem sm{(SmemAddress(smem_raw) + 1023u) & ~1023u};
+    const ForwardArgs& args = a.args;
+    const ShapeArgs& s = args.shape;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
+    if (tid == 0) {
+      PrefetchTensorMap(&a.q);
+      PrefetchTensorMap(&a.k);
+      PrefetchTensorMap(&a.v);
+      MbarrierInit(sm.QFull(), 1);
+      for (int st = 0; st < kStages; ++st) {
+        MbarrierInit(sm.KFull(st), 1);
+        MbarrierInit(sm.VFull(st), 1);
+        MbarrierInit(sm.KEmpty(st), kForwardConsumerWarps);
+        MbarrierInit(sm.VEmpty(st), kForwardConsumerWarps);
+      }
+      FenceMbarrierInit();
+    }
+    __syncthreads();
+    // The last query blocks see the most keys under causal masks: they start first so the tail of the grid is short.
+    const QueryBlockOfCta cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens,
+                                                               static_cast<int>(gridDim.x - 1 - blockIdx.x));
+    const int tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
+    // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
+    const KeySpan span = cta.span;
+    const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : cta.tile_end;
+    const int full_end = span.all_rows_valid ? span.full_end / kBlockN : cta.tile_end;
+    const bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > cta.tile_begin || full_end < cta.tile_end);
+
+    if (warpgroup == 0) {
+      DecreaseRegisters<24>();
+      const bool producer = warp == 0 && lane == 0;
+      if (producer) Produce(a, sm, cta, true, 0);
+      if (CtaAny<kThreads>(false) && producer) Produce(a, sm, cta, false, tiles);
+    } else {
+      IncreaseRegisters<240>();
+      Consume(args, sm, cta, warpgroup - 1, warp & 3, lane, tiles, full_begin, full_end, straddles);
+    }
+  }
+
+  static __device__ __forceinline__ void Consume(const ForwardArgs& args, const Smem& sm, const QueryBlockOfCta& cta,
+                                                 int wg, int warp_in_wg, int lane, int tiles, int full_begin,
+                                                 int full_end, bool straddles) {
+    const ShapeArgs& s = args.shape;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = 64 * wg;                         // the warpgroup's first row in the q tile
+    const int local_row = row0 + 16 * warp_in_wg + g;  // this thread's rows: local_row and local_row + 8
+    int2 keys[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const KeyRange k = cta.mask.Keys(cta.m0 + local_row + 8 * r);
+      keys[r] = make_int2(static_cast<int>(k.begin), static_cast<int>(k.end));
+    }
+    Variant variant;
+    variant.scale = s.scale;
+    variant.cap = s.softcap;
+    variant.slope = 0.0f;
+    if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[cta.b * s.num_heads + cta.head];
+    const int diag = static_cast<int>(cta.mask.diag_offset);
+    const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
+
+    float o[kDvP / 8][4];
+    OnlineSoftmax<kBlockN / 8> softmax;
+    uint32_t p[kBlockN / 16][4];
+    float sc[kBlockN / 8][4];
+
+    // The mask and variant on a tile of raw products, then the online softmax: sc becomes p (unnormalised, float).
+    auto logits_to_probabilities = [&](int tile, float (&rescale)[2]) {
+      const int n0 = tile * kBlockN;
+      if (tile >= full_begin && tile < full_end) {
+        if constexpr (!kRawScores) {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              sc[j][e] = variant.Logit(sc[j][e], cta.m0 + local_row + 8 * (e >> 1) + diag, n0 + 8 * j + 2 * t + (e & 1));
+            }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
+            float logit = sc[j][e];
+            if constexpr (!kRawScores) logit = variant.Logit(logit, cta.m0 + local_row + 8 * r + diag, col);
+            sc[j][e] = col >= keys[r].x && col < keys[r].y ? logit : -__int_as_float(0x7f800000);
+          }
+      }
+      softmax.Update(sc, log2_scale, rescale);
+    };
+    auto to_operand = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) PackAFragment<Element>(sc, kk, p[kk]);
+    };
+    // Hands a stage back to the producer once every warp of both consumer warpgroups is done with it.
+    auto release = [&](uint32_t bar) {
+      __syncwarp();
+      if (lane == 0) MbarrierArrive(bar);
+    };
+
+    // Every register the products touch, pinned before a WgmmaFence (wgmma.h).
+    auto fence_registers = [&]() {
+      FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
+      FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(o));
+      FenceOperands(p);
+      WgmmaFence();
+    };
+
+    MbarrierWait(sm.QFull(), 0);
+    // The first warpgroup takes the first turn. Both issue the same number of product groups per pass, so the one
+    // extra hand-over (the second's last) is never waited for.
+    if (wg == 1) PassTurn(wg);
+
+    // One pass over the CTA's tiles; ring positions count on from `first` (the second pass follows the first).
+    auto pass = [&](auto careful, int first) {
+      constexpr bool kCareful = decltype(careful)::kValue;
+      softmax.Reset();
+#pragma unroll
+      for (int j = 0; j < kDvP / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+      if (tiles == 0) return;
+      // o += p v of the tile in ring position i (its v has landed): on the tensor cores, or key by key in the careful
+      // pass. The careful pass takes the slow product for every tile, not only the straddling ones: a wgmma behind a
+      // run-time branch makes ptxas serialise every wgmma of the kernel.
+      auto product = [&](int tile, int i) {
+        if constexpr (kCareful) {
+          CarefulPV(o, p, sm, StageOf(i), tile * kBlockN, keys, lane);
+          WgmmaCommit();  // an empty group, so the wait counts below hold
+        } else {
+          IssuePV(o, p, sm, StageOf(i));
+        }
+      };
+
+      int i = first;
+      MbarrierWait(sm.KFull(StageOf(i)), ParityOf(i));
+      WaitTurn(wg);
+      fence_registers();
+      IssueQKt(sc, sm, row0, StageOf(i));
+      PassTurn(wg);
+      WgmmaWait<0>();
+      FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
+      release(sm.KEmpty(StageOf(i)));
+      {
+        float rescale[2];
+        logits_to_probabilities(cta.tile_begin, rescale);
+      }
+      to_operand();
+      for (int tile = cta.tile_begin + 1; tile < cta.tile_end; ++tile, ++i) {
+        const int next = StageOf(i + 1);
+        MbarrierWait(sm.KFull(next), ParityOf(i + 1));
+        MbarrierWait(sm.VFull(StageOf(i)), ParityOf(i));
+        WaitTurn(wg);
+        fence_registers();
+        IssueQKt(sc, sm, row0, next);
+        product(tile - 1, i);
+        PassTurn(wg);
+        WgmmaWait<1>();  // q k^T of this tile is done; p v of the previous one may still run
+        FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
+        release(sm.KEmpty(next));
+        float rescale[2];
+        logits_to_probabilities(tile, rescale);
+        WgmmaWait<0>();
+        FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(o));
+        release(sm.VEmpty(StageOf(i)));
+#pragma unroll
+        for (int j = 0; j < kDvP / 8; ++j) {
+          o[j][0] *= rescale[0];
+          o[j][1] *= rescale[0];
+          o[j][2] *= rescale[1];
+          o[j][3] *= rescale[1];
+        }
+        to_operand();
+      }
+      MbarrierWait(sm.VFull(StageOf(i)), ParityOf(i));
+      WaitTurn(wg);
+      fence_registers();
+      product(cta.tile_end - 1, i);
+      PassTurn(wg);
+      WgmmaWait<0>();
+      FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(o));
+      release(sm.VEmpty(StageOf(i)));
+    };
+
+    pass(BoolConstant<false>{}, 0);
+    if (CtaAny<kThreads>(straddles && (AnyNaN(o) || softmax.AnyNaN()))) pass(BoolConstant<true>{}, tiles);
+
+    const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
+    uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(cta.b) * s.seqlen_q * o_stride + cta.head * kDv;
+    const bool sees_keys[2] = {keys[0].x < keys[0].y, keys[1].x < keys[1].y};
+    float inv_sum[2], lse[2];
+    softmax.Finish(sees_keys, inv_sum, lse);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = cta.m0 + local_row + 8 * r;
+      if (row >= s.seqlen_q) continue;
+      uint16_t* out_row = out + row * o_stride;
+#pragma unroll
+      for (int j = 0; j < kDvP / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        if (col < kDv) {
+          const uint32_t packed = cta.len.invalid ? kPackedNaN
+                                  : sees_keys[r]  ? Element::Pack(o[j][2 * r] * inv_sum[r], o[j][2 * r + 1] * inv_sum[r])
+                                                  : 0u;
+          *reinterpret_cast<uint32_t*>(out_row + col) = packed;
+        }
+      }
+      if (t == 0) {
+        args.lse[(static_cast<int64_t>(cta.b) * s.num_heads + cta.head) * s.seqlen_q + row] =
+            cta.len.invalid ? __int_as_float(0x7fffffff) : lse[r];
+      }
+    }
+  }
+};
+
+}  // namespace te_jax::cuda::sm90

@@ -1,0 +1,44 @@
+// The tuning table of the sm90 (wgmma, TMA, warp-specialised) forward: one place for its tile shapes, read by the host
+// (launch geometry, shared memory) and checked by the kernel. Head dims are padded to whole 64-column swizzle blocks in
+// shared memory (the TMA copy zero-fills the padding); the products skip the k16 steps past the head dim.
+#pragma once
+
+#include "cpp/host_device.h"
+
+namespace te_jax::cuda::sm90 {
+
+TE_JAX_HOST_DEVICE constexpr int PadTo64(int d) { return (d + 63) / 64 * 64; }
+
+// A producer warpgroup (one thread issues the TMA copies) and two consumer warpgroups of 64 query rows each.
+inline constexpr int kForwardThreads = 384;
+inline constexpr int kForwardConsumerWarps = 8;
+inline constexpr int kMaxDynamicSmem = 227 * 1024;  // sm90's opt-in limit per block
+
+struct ForwardTile {
+  int block_m;  // query rows per CTA
+  int block_n;  // keys per pipeline stage
+  int stages;   // k and v each have a ring of this many stages
+};
+
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t) {
+  return 1024 +  // slack to align the tiles to the swizzle atom
+         t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
+         8 * (1 + 4 * t.stages);  // mbarriers: q full; k full, k empty, v full, v empty per stage
+}
+
+// 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers for 64 logits and the two
+// stages fit; else 64.
+TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv) {
+  const ForwardTile wide{128, 128, 2};
+  if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide) <= kMaxDynamicSmem) return wide;
+  return {128, 64, 2};
+}
+
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv) { return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv)); }
+
+// Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements).
+TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
+  return d % 8 == 0 && dv % 8 == 0 && d >= 8 && dv >= 8 && d <= 256 && dv <= 256;
+}
+
+}  // namespace te_jax::cuda::sm90

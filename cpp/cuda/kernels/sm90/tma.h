@@ -1,0 +1,23 @@
+// TMA (sm90): bulk tensor copies from global to shared memory, described by a tensor map the host encodes
+// (cuTensorMapEncodeTiled; cpp/cuda/tensor_maps.h) and passes as a __grid_constant__ kernel parameter. A copy writes a
+// whole box, filling what lies outside the tensor with zeros, and counts its bytes on an mbarrier (mbarrier.h).
+#pragma once
+
+#include "cpp/cuda/kernels/common/shared_memory.h"
+
+namespace te_jax::cuda::sm90 {
+
+// Loads the box at coordinates (c0, c1, c2, c3), innermost first, of a 4-D tensor map into shared memory at `dst`.
+__device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+      ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Brings a tensor map (kernel parameter space) into the TMA unit's cache before its first copy.
+__device__ __forceinline__ void PrefetchTensorMap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+}  // namespace te_jax::cuda::sm90

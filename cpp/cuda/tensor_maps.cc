@@ -1,0 +1,31 @@
+#include "cpp/cuda/tensor_maps.h"
+
+#include <string>
+
+namespace te_jax::cuda {
+
+static_assert(sizeof(TensorMap) == sizeof(CUtensorMap) && alignof(TensorMap) == alignof(CUtensorMap),
+              "kernel_args.h's TensorMap must be a CUtensorMap");
+
+Status EncodeHeadsTensorMap(const DriverApi* driver, DType dtype, const void* base, int64_t batch, int64_t seqlen,
+                            int64_t heads, int64_t head_dim, int rows, TensorMap* map) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 2), static_cast<cuuint64_t>(heads * head_dim * 2),
+                                 static_cast<cuuint64_t>(seqlen * heads * head_dim * 2)};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = driver->cuTensorMapEncodeTiled(
+      reinterpret_cast<CUtensorMap*>(map),
+      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("cannot describe a [" + std::to_string(batch) + ", " + std::to_string(seqlen) + ", " +
+                            std::to_string(heads) + ", " + std::to_string(head_dim) +
+                            "] operand for the TMA unit: " + driver->ErrorString(r));
+  }
+  return Status::Ok();
+}
+
+}  // namespace te_jax::cuda

@@ -1,0 +1,18 @@
+// TMA tensor maps of the attention operands for the sm90 family: q, k, v and out are [B][S][H][D] with D contiguous,
+// described as 4-D tensors (D, H, S, B innermost first) whose box is 64 columns x `rows` rows of one (batch, head),
+// with the 128-byte swizzle the wgmma descriptors expect (kernels/sm90/swizzled_tile.h).
+#pragma once
+
+#include <cstdint>
+
+#include "cpp/cuda/dynamic_libs.h"
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/dtype.h"
+#include "cpp/status.h"
+
+namespace te_jax::cuda {
+
+Status EncodeHeadsTensorMap(const DriverApi* driver, DType dtype, const void* base, int64_t batch, int64_t seqlen,
+                            int64_t heads, int64_t head_dim, int rows, TensorMap* map);
+
+}  // namespace te_jax::cuda
