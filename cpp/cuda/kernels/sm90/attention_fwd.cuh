@@ -85,33 +85,28 @@ struct ForwardKernel {
   static __device__ __forceinline__ int StageOf(int i) { return i % kStages; }
   static __device__ __forceinline__ uint32_t ParityOf(int i) { return static_cast<uint32_t>(i / kStages) & 1u; }
 
+  // Copies a whole tile (its 64-column blocks, rows from `row`) of one (batch, head) and counts its bytes on `full`.
+  template <typename Tile>
+  static __device__ __forceinline__ void LoadTile(Tile tile, const TensorMap* map, uint32_t full, int head, int row,
+                                                  int b) {
+    MbarrierArriveExpectBytes(full, Tile::kBytes);
+#pragma unroll
+    for (int c = 0; c < Tile::kBytes / Tile::kBlockBytes; ++c) {
+      TmaLoad4d(tile.base + c * Tile::kBlockBytes, map, full, 64 * c, head, row, b);
+    }
+  }
+
   // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`.
   static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
                                                  bool load_q, int i) {
-    if (load_q) {
-      MbarrierArriveExpectBytes(sm.QFull(), QTile::kBytes);
-#pragma unroll
-      for (int c = 0; c < kDP / 64; ++c) {
-        TmaLoad4d(sm.Q().base + c * QTile::kBlockBytes, &a.q, sm.QFull(), 64 * c, cta.head, cta.m0, cta.b);
-      }
-    }
+    if (load_q) LoadTile(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b);
     for (int tile = cta.tile_begin; tile < cta.tile_end; ++tile, ++i) {
       const int stage = StageOf(i);
       const uint32_t parity = ParityOf(i) ^ 1u;  // the consumers' release of this stage's previous tile
       MbarrierWait(sm.KEmpty(stage), parity);
-      MbarrierArriveExpectBytes(sm.KFull(stage), KTile::kBytes);
-#pragma unroll
-      for (int c = 0; c < kDP / 64; ++c) {
-        TmaLoad4d(sm.K(stage).base + c * KTile::kBlockBytes, &a.k, sm.KFull(stage), 64 * c, cta.kv_head,
-                  tile * kBlockN, cta.b);
-      }
+      LoadTile(sm.K(stage), &a.k, sm.KFull(stage), cta.kv_head, tile * kBlockN, cta.b);
       MbarrierWait(sm.VEmpty(stage), parity);
-      MbarrierArriveExpectBytes(sm.VFull(stage), VTile::kBytes);
-#pragma unroll
-      for (int c = 0; c < kDvP / 64; ++c) {
-        TmaLoad4d(sm.V(stage).base + c * VTile::kBlockBytes, &a.v, sm.VFull(stage), 64 * c, cta.kv_head,
-                  tile * kBlockN, cta.b);
-      }
+      LoadTile(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
     }
   }
 

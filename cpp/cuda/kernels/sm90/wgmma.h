@@ -72,46 +72,35 @@ __device__ __forceinline__ void FenceOperands(uint32_t (&r)[kN][4]) {
 template <typename Element, int kN>
 struct Wgmma;
 
-template <typename Element>
-struct Wgmma<Element, 64> {
-  static __device__ __forceinline__ void SS(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
-    if constexpr (Element::kIsBf16) {
-      asm volatile(TE_JAX_WGMMA_SS(64, "bf16", TE_JAX_WGMMA_REGS32, "%32", "%33", "%34") : TE_JAX_WGMMA_ACC32(d) : "l"(a), "l"(b), "r"(accumulate));
-    } else {
-      asm volatile(TE_JAX_WGMMA_SS(64, "f16", TE_JAX_WGMMA_REGS32, "%32", "%33", "%34") : TE_JAX_WGMMA_ACC32(d) : "l"(a), "l"(b), "r"(accumulate));
-    }
-  }
-  static __device__ __forceinline__ void RS(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-    if constexpr (Element::kIsBf16) {
-      asm volatile(TE_JAX_WGMMA_RS(64, "bf16", TE_JAX_WGMMA_REGS32, "{%32, %33, %34, %35}", "%36", "%37")
-                   : TE_JAX_WGMMA_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-    } else {
-      asm volatile(TE_JAX_WGMMA_RS(64, "f16", TE_JAX_WGMMA_REGS32, "{%32, %33, %34, %35}", "%36", "%37")
-                   : TE_JAX_WGMMA_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-    }
-  }
-};
+// One specialisation per n: N accumulator registers (N / 2 floats), their placeholders, and the operand numbers that
+// follow them (A or its four registers, B, the accumulate flag).
+#define TE_JAX_WGMMA_SPECIALISATION(N, ACC, REGS, SS_A, SS_B, SS_FLAG, RS_A, RS_B, RS_FLAG)                        \
+  template <typename Element>                                                                                   \
+  struct Wgmma<Element, N> {                                                                                    \
+    static __device__ __forceinline__ void SS(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {       \
+      if constexpr (Element::kIsBf16) {                                                                         \
+        asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, SS_A, SS_B, SS_FLAG) : ACC(d) : "l"(a), "l"(b), "r"(accumulate)); \
+      } else {                                                                                                  \
+        asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, SS_A, SS_B, SS_FLAG) : ACC(d) : "l"(a), "l"(b), "r"(accumulate)); \
+      }                                                                                                         \
+    }                                                                                                           \
+    static __device__ __forceinline__ void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {           \
+      if constexpr (Element::kIsBf16) {                                                                         \
+        asm volatile(TE_JAX_WGMMA_RS(N, "bf16", REGS, RS_A, RS_B, RS_FLAG)                                       \
+                     : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                    \
+      } else {                                                                                                  \
+        asm volatile(TE_JAX_WGMMA_RS(N, "f16", REGS, RS_A, RS_B, RS_FLAG)                                        \
+                     : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                    \
+      }                                                                                                         \
+    }                                                                                                           \
+  };
 
-template <typename Element>
-struct Wgmma<Element, 128> {
-  static __device__ __forceinline__ void SS(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
-    if constexpr (Element::kIsBf16) {
-      asm volatile(TE_JAX_WGMMA_SS(128, "bf16", TE_JAX_WGMMA_REGS64, "%64", "%65", "%66") : TE_JAX_WGMMA_ACC64(d) : "l"(a), "l"(b), "r"(accumulate));
-    } else {
-      asm volatile(TE_JAX_WGMMA_SS(128, "f16", TE_JAX_WGMMA_REGS64, "%64", "%65", "%66") : TE_JAX_WGMMA_ACC64(d) : "l"(a), "l"(b), "r"(accumulate));
-    }
-  }
-  static __device__ __forceinline__ void RS(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-    if constexpr (Element::kIsBf16) {
-      asm volatile(TE_JAX_WGMMA_RS(128, "bf16", TE_JAX_WGMMA_REGS64, "{%64, %65, %66, %67}", "%68", "%69")
-                   : TE_JAX_WGMMA_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-    } else {
-      asm volatile(TE_JAX_WGMMA_RS(128, "f16", TE_JAX_WGMMA_REGS64, "{%64, %65, %66, %67}", "%68", "%69")
-                   : TE_JAX_WGMMA_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-    }
-  }
-};
+TE_JAX_WGMMA_SPECIALISATION(64, TE_JAX_WGMMA_ACC32, TE_JAX_WGMMA_REGS32, "%32", "%33", "%34", "{%32, %33, %34, %35}",
+                            "%36", "%37")
+TE_JAX_WGMMA_SPECIALISATION(128, TE_JAX_WGMMA_ACC64, TE_JAX_WGMMA_REGS64, "%64", "%65", "%66", "{%64, %65, %66, %67}",
+                            "%68", "%69")
 
+#undef TE_JAX_WGMMA_SPECIALISATION
 #undef TE_JAX_WGMMA_RS
 #undef TE_JAX_WGMMA_SS
 #undef TE_JAX_WGMMA_REGS64
