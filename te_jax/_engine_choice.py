@@ -2,8 +2,8 @@
 
 A measurement runs each candidate on scratch buffers of the call's shapes (cpp/cuda/engine_timing.h) at lowering and
 is kept on disk beside the cubins (<cache>/../autotune), keyed by the GPU, its driver, the cuDNN and te_jax versions,
-the digest of te_jax's kernel sources and the configuration, so later processes pay nothing. TE_JAX_AUTOTUNE=0 (or a measurement that fails, e.g. for lack
-of GPU memory, which is logged) uses the built-in table instead."""
+the digest of te_jax's kernel sources and the configuration, so later processes pay nothing. TE_JAX_AUTOTUNE=0 (or a
+measurement that fails, e.g. for lack of GPU memory, which is logged) uses the built-in table instead."""
 
 from __future__ import annotations
 
