@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|sanitize|jit|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|stress|sanitize|jit|bench|oldkernels]...   Sections default to all.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
@@ -37,6 +37,16 @@ for s in $SECTIONS; do
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_attention.py 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
+  stress)
+    # The numerics tests of te_jax's kernels with a random sleep before every pipeline wait and hand-over
+    # (kernels/sm90/mbarrier.h), STRESS_ROUNDS times: a missing wait shows up as a wrong result.
+    for round in $(seq ${STRESS_ROUNDS:-2}); do
+      t0=$(date +%s)
+      TE_JAX_PIPELINE_STRESS=1 timeout ${STRESS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_WORKERS:-4} \
+        "$REPO"/tests/test_cuda_attention.py -k "not cudnn and not auto and not cached" 2>&1 | tee "$OUT/stress_$round.log" \
+        | grep -E "passed|failed|FAILED" | tail -8
+      echo "stress round $round: $(( $(date +%s) - t0 )) s"
+    done ;;
   sanitize)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in memcheck racecheck; do

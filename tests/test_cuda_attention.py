@@ -294,6 +294,41 @@ def test_nonfinite_inputs_follow_the_formula(name, tensor, index, value, engine)
   assert _rel(out[fin], ref["out"][fin]) < TOL["bfloat16"]["out"]
 
 
+@pytest.mark.parametrize("nan_block", ["last", "one_of_first_four"])
+def test_nan_reruns_over_many_items_per_cta(nan_block):
+  """Many query blocks per CTA (the sm90 forward is persistent), with a NaN in v at the last key of one query block per
+  (batch, head): the rows of that block before it do not see it, but the first run's tensor-core p v gives them
+  0 * NaN. Those items must be run again carefully: "last" lists a few per CTA; "one_of_first_four" makes most items
+  NaN-holding, more per CTA than the rerun list holds, so every straddling item of the CTA runs again."""
+  b, s, h, d = 4, 2048, 64, 64
+  rng = np.random.default_rng(11)
+  x = {n: np.asarray(jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)).astype(np.float64)
+       for n in ("q", "k", "v")}
+  pair = np.arange(b * h).reshape(b, h)
+  nan_key = 128 * (15 if nan_block == "last" else pair % 4) + 127
+  for bi in range(b):
+    for hi in range(h):
+      x["v"][bi, nan_key[bi, hi], hi, 0] = np.nan
+  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", return_lse=True, engine="te"))
+  out, lse = (np.asarray(t, np.float64) for t in f(q, k, v))
+  sees_nan = np.arange(s)[None, :, None] >= nan_key[:, None, :]  # [b, s, h]
+  assert np.array_equal(np.isnan(out[..., 0]), sees_nan), "NaN exactly on the rows that see the NaN key"
+  assert np.isfinite(out[..., 1:]).all() and np.isfinite(lse).all()
+  # The rows of each NaN key's own block that precede it, against float64.
+  worst = 0.0
+  for bi in range(b):
+    for hi in range(h):
+      first = nan_key[bi, hi] - 127
+      rows = np.arange(first, first + 127)
+      scores = x["q"][bi, rows, hi] @ x["k"][bi, : first + 127, hi].T / np.sqrt(d)
+      scores[rows[:, None] < np.arange(first + 127)[None, :]] = -np.inf
+      p = np.exp(scores - scores.max(axis=1, keepdims=True))
+      ref = p @ x["v"][bi, : first + 127, hi] / p.sum(axis=1, keepdims=True)
+      worst = max(worst, _rel(out[bi, rows, hi], ref))
+  assert worst < TOL["bfloat16"]["out"], worst
+
+
 def test_compile_is_cached_in_process():
   from te_jax import _te_jax_cuda as ext
   from te_jax.attention_config import AttentionConfig

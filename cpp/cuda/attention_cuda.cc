@@ -5,6 +5,7 @@
 #include "cpp/cuda/cudnn/cudnn_attention.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernel_registry.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/tensor_maps.h"
@@ -28,15 +29,20 @@ ShapeArgs MakeShape(const AttentionParams& p) {
   return s;
 }
 
-Status Module(const AttentionParams& params, Direction direction, const LoadedModule** module,
-              KernelFamily* family = nullptr) {
+// The loaded module of a call's configuration on the current device, its kernel family and the device.
+struct CallModule {
+  const LoadedModule* module = nullptr;
+  KernelFamily family = KernelFamily::kSm80;
   CUdevice device = 0;
+};
+
+Status Module(const AttentionParams& params, Direction direction, CallModule* call) {
   std::string arch;
-  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
+  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&call->device, &arch));
   const KernelConfig config = ConfigFor(params, direction, arch);
-  if (family != nullptr) *family = config.Family();
+  call->family = config.Family();
   JitReport report;
-  return GetLoadedModule(config, device, module, &report);
+  return GetLoadedModule(config, call->device, &call->module, &report);
 }
 
 template <typename Args>
@@ -51,6 +57,19 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
 }
 
 unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+// The persistent sm90 forward's work order (kernels/sm90/tile_scheduler.h): sections of (batch, head) pairs whose k and v
+// take at most half the L2, the rest left to the q tiles and outputs streaming through.
+sm90::ForwardSchedule ForwardScheduleFor(const AttentionParams& p, const sm90::ForwardTile& tile,
+                                         const DeviceGeometry& gpu) {
+  const int64_t group = p.num_heads / p.num_kv_heads;  // query heads sharing one k and v: adjacent pairs
+  const int64_t kv_bytes_per_pair = p.seqlen_kv * (p.head_dim + p.head_dim_v) * 2 / group;
+  const int64_t pairs = p.batch * p.num_heads;
+  int64_t section = kv_bytes_per_pair > 0 ? gpu.l2_bytes / 2 / kv_bytes_per_pair : pairs;
+  section = section < 1 ? 1 : (section > pairs ? pairs : section);
+  return {static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m)), static_cast<int>(p.num_heads), static_cast<int>(pairs),
+          static_cast<int>(section)};
+}
 
 Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
   if (given >= needed) return Status::Ok();
@@ -86,20 +105,19 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   const DriverApi* driver = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
-  const LoadedModule* module = nullptr;
-  KernelFamily family = KernelFamily::kSm80;
-  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &module, &family));
+  CallModule call;
+  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &call));
   ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
-  if (family == KernelFamily::kSm80) {
+  if (call.family == KernelFamily::kSm80) {
     const sm80::TileSize tile = sm80::ForwardTileSize(d, dv);
-    return Launch(driver, module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
+    return Launch(driver, call.module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
                   static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * tile.warps,
-                  module->smem_bytes[0], stream, &args);
+                  call.module->smem_bytes[0], stream, &args);
   }
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
   const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv);
-  TmaForwardArgs tma{args, {}, {}, {}};
+  TmaForwardArgs tma{args, {}, {}, {}, {}};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
   if (p.seqlen_kv == 0) {
@@ -111,24 +129,60 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     TE_JAX_RETURN_IF_ERROR(
         EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n, &tma.v));
   }
-  return Launch(driver, module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
-                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kForwardThreads,
-                module->smem_bytes[0], stream, &tma);
+  DeviceGeometry gpu;
+  TE_JAX_RETURN_IF_ERROR(GetDeviceGeometry(call.device, &gpu));
+  tma.schedule = ForwardScheduleFor(p, tile, gpu);
+  // Persistent: one CTA per SM (the kernel's registers and shared memory fill one), or one per item if fewer.
+  const int items = tma.schedule.Items();
+  const unsigned grid = static_cast<unsigned>(items < gpu.multiprocessors ? items : gpu.multiprocessors);
+  return Launch(driver, call.module->kernels[0], "attention forward", grid, 1, 1, sm90::kForwardThreads,
+                call.module->smem_bytes[0], stream, &tma);
 }
 
 namespace {
 
-// The default backward sums dq with atomics where that pays (tile_size.h); the deterministic kernels run otherwise.
-bool AccumulatesDq(const AttentionParams& p) {
-  return !p.deterministic &&
+// The sm80 backward sums dq with atomics where that pays (tile_size.h); its deterministic kernels run otherwise. The
+// sm90 backward never does.
+bool AccumulatesDq(const AttentionParams& p, KernelFamily family) {
+  return family == KernelFamily::kSm80 && !p.deterministic &&
          sm80::BackwardAccumulatesDq(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+}
+
+// The backward's family on the current device; without a GPU (tracing on a CPU-only machine), the sm80 family's.
+KernelFamily BackwardFamily(const AttentionParams& p) {
+  CUdevice device = 0;
+  std::string arch;
+  if (!CurrentDeviceArch(&device, &arch).ok()) return KernelFamily::kSm80;
+  return ConfigFor(p, Direction::kBackward, arch).Family();
+}
+
+// The sm90 backward's four tensor maps (64-row boxes, kernels/sm90/attention_bwd.cuh). A side with no rows has no
+// tensor map of its own; the kernels load nothing of it, and the other side's stands in.
+Status EncodeBackwardTensorMaps(const DriverApi* driver, const AttentionParams& p, const BackwardBuffers& b,
+                                TmaBackwardArgs* tma) {
+  const int rows = sm90::kBackwardStepRows;
+  const int64_t d = p.head_dim, dv = p.head_dim_v;
+  if (p.seqlen_q > 0) {
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, rows, &tma->q));
+    TE_JAX_RETURN_IF_ERROR(
+        EncodeHeadsTensorMap(driver, p.dtype, b.dout, p.batch, p.seqlen_q, p.num_heads, dv, rows, &tma->dout));
+  }
+  if (p.seqlen_kv > 0) {
+    TE_JAX_RETURN_IF_ERROR(
+        EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, d, rows, &tma->k));
+    TE_JAX_RETURN_IF_ERROR(
+        EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, rows, &tma->v));
+  }
+  if (p.seqlen_q == 0) tma->q = tma->dout = tma->k;
+  if (p.seqlen_kv == 0) tma->k = tma->v = tma->q;
+  return Status::Ok();
 }
 
 }  // namespace
 
 int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
   if (p.engine == Engine::kCudnn) return cudnn::BackwardWorkspaceBytes(p);
-  if (!AccumulatesDq(p)) return 0;
+  if (!AccumulatesDq(p, BackwardFamily(p))) return 0;
   const sm80::DqAccumLayout l =
       sm80::BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
   const int64_t rows = (p.seqlen_q + l.row_block - 1) / l.row_block * l.row_block;
@@ -141,9 +195,10 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   if (p.engine == Engine::kCudnn) return cudnn::Backward(p, b, stream);
   const DriverApi* driver = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
-  const LoadedModule* module = nullptr;
-  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kBackward, &module));
-  const bool accumulate_dq = AccumulatesDq(p);
+  CallModule call;
+  TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kBackward, &call));
+  const LoadedModule* module = call.module;
+  const bool accumulate_dq = AccumulatesDq(p, call.family);
   float* dq_accum = accumulate_dq ? static_cast<float*>(b.workspace) : nullptr;
   BackwardArgs args{MakeShape(p), b.q,          b.k,         b.v,            b.out, b.lse, b.dout, b.dlse, b.q_seqlens,
                     b.kv_seqlens, b.alibi_slopes, b.dq, b.dk, b.dv, static_cast<float*>(b.dq), dq_accum};
@@ -151,6 +206,19 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, sm80::kRowKernelThreads / 32);
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess", row_blocks, 1, 1,
                                 sm80::kRowKernelThreads, module->smem_bytes[0], stream, &args));
+  if (call.family == KernelFamily::kSm90) {
+    if (p.batch == 0) return Status::Ok();
+    TmaBackwardArgs tma{args, {}, {}, {}, {}};
+    TE_JAX_RETURN_IF_ERROR(EncodeBackwardTensorMaps(driver, p, b, &tma));
+    const unsigned owned = sm90::kBackwardOwnedRows;
+    // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
+    TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, owned),
+                                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch),
+                                  sm90::kBackwardThreads, module->smem_bytes[1], stream, &tma));
+    return Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, owned),
+                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kBackwardThreads,
+                  module->smem_bytes[2], stream, &tma);
+  }
   const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv, accumulate_dq);
   // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, dkdv.block_m),

@@ -1,5 +1,7 @@
 #include "cpp/cuda/kernel_config.h"
 
+#include <cstdlib>
+
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 
@@ -31,23 +33,31 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     return kForwardEntries;
   }
   *count = 3;
-  return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
+  return deterministic || Family() == KernelFamily::kSm90 ? kDeterministicBackwardEntries : kBackwardEntries;
 }
 
 KernelFamily KernelConfig::Family() const {
-  const bool served = kind == ModuleKind::kAttention && direction == Direction::kForward && arch == "sm_90a" &&
-                    sm90::ServesForward(head_dim, head_dim_v);
+  if (kind != ModuleKind::kAttention || arch != "sm_90a") return KernelFamily::kSm80;
+  const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
+                                                       : sm90::ServesBackward(head_dim, head_dim_v);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
-std::string KernelConfig::Name() const {
+std::string KernelConfig::Name() const { return BaseName() + (pipeline_stress ? "_stress" : ""); }
+
+std::string KernelConfig::BaseName() const {
   if (kind == ModuleKind::kLengthGuard) return "length_guard_" + arch;
-  const char* what = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
+  const bool sm90 = Family() == KernelFamily::kSm90;
+  // The sm90 backward has one scheme, deterministic, whatever the call asked for: one module.
+  const char* what = direction == Direction::kForward ? "fwd" : (deterministic && !sm90 ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
                      VariantName(softcap, alibi) + "_" + arch;
-  if (direction != Direction::kForward) return name;
-  if (Family() == KernelFamily::kSm90) {
+  if (direction != Direction::kForward) {
+    if (!sm90) return name;
+    return name + "_sm90_" + std::to_string(sm90::kBackwardOwnedRows) + "x" + std::to_string(sm90::kBackwardStepRows);
+  }
+  if (sm90) {
     const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v);
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
@@ -67,7 +77,8 @@ std::string KernelConfig::RenderSource() const {
   const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
                               (alibi ? "true" : "false") + ">";
   const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
-  std::string src = "// te_jax JIT translation unit: " + Name() + "\n#include \"cpp/variants.h\"\n";
+  std::string src = "// te_jax JIT translation unit: " + Name() + "\n" +
+                    (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
   if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
     // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
     src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n"
@@ -79,6 +90,19 @@ std::string KernelConfig::RenderSource() const {
            "using Fwd = te_jax::cuda::sm80::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
            "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"
            "te_jax_attention_forward(const te_jax::cuda::ForwardArgs args) { Fwd::Run(args); }\n";
+  } else if (Family() == KernelFamily::kSm90) {
+    // The row kernel that computes delta' comes from the sm80 family (plain loads, any arch).
+    src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
+           "#include \"cpp/cuda/kernels/sm90/attention_bwd.cuh\"\n"
+           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims + ">;\n"
+           "using DkDv = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", true>;\n"
+           "using Dq = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", false>;\n"
+           "extern \"C\" __global__ void __launch_bounds__(Pre::kThreads)\n"
+           "te_jax_attention_backward_preprocess(const te_jax::cuda::BackwardArgs args) { Pre::Run(args); }\n"
+           "extern \"C\" __global__ void __launch_bounds__(DkDv::kThreads, 1)\n"
+           "te_jax_attention_backward_dkdv(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { DkDv::Run(args); }\n"
+           "extern \"C\" __global__ void __launch_bounds__(Dq::kThreads, 1)\n"
+           "te_jax_attention_backward_dq(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { Dq::Run(args); }\n";
   } else {
     const std::string dq_kernel = deterministic ? "Dq" : "DqConvert";
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
@@ -110,6 +134,8 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.deterministic = direction == Direction::kBackward &&
                     (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
   c.arch = arch;
+  const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
+  c.pipeline_stress = stress != nullptr && std::string(stress) == "1";
   return c;
 }
 
@@ -117,6 +143,8 @@ KernelConfig LengthGuardConfig(const std::string& arch) {
   KernelConfig c;
   c.kind = ModuleKind::kLengthGuard;
   c.arch = arch;
+  const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
+  c.pipeline_stress = stress != nullptr && std::string(stress) == "1";
   return c;
 }
 

@@ -19,7 +19,7 @@ enum class Direction { kForward, kBackward };
 enum class ModuleKind { kAttention, kLengthGuard };
 
 // Which kernel family serves a configuration: sm80 (mma.sync, cp.async; every arch from sm_80) or sm90 (wgmma, TMA,
-// warp specialisation; the forward on sm_90a). The family follows from the configuration, so the AOT sets, the
+// warp specialisation; on sm_90a the forward, and the backward of head dims up to 128). The family follows from the configuration, so the AOT sets, the
 // cache and the launcher agree on it.
 enum class KernelFamily { kSm80, kSm90 };
 
@@ -31,11 +31,17 @@ struct KernelConfig {
   int head_dim_v = 0;
   bool softcap = false;
   bool alibi = false;
-  bool deterministic = false;  // backward only: the three-kernel backward without atomics (kernels/sm80/attention_bwd.cuh)
+  // Backward only: the sm80 three-kernel backward without atomics (kernels/sm80/attention_bwd.cuh). The sm90 backward
+  // is always deterministic and ignores it.
+  bool deterministic = false;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
+  // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
+  // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.
+  bool pipeline_stress = false;
 
   KernelFamily Family() const;
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
+  std::string BaseName() const;  // the name without the stress suffix
   std::string RenderSource() const;
   // Entry points of the module, in launch order (forward: 1; backward: preprocess, dk/dv + dq, dq conversion;
   // deterministic backward: preprocess, dk/dv, dq).

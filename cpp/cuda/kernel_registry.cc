@@ -83,7 +83,10 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
-  if (c.Family() == KernelFamily::kSm90) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v);
+  if (c.Family() == KernelFamily::kSm90) {
+    if (c.direction == Direction::kForward) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v);
+    return index == 0 ? 0 : sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v);  // preprocess, dk/dv, dq
+  }
   if (c.direction == Direction::kForward) return sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v);
   if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
   if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v);
@@ -169,6 +172,27 @@ Status CurrentDeviceArch(CUdevice* device, std::string* arch) {
                                    std::to_string(major) + "." + std::to_string(minor));
   }
   *arch = ArchForComputeCapability(major, minor);
+  return Status::Ok();
+}
+
+Status GetDeviceGeometry(CUdevice device, DeviceGeometry* geometry) {
+  static std::mutex mu;
+  static std::map<CUdevice, DeviceGeometry> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(device);
+  if (it != known.end()) {
+    *geometry = it->second;
+    return Status::Ok();
+  }
+  const DriverApi* driver = nullptr;
+  TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
+  int sms = 0, l2 = 0;
+  CUresult r = driver->cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);
+  if (r == CUDA_SUCCESS) r = driver->cuDeviceGetAttribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, device);
+  if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's SM count and L2 size: " + driver->ErrorString(r));
+  geometry->multiprocessors = sms;
+  geometry->l2_bytes = l2;
+  known[device] = *geometry;
   return Status::Ok();
 }
 

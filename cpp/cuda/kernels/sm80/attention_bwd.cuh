@@ -17,37 +17,12 @@
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/sm80/bulk_reduce.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
+#include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
 
 namespace te_jax::cuda::sm80 {
-
-// Selects, at compile time, the per-element mask of a tile that straddles a key-range edge (Masked<true>) or its
-// absence in a tile every row fully sees (Masked<false>).
-template <bool kMasked>
-struct Masked {
-  static constexpr bool value = kMasked;
-};
-
-// The per-element logit/probability/dS algebra shared by the dk/dv and dq kernels.
-template <typename Variant>
-struct ProbabilityGrad {
-  // p = exp(logit - lse) where visible, else 0; ds = p * (dp - delta') * dlogit/ddot. delta' = delta - dlse.
-  static __device__ __forceinline__ void Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
-                                               int key, bool visible, float lse, float delta) {
-    const float x = x_to_p;
-    float p;
-    if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
-      // The plain scaled dot product: scale * log2 e folds into the one FMA (both factors are loop invariant).
-      p = visible ? Exp2(fmaf(x, variant.scale * kLog2e, -lse * kLog2e)) : 0.0f;
-    } else {
-      p = visible ? Exp2(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
-    }
-    x_to_p = p;
-    dp_to_ds = p * (dp_to_ds - delta) * variant.DLogitDDot(x);
-  }
-};
 
 // Adds (lo, hi) to two adjacent floats in global memory without reading them back (sm90: one vector reduction).
 __device__ __forceinline__ void RedAddPair(float* p, float lo, float hi) {

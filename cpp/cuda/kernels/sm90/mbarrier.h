@@ -24,9 +24,21 @@ __device__ __forceinline__ void MbarrierArrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// Stress builds (TE_JAX_PIPELINE_STRESS=1 in the environment; kernel_config.h) sleep a pseudo-random while, up to
+// about 2 us, before each wait on a barrier and each hand-over of a stage (pipeline.h), so that a missing wait shows up
+// as wrong results in the tests instead of hiding behind the usual timing. Other builds compile it to nothing.
+__device__ __forceinline__ void StressDelay() {
+#if defined(TE_JAX_PIPELINE_STRESS)
+  uint32_t x = static_cast<uint32_t>(clock64()) * 2654435761u ^ (threadIdx.x * 40503u + blockIdx.x * 2246822519u);
+  x ^= x >> 13;
+  __nanosleep(x % 2048u);
+#endif
+}
+
 // Spins until the phase with this parity has completed. A barrier that has not completed any phase yet counts the
 // phase before it (parity 1) as complete, which is how a producer's first pass over empty stages goes through.
 __device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
+  StressDelay();
   asm volatile(
       "{\n"
       ".reg .pred done;\n"

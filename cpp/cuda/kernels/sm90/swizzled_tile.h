@@ -11,6 +11,7 @@ namespace te_jax::cuda::sm90 {
 template <int kRows, int kCols>
 struct SwizzledTile {
   static_assert(kCols % 64 == 0 && kRows % 8 == 0, "whole 64-column blocks of whole 8-row swizzle atoms");
+  static constexpr int kTileRows = kRows;
   static constexpr int kBlockBytes = kRows * 128;  // one 64-column block
   static constexpr int kBytes = kRows * kCols * 2;
 

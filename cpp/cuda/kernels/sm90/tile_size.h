@@ -13,6 +13,9 @@ TE_JAX_HOST_DEVICE constexpr int PadTo64(int d) { return (d + 63) / 64 * 64; }
 inline constexpr int kForwardThreads = 384;
 inline constexpr int kForwardConsumerWarps = 8;
 inline constexpr int kMaxDynamicSmem = 227 * 1024;  // sm90's opt-in limit per block
+// Work items whose result held NaN, to run again with the careful product; more than this many rerun every item of the
+// CTA that straddles a range edge (attention_fwd.cuh).
+inline constexpr int kForwardRedoSlots = 16;
 
 struct ForwardTile {
   int block_m;  // query rows per CTA
@@ -23,7 +26,8 @@ struct ForwardTile {
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t) {
   return 1024 +  // slack to align the tiles to the swizzle atom
          t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
-         8 * (1 + 4 * t.stages);  // mbarriers: q full; k full, k empty, v full, v empty per stage
+         8 * (2 + 4 * t.stages) +  // mbarriers: q full, q empty; k full, k empty, v full, v empty per stage
+         4 * (1 + kForwardRedoSlots);  // the rerun list: its length, then the items
 }
 
 // 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers for 64 logits and the two
@@ -40,5 +44,22 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv) { return Forwar
 TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
   return d % 8 == 0 && dv % 8 == 0 && d >= 8 && dv >= 8 && d <= 256 && dv <= 256;
 }
+
+// The backward's two kernels (attention_bwd.cuh) share one shape: a CTA owns 128 rows (keys for dk/dv, queries for dq)
+// held in shared memory, two consumer warpgroups of 64 of them, and steps over tiles of 64 rows of the other side
+// through a two-stage ring. Register budget: dk and dv accumulators are 64 x d / 128 floats per thread each, so head
+// dims above 128 stay on the sm80 family.
+inline constexpr int kBackwardThreads = 384;
+inline constexpr int kBackwardOwnedRows = 128;
+inline constexpr int kBackwardStepRows = 64;
+inline constexpr int kBackwardStages = 2;
+
+TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv) {
+  return 1024 + (kBackwardOwnedRows + kBackwardStages * kBackwardStepRows) * (PadTo64(d) + PadTo64(dv)) * 2 +
+         kBackwardStages * kBackwardStepRows * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
+         8 * (1 + 2 * kBackwardStages);                 // mbarriers: owned tiles full; each stage full and empty
+}
+
+TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv) { return ServesForward(d, dv) && d <= 128 && dv <= 128; }
 
 }  // namespace te_jax::cuda::sm90

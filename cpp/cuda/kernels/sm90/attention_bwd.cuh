@@ -1,0 +1,352 @@
+// Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's deterministic scheme
+// (kernels/sm80/attention_bwd.cuh): the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a
+// scratch that aliases dq, then two kernels, both made by BackwardKernel below, write every output element once in a
+// fixed summation order (no atomics, so the backward is bitwise reproducible):
+//   dk/dv: a CTA owns 128 keys of one kv head and steps over the 64-query tiles, of every head of its GQA group, that
+//     see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T elementwise, then dv += p^T dout and dk += ds^T q;
+//   dq: a CTA owns 128 queries and steps over their 64-key tiles: s = q k^T, dp = dout v^T, ds, then dq += ds k. It
+//     recomputes its rows' delta' (the scratch is dq's memory, which other CTAs are writing).
+// Both have the forward's machinery (attention_fwd.cuh): a producer warpgroup whose one thread issues the TMA copies
+// (the owned tiles once, then each step's two tiles into a two-stage ring) and two consumer warpgroups of 64 owned rows
+// on wgmma, with p^T / ds (the A operands of the second products) from registers. Each step is one q k^T-shaped pair of
+// products (owned rows against the step's rows), the elementwise algebra (common/probability_grad.h), and one or two
+// register-A products into the accumulators.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/fragment.h"
+#include "cpp/cuda/kernels/common/probability_grad.h"
+#include "cpp/cuda/kernels/sm90/pipeline.h"
+#include "cpp/cuda/kernels/sm90/swizzled_tile.h"
+#include "cpp/cuda/kernels/sm90/tile_size.h"
+#include "cpp/cuda/kernels/sm90/wgmma.h"
+
+namespace te_jax::cuda::sm90 {
+
+// kOwnsKeys: the dk/dv kernel (owned rows are keys, steps are query tiles); else the dq kernel (the other way round).
+// Operand 0 of a side is its [rows][d] tensor (k or q), operand 1 its [rows][dv] tensor (v or dout).
+template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys>
+struct BackwardKernel {
+  static constexpr int kOwned = kBackwardOwnedRows;
+  static constexpr int kStep = kBackwardStepRows;
+  static constexpr int kStages = kBackwardStages;
+  static constexpr int kThreads = kBackwardThreads;
+  static constexpr int kDP = PadTo64(kD);
+  static constexpr int kDvP = PadTo64(kDv);
+  static constexpr int kN0 = kDP % 128 == 0 ? 128 : 64;   // n of each product into a [rows][d] accumulator
+  static constexpr int kN1 = kDvP % 128 == 0 ? 128 : 64;  // ... into a [rows][dv] one
+  using Owned0 = SwizzledTile<kOwned, kDP>;
+  using Owned1 = SwizzledTile<kOwned, kDvP>;
+  using Step0 = SwizzledTile<kStep, kDP>;
+  using Step1 = SwizzledTile<kStep, kDvP>;
+  static constexpr int kOwned1Offset = Owned0::kBytes;
+  static constexpr int kStep0Offset = kOwned1Offset + Owned1::kBytes;
+  static constexpr int kStep1Offset = kStep0Offset + kStages * Step0::kBytes;
+  static constexpr int kStatsOffset = kStep1Offset + kStages * Step1::kBytes;
+  static constexpr int kBarrierOffset = kStatsOffset + kStages * 2 * kStep * 4;
+  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
+  static constexpr int kStatsWarp = 1;  // of the producer warpgroup: copies each step's lse and delta' (dk/dv)
+  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kOwned == 2 * 64 && kStep == 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups");
+  static constexpr int kTensorMapBoxRows = 64;  // tensor_maps.h: the backward's maps copy 64-row boxes
+
+  struct Smem {
+    uint32_t base;
+    float* stats;  // generic address of kStatsOffset: per stage, the step rows' lse then their delta'
+    __device__ __forceinline__ float* Lse(int stage) const { return stats + stage * 2 * kStep; }
+    __device__ __forceinline__ float* Delta(int stage) const { return Lse(stage) + kStep; }
+    __device__ __forceinline__ Owned0 Own0() const { return {base}; }
+    __device__ __forceinline__ Owned1 Own1() const { return {base + kOwned1Offset}; }
+    __device__ __forceinline__ Step0 Stp0(int stage) const { return {base + kStep0Offset + stage * Step0::kBytes}; }
+    __device__ __forceinline__ Step1 Stp1(int stage) const { return {base + kStep1Offset + stage * Step1::kBytes}; }
+    __device__ __forceinline__ uint32_t OwnedFull() const { return base + kBarrierOffset; }
+    __device__ __forceinline__ uint32_t Full(int stage) const { return OwnedFull() + 8 * (1 + stage); }
+    __device__ __forceinline__ uint32_t Empty(int stage) const { return OwnedFull() + 8 * (1 + kStages + stage); }
+  };
+
+  // What a CTA owns and where its steps go. Owned rows [owned0, owned0 + 128) of (batch b, head owned_head); step i
+  // covers rows [StepRow0(i), + 64) of head StepHead(i) on the other side.
+  struct Work {
+    int b;
+    int owned_head;  // kv head (dk/dv) or query head (dq)
+    int owned0;
+    int group;       // query heads per kv head
+    int tile_begin;  // the first 64-row step tile
+    int tiles;       // step tiles per head
+    int steps;       // dk/dv: tiles x group (head-major); dq: tiles
+    BatchLengths len;
+    RowMask mask;
+
+    __device__ __forceinline__ int StepHead(int i) const {
+      return kOwnsKeys ? owned_head * group + i / tiles : owned_head / group;
+    }
+    __device__ __forceinline__ int StepRow0(int i) const { return (tile_begin + (kOwnsKeys ? i % tiles : i)) * kStep; }
+    __device__ __forceinline__ int QueryHead(int i) const { return kOwnsKeys ? StepHead(i) : owned_head; }
+    // Whether some (query, key) pair of step i is hidden by the mask, so the step needs the per-element mask.
+    __device__ __forceinline__ bool StepMasked(int i) const {
+      const int q0 = kOwnsKeys ? StepRow0(i) : owned0, k0 = kOwnsKeys ? owned0 : StepRow0(i);
+      return !KeysOfRows(mask, q0, kOwnsKeys ? kStep : kOwned).Unmasked(k0, kOwnsKeys ? kOwned : kStep);
+    }
+  };
+
+  static __device__ __forceinline__ Work WorkOf(const ShapeArgs& s, const BackwardArgs& args) {
+    Work w;
+    w.group = s.num_heads / s.num_kv_heads;
+    if constexpr (kOwnsKeys) {
+      w.owned0 = blockIdx.x * kOwned;
+      w.owned_head = blockIdx.y;
+      w.b = blockIdx.z;
+      w.len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, w.b);
+      w.mask = MakeMask(s, w.len);
+      const RowSpan rows = RowsOfKeys(w.mask, w.owned0, w.owned0 + kOwned);
+      w.tile_begin = rows.begin / kStep;
+      w.tiles = rows.end > rows.begin ? (rows.end + kStep - 1) / kStep - w.tile_begin : 0;
+      w.steps = w.tiles * w.group;
+    } else {
+      // The last query blocks see the most keys under causal masks: they start first so the tail of the grid is short.
+      const QueryBlockOfCta cta = QueryBlockOf<kOwned, kStep>(s, args.q_seqlens, args.kv_seqlens,
+                                                              static_cast<int>(gridDim.x - 1 - blockIdx.x));
+      w.owned0 = cta.m0;
+      w.owned_head = cta.head;
+      w.b = cta.b;
+      w.len = cta.len;
+      w.mask = cta.mask;
+      w.tile_begin = cta.tile_begin;
+      w.tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
+      w.steps = w.tiles;
+    }
+    return w;
+  }
+
+  // The producer thread: the owned tiles, then each step's two tiles into the ring.
+  static __device__ __forceinline__ void Produce(const TmaBackwardArgs& a, const Smem& sm, const Work& w) {
+    const TensorMap* own0 = kOwnsKeys ? &a.k : &a.q;
+    const TensorMap* own1 = kOwnsKeys ? &a.v : &a.dout;
+    const TensorMap* step0 = kOwnsKeys ? &a.q : &a.k;
+    const TensorMap* step1 = kOwnsKeys ? &a.dout : &a.v;
+    LoadTile<kTensorMapBoxRows>(sm.Own0(), own0, sm.OwnedFull(), w.owned_head, w.owned0, w.b);
+    LoadTile<kTensorMapBoxRows>(sm.Own1(), own1, sm.OwnedFull(), w.owned_head, w.owned0, w.b);
+    for (int i = 0; i < w.steps; ++i) {
+      const int stage = StageOf<kStages>(i);
+      MbarrierWait(sm.Empty(stage), ParityOf<kStages>(i) ^ 1u);
+      LoadTile<kTensorMapBoxRows>(sm.Stp0(stage), step0, sm.Full(stage), w.StepHead(i), w.StepRow0(i), w.b);
+      LoadTile<kTensorMapBoxRows>(sm.Stp1(stage), step1, sm.Full(stage), w.StepHead(i), w.StepRow0(i), w.b);
+    }
+  }
+
+  // The dk/dv kernel's stats warp: each step's 64 query rows' lse and delta' into the stage, with plain loads (the rows
+  // past Sq get zeros, never read); its 32 arrivals on the stage's full barrier publish them.
+  static __device__ __forceinline__ void ProduceStats(const BackwardArgs& args, const Smem& sm, const Work& w,
+                                                      int lane) {
+    const ShapeArgs& s = args.shape;
+    for (int i = 0; i < w.steps; ++i) {
+      const int stage = StageOf<kStages>(i);
+      MbarrierWait(sm.Empty(stage), ParityOf<kStages>(i) ^ 1u);
+      const int64_t base = (static_cast<int64_t>(w.b) * s.num_heads + w.QueryHead(i)) * s.seqlen_q;
+#pragma unroll
+      for (int c = lane; c < kStep; c += 32) {
+        const int q = w.StepRow0(i) + c;
+        sm.Lse(stage)[c] = q < s.seqlen_q ? args.lse[base + q] : 0.0f;
+        sm.Delta(stage)[c] = q < s.seqlen_q ? args.delta_scratch[base + q] : 0.0f;
+      }
+      MbarrierArrive(sm.Full(stage));
+    }
+  }
+
+  static __device__ __forceinline__ void Run(const TmaBackwardArgs& a) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (SmemAddress(smem_raw) + 1023u) & ~1023u;
+    const Smem sm{base, reinterpret_cast<float*>(smem_raw + (base - SmemAddress(smem_raw)) + kStatsOffset)};
+    const BackwardArgs& args = a.args;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
+    if (tid == 0) {
+      PrefetchTensorMap(&a.q);
+      PrefetchTensorMap(&a.k);
+      PrefetchTensorMap(&a.v);
+      PrefetchTensorMap(&a.dout);
+      MbarrierInit(sm.OwnedFull(), 2);
+      for (int st = 0; st < kStages; ++st) {
+        MbarrierInit(sm.Full(st), 2 + (kOwnsKeys ? 32 : 0));  // the two copies' arrivals, and the stats warp's
+        MbarrierInit(sm.Empty(st), 8);  // the consumer warps
+      }
+      FenceMbarrierInit();
+    }
+    __syncthreads();
+    const Work w = WorkOf(args.shape, args);
+    if (warpgroup == 0) {
+      DecreaseRegisters<24>();
+      if (warp == 0 && lane == 0 && w.steps > 0) Produce(a, sm, w);
+      if (kOwnsKeys && warp == kStatsWarp) ProduceStats(args, sm, w, lane);
+    } else {
+      IncreaseRegisters<240>();
+      Consume(args, sm, w, warpgroup - 1, warp & 3, lane);
+    }
+  }
+
+  static __device__ __forceinline__ void Consume(const BackwardArgs& args, const Smem& sm, const Work& w, int wg,
+                                                 int warp_in_wg, int lane) {
+    const ShapeArgs& s = args.shape;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = 64 * wg;                                    // the warpgroup's first owned row
+    const int owned_row = w.owned0 + row0 + 16 * warp_in_wg + g;  // this thread's owned rows: owned_row, owned_row + 8
+    const int diag = static_cast<int>(w.mask.diag_offset);
+    Variant variant;
+    variant.scale = s.scale;
+    variant.cap = s.softcap;
+    variant.slope = 0.0f;
+
+    // Accumulators: dk and dv (dk/dv kernel) or dq (acc0 only).
+    float acc0[kDP / 8][4];
+    float acc1[kOwnsKeys ? kDvP / 8 : 1][4];
+#pragma unroll
+    for (int j = 0; j < kDP / 8; ++j) acc0[j][0] = acc0[j][1] = acc0[j][2] = acc0[j][3] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < (kOwnsKeys ? kDvP / 8 : 1); ++j) acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.0f;
+
+    // dq: its rows' lse and delta' for every step (rows past Sq see no key: their values are never used). The quad
+    // of threads sharing a row splits its dot product.
+    float row_lse[2] = {0.0f, 0.0f}, row_delta[2] = {0.0f, 0.0f};
+    if constexpr (!kOwnsKeys) {
+      float dot[2] = {0.0f, 0.0f}, dlse[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int q = owned_row + 8 * r;
+        if (q >= s.seqlen_q) continue;
+        const int64_t row = (static_cast<int64_t>(w.b) * s.seqlen_q + q) * s.num_heads + w.owned_head;
+        const uint32_t* out = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(args.out) + row * kDv);
+        const uint32_t* dout = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(args.dout) + row * kDv);
+        for (int c = t; c < kDv / 2; c += 4) {
+          const uint32_t x = out[c], y = dout[c];
+          dot[r] = fmaf(Element::ToFloat(static_cast<uint16_t>(x & 0xffffu)),
+                        Element::ToFloat(static_cast<uint16_t>(y & 0xffffu)), dot[r]);
+          dot[r] = fmaf(Element::ToFloat(static_cast<uint16_t>(x >> 16)), Element::ToFloat(static_cast<uint16_t>(y >> 16)),
+                        dot[r]);
+        }
+        const int64_t at = (static_cast<int64_t>(w.b) * s.num_heads + w.owned_head) * s.seqlen_q + q;
+        row_lse[r] = args.lse[at];
+        dlse[r] = args.dlse[at];
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) row_delta[r] = QuadSum(dot[r]) - dlse[r];
+    }
+    if constexpr (Variant::kHasAlibi && !kOwnsKeys) variant.slope = args.alibi_slopes[w.b * s.num_heads + w.owned_head];
+
+    float sc[kStep / 8][4], dp[kStep / 8][4];
+    uint32_t pa[kStep / 16][4], da[kStep / 16][4];
+    if (w.steps > 0) MbarrierWait(sm.OwnedFull(), 0);
+    for (int i = 0; i < w.steps; ++i) {
+      const int stage = StageOf<kStages>(i);
+      const int head = w.QueryHead(i);
+      const int step0 = w.StepRow0(i);
+      if constexpr (Variant::kHasAlibi && kOwnsKeys) variant.slope = args.alibi_slopes[w.b * s.num_heads + head];
+      MbarrierWait(sm.Full(stage), ParityOf<kStages>(i));
+
+      // s = owned rows . step rows over d, dp over dv: both K-major, like the forward's q k^T.
+      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(sc));
+      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(dp));
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < (kD + 15) / 16; ++kk) {
+        Wgmma<Element, kStep>::SS(reinterpret_cast<float(&)[kStep / 2]>(sc), sm.Own0().KMajor(row0, kk),
+                                  sm.Stp0(stage).KMajor(0, kk), kk > 0);
+      }
+#pragma unroll
+      for (int kk = 0; kk < (kDv + 15) / 16; ++kk) {
+        Wgmma<Element, kStep>::SS(reinterpret_cast<float(&)[kStep / 2]>(dp), sm.Own1().KMajor(row0, kk),
+                                  sm.Stp1(stage).KMajor(0, kk), kk > 0);
+      }
+      WgmmaCommit();
+
+      WgmmaWait<0>();
+      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(sc));
+      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(dp));
+
+      // p and ds in place of s and dp; (query, key) of element e of n8 tile j.
+      auto apply = [&](auto masked) {
+#pragma unroll
+        for (int j = 0; j < kStep / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int own = owned_row + 8 * (e >> 1), other = step0 + 8 * j + 2 * t + (e & 1);
+            const int query = kOwnsKeys ? other : own, key = kOwnsKeys ? own : other;
+            const bool visible = decltype(masked)::value ? Visible(w.mask.Keys(query), key) : true;
+            // dk/dv: the columns are the step's queries, their lse and delta' in the stage.
+            const float lse = kOwnsKeys ? sm.Lse(stage)[other - step0] : row_lse[e >> 1];
+            const float delta = kOwnsKeys ? sm.Delta(stage)[other - step0] : row_delta[e >> 1];
+            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta);
+          }
+      };
+      if (w.StepMasked(i)) {
+        apply(Masked<true>{});
+      } else {
+        apply(Masked<false>{});
+      }
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) {
+        PackAFragment<Element>(sc, kk, pa[kk]);
+        PackAFragment<Element>(dp, kk, da[kk]);
+      }
+
+      // dk/dv: dv += p^T dout, dk += ds^T q; dq: dq += ds k. The step's rows are the products' K, its tiles MN-major B.
+      FenceOperands(reinterpret_cast<float(&)[kDP / 2]>(acc0));
+      if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
+      FenceOperands(pa);
+      FenceOperands(da);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) {
+#pragma unroll
+        for (int n = 0; n < kDP / kN0; ++n) {
+          Wgmma<Element, kN0>::RS(reinterpret_cast<float(&)[kN0 / 2]>(acc0[n * kN0 / 8]), da[kk],
+                                  sm.Stp0(stage).MNMajor(kk, n * kN0));
+        }
+        if constexpr (kOwnsKeys) {
+#pragma unroll
+          for (int n = 0; n < kDvP / kN1; ++n) {
+            Wgmma<Element, kN1>::RS(reinterpret_cast<float(&)[kN1 / 2]>(acc1[n * kN1 / 8]), pa[kk],
+                                    sm.Stp1(stage).MNMajor(kk, n * kN1));
+          }
+        }
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceOperands(reinterpret_cast<float(&)[kDP / 2]>(acc0));
+      if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
+      ReleaseStage(sm.Empty(stage), lane);
+    }
+
+    // Every owned row is written (zeros where no step saw it; NaN for a batch with invalid lengths).
+    const int owned_len = kOwnsKeys ? s.seqlen_kv : s.seqlen_q;
+    const int64_t stride0 = static_cast<int64_t>(kOwnsKeys ? s.num_kv_heads : s.num_heads) * kD;
+    const int64_t stride1 = static_cast<int64_t>(s.num_kv_heads) * kDv;
+    uint16_t* out0 = static_cast<uint16_t*>(kOwnsKeys ? args.dk : args.dq) +
+                     static_cast<int64_t>(w.b) * owned_len * stride0 + w.owned_head * kD;
+    uint16_t* out1 = static_cast<uint16_t*>(args.dv) + static_cast<int64_t>(w.b) * owned_len * stride1 + w.owned_head * kDv;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = owned_row + 8 * r;
+      if (row >= owned_len) continue;
+#pragma unroll
+      for (int j = 0; j < kDP / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        if (col < kD) {
+          *reinterpret_cast<uint32_t*>(out0 + row * stride0 + col) =
+              w.len.invalid ? kPackedNaN : Element::Pack(acc0[j][2 * r], acc0[j][2 * r + 1]);
+        }
+      }
+      if constexpr (kOwnsKeys) {
+#pragma unroll
+        for (int j = 0; j < kDvP / 8; ++j) {
+          const int col = 8 * j + 2 * t;
+          if (col < kDv) {
+            *reinterpret_cast<uint32_t*>(out1 + row * stride1 + col) =
+                w.len.invalid ? kPackedNaN : Element::Pack(acc1[j][2 * r], acc1[j][2 * r + 1]);
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace te_jax::cuda::sm90

@@ -1,0 +1,44 @@
+// The pieces of the sm90 family's producer/consumer pipelines: where the i-th tile of a ring sits, loading a whole tile
+// into a stage with TMA, and a consumer warp handing a stage back.
+#pragma once
+
+#include "cpp/cuda/kernels/sm90/mbarrier.h"
+#include "cpp/cuda/kernels/sm90/tma.h"
+
+namespace te_jax::cuda::sm90 {
+
+// The i-th tile through a ring of kStages stages: its stage, and the parity of the phase of that stage's barriers it
+// waits for (a producer waiting for the stage to be empty waits for the other parity).
+template <int kStages>
+__device__ __forceinline__ int StageOf(int i) {
+  return i % kStages;
+}
+template <int kStages>
+__device__ __forceinline__ uint32_t ParityOf(int i) {
+  return static_cast<uint32_t>(i / kStages) & 1u;
+}
+
+// Copies a whole tile of one (batch, head), rows from `row`: each 64-column block in boxes of the tensor map's kBoxRows
+// rows. The copies count their bytes on `full`, with one arrival.
+template <int kBoxRows, typename Tile>
+__device__ __forceinline__ void LoadTile(Tile tile, const void* map, uint32_t full, int head, int row, int b) {
+  static_assert(Tile::kTileRows % kBoxRows == 0 && kBoxRows % 8 == 0, "whole boxes of whole swizzle atoms");
+  StressDelay();
+  MbarrierArriveExpectBytes(full, Tile::kBytes);
+#pragma unroll
+  for (int c = 0; c < Tile::kBytes / Tile::kBlockBytes; ++c) {
+#pragma unroll
+    for (int r = 0; r < Tile::kTileRows / kBoxRows; ++r) {
+      TmaLoad4d(tile.base + c * Tile::kBlockBytes + r * kBoxRows * 128, map, full, 64 * c, head, row + r * kBoxRows, b);
+    }
+  }
+}
+
+// A consumer warp is done with a stage: its lane 0 arrives on the stage's empty barrier, which counts warps.
+__device__ __forceinline__ void ReleaseStage(uint32_t empty, int lane) {
+  StressDelay();
+  __syncwarp();
+  if (lane == 0) MbarrierArrive(empty);
+}
+
+}  // namespace te_jax::cuda::sm90
