@@ -38,6 +38,7 @@ from te_jax import _primitives
 from te_jax.attention_config import AttentionConfig
 from te_jax.load_balancing import load_balanced_chunk_order
 from te_jax.mask_type import MaskType
+from te_jax.merge_states import merge_partial
 
 STRATEGIES = ("all_gather", "ring")
 
@@ -153,19 +154,6 @@ def _no_tokens(q, k):
   return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
 
 
-def merge(out_a, lse_a, out_b, lse_b):
-  """Merges two partial attentions over disjoint key sets (out float32, lse float32 [B,H,S]); -inf lse is a no-op."""
-  m = jnp.maximum(lse_a, lse_b)
-  finite = jnp.isfinite(m)
-  safe_m = jnp.where(finite, m, 0.0)
-  wa, wb = jnp.exp(lse_a - safe_m), jnp.exp(lse_b - safe_m)
-  total = wa + wb
-  lse = jnp.where(finite, safe_m + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
-  inv = jnp.where(finite, 1.0 / jnp.where(finite, total, 1.0), 0.0)
-  to_out = lambda w: jnp.swapaxes(w * inv, 1, 2)[..., None]  # [B,H,S] -> [B,S,H,1]
-  return to_out(wa) * out_a + to_out(wb) * out_b.astype(jnp.float32), lse
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Layout helpers.
 
@@ -273,7 +261,7 @@ def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, c
     for kc, vc, kid in zip(_split(k_cur, n_local, 1), _split(v_cur, n_local, 1), _chunk_ids(cp, src)):
       for t, (qc, qid) in enumerate(zip(q_chunks, q_ids)):
         out, lse = _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi)
-        outs[t], lses[t] = merge(outs[t], lses[t], out, lse)
+        outs[t], lses[t] = merge_partial(outs[t], lses[t], out, lse)
     if step < cp.size - 1:
       k_cur, v_cur = k_next, v_next
   return outs, lses
