@@ -9,13 +9,14 @@ from te_jax.legacy_failures import raise_legacy_failures
 from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing
 from te_jax.mask_type import MaskType
 from te_jax.merge_states import merge_states
+from te_jax.paged_attention import paged_attention
 
 try:
   import te_jax._cuda  # noqa: F401  registers the CUDA backend when the _te_jax_cuda extension was built
 except ImportError:
   pass
 
-__all__ = ["fused_attn", "merge_states", "segment_ids_from_lengths", "positions_from_lengths", "dot_product_attention", "MaskType", "EngineUnavailableError", "custom_call_path", "current_custom_call_path", "raise_legacy_failures",
+__all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths", "dot_product_attention", "MaskType", "EngineUnavailableError", "custom_call_path", "current_custom_call_path", "raise_legacy_failures",
            "reorder_for_load_balancing", "inverse_reorder_for_load_balancing"]
 __version__ = "0.1.0"
 
