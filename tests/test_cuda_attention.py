@@ -168,6 +168,7 @@ def test_cudnn_refusals_and_auto():
 @pytest.mark.parametrize("case", [CASES[5], CASES[15]], ids=[CASES[i][0] for i in (5, 15)])
 def test_deterministic_backward_is_reproducible_and_agrees_with_atomic(case):
   q, k, v, kwargs, dout, dlse = _inputs(case, seed=11)
+  kwargs = dict(kwargs, engine="te")  # te_jax's two backward schemes; "auto" could time another engine in per call
   first = _run(q, k, v, dict(kwargs, deterministic=True), dout, dlse, _GPUS[0])
   second = _run(q, k, v, dict(kwargs, deterministic=True), dout, dlse, _GPUS[0])
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
@@ -296,16 +297,16 @@ def test_nonfinite_inputs_follow_the_formula(name, tensor, index, value, engine)
 
 @pytest.mark.parametrize("nan_block", ["last", "one_of_first_four"])
 def test_nan_reruns_over_many_items_per_cta(nan_block):
-  """Many query blocks per CTA (the sm90 forward is persistent), with a NaN in v at the last key of one query block per
-  (batch, head): the rows of that block before it do not see it, but the first run's tensor-core p v gives them
-  0 * NaN. Those items must be run again carefully: "last" lists a few per CTA; "one_of_first_four" makes most items
-  NaN-holding, more per CTA than the rerun list holds, so every straddling item of the CTA runs again."""
+  """Thousands of query blocks, with a NaN in v at the last key of one query block per (batch, head): the rows of that
+  block before it do not see it, but a tensor-core p v gives them 0 * NaN, so those blocks must run their careful
+  pass. "last": the last block of each (batch, head); "one_of_first_four": an early one, so most blocks hold real NaN
+  and a few spurious ones hide among them."""
   b, s, h, d = 4, 2048, 64, 64
   rng = np.random.default_rng(11)
   x = {n: np.asarray(jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)).astype(np.float64)
        for n in ("q", "k", "v")}
   pair = np.arange(b * h).reshape(b, h)
-  nan_key = 128 * (15 if nan_block == "last" else pair % 4) + 127
+  nan_key = 128 * (np.full_like(pair, 15) if nan_block == "last" else pair % 4) + 127
   for bi in range(b):
     for hi in range(h):
       x["v"][bi, nan_key[bi, hi], hi, 0] = np.nan

@@ -29,20 +29,20 @@ ShapeArgs MakeShape(const AttentionParams& p) {
   return s;
 }
 
-// The loaded module of a call's configuration on the current device, its kernel family and the device.
+// The loaded module of a call's configuration on the current device, and its kernel family.
 struct CallModule {
   const LoadedModule* module = nullptr;
   KernelFamily family = KernelFamily::kSm80;
-  CUdevice device = 0;
 };
 
 Status Module(const AttentionParams& params, Direction direction, CallModule* call) {
+  CUdevice device = 0;
   std::string arch;
-  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&call->device, &arch));
+  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
   const KernelConfig config = ConfigFor(params, direction, arch);
   call->family = config.Family();
   JitReport report;
-  return GetLoadedModule(config, call->device, &call->module, &report);
+  return GetLoadedModule(config, device, &call->module, &report);
 }
 
 template <typename Args>
@@ -57,19 +57,6 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
 }
 
 unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
-
-// The persistent sm90 forward's work order (kernels/sm90/tile_scheduler.h): sections of (batch, head) pairs whose k and v
-// take at most half the L2, the rest left to the q tiles and outputs streaming through.
-sm90::ForwardSchedule ForwardScheduleFor(const AttentionParams& p, const sm90::ForwardTile& tile,
-                                         const DeviceGeometry& gpu) {
-  const int64_t group = p.num_heads / p.num_kv_heads;  // query heads sharing one k and v: adjacent pairs
-  const int64_t kv_bytes_per_pair = p.seqlen_kv * (p.head_dim + p.head_dim_v) * 2 / group;
-  const int64_t pairs = p.batch * p.num_heads;
-  int64_t section = kv_bytes_per_pair > 0 ? gpu.l2_bytes / 2 / kv_bytes_per_pair : pairs;
-  section = section < 1 ? 1 : (section > pairs ? pairs : section);
-  return {static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m)), static_cast<int>(p.num_heads), static_cast<int>(pairs),
-          static_cast<int>(section)};
-}
 
 Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
   if (given >= needed) return Status::Ok();
@@ -117,7 +104,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
   const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv);
-  TmaForwardArgs tma{args, {}, {}, {}, {}};
+  TmaForwardArgs tma{args, {}, {}, {}};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
   if (p.seqlen_kv == 0) {
@@ -129,13 +116,8 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     TE_JAX_RETURN_IF_ERROR(
         EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n, &tma.v));
   }
-  DeviceGeometry gpu;
-  TE_JAX_RETURN_IF_ERROR(GetDeviceGeometry(call.device, &gpu));
-  tma.schedule = ForwardScheduleFor(p, tile, gpu);
-  // Persistent: one CTA per SM (the kernel's registers and shared memory fill one), or one per item if fewer.
-  const int items = tma.schedule.Items();
-  const unsigned grid = static_cast<unsigned>(items < gpu.multiprocessors ? items : gpu.multiprocessors);
-  return Launch(driver, call.module->kernels[0], "attention forward", grid, 1, 1, sm90::kForwardThreads,
+  return Launch(driver, call.module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
+                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kForwardThreads,
                 call.module->smem_bytes[0], stream, &tma);
 }
 

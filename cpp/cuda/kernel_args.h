@@ -2,7 +2,6 @@
 // NVRTC (the kernels read them), so both sides see one layout: only pointers, 32/64-bit integers and floats.
 #pragma once
 
-#include "cpp/cuda/kernels/sm90/tile_scheduler.h"
 #include "cpp/host_device.h"
 #if !defined(__CUDACC_RTC__)
 #include <cstdint>
@@ -43,14 +42,12 @@ struct alignas(128) TensorMap {
 };
 
 // The sm90 forward's parameters: the forward's, and TMA tensor maps of q, k and v as 4-D tensors [B][S][H][D] (innermost
-// first: D, H, S, B), each copied box by box as 64 columns x the tile's rows of one (batch, head), and the order of the
-// persistent CTAs' work.
+// first: D, H, S, B), each copied box by box as 64 columns x the tile's rows of one (batch, head).
 struct TmaForwardArgs {
   ForwardArgs args;
   TensorMap q;
   TensorMap k;
   TensorMap v;
-  sm90::ForwardSchedule schedule;
 };
 
 // The length guard (kernels/common/length_guard.cuh) around an engine that trusts its run-time lengths: before it,

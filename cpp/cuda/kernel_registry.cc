@@ -175,25 +175,4 @@ Status CurrentDeviceArch(CUdevice* device, std::string* arch) {
   return Status::Ok();
 }
 
-Status GetDeviceGeometry(CUdevice device, DeviceGeometry* geometry) {
-  static std::mutex mu;
-  static std::map<CUdevice, DeviceGeometry> known;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find(device);
-  if (it != known.end()) {
-    *geometry = it->second;
-    return Status::Ok();
-  }
-  const DriverApi* driver = nullptr;
-  TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
-  int sms = 0, l2 = 0;
-  CUresult r = driver->cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);
-  if (r == CUDA_SUCCESS) r = driver->cuDeviceGetAttribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, device);
-  if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's SM count and L2 size: " + driver->ErrorString(r));
-  geometry->multiprocessors = sms;
-  geometry->l2_bytes = l2;
-  known[device] = *geometry;
-  return Status::Ok();
-}
-
 }  // namespace te_jax::cuda

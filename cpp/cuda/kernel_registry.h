@@ -8,7 +8,6 @@
 
 #include <cuda.h>
 
-#include <cstdint>
 #include <string>
 
 #include "cpp/cuda/kernel_config.h"
@@ -37,12 +36,5 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
 
 // The device (and its NVRTC arch) of the calling thread's current context, else device 0.
 Status CurrentDeviceArch(CUdevice* device, std::string* arch);
-
-// What a persistent kernel's launch needs of the device: read from the driver once per device.
-struct DeviceGeometry {
-  int multiprocessors = 0;
-  int64_t l2_bytes = 0;
-};
-Status GetDeviceGeometry(CUdevice device, DeviceGeometry* geometry);
 
 }  // namespace te_jax::cuda

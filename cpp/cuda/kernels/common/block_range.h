@@ -71,15 +71,14 @@ struct QueryBlockOfCta {
   int tile_begin, tile_end;
 };
 
-// The query block, head and batch are the CTA's grid coordinates unless the kernel schedules its own work (sm90).
+// The query block is blockIdx.x unless the kernel orders its blocks otherwise (sm90: the longest first).
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ QueryBlockOfCta QueryBlockOf(const ShapeArgs& s, const int32_t* q_seqlens,
-                                                        const int32_t* kv_seqlens, int m_block = blockIdx.x,
-                                                        int head = blockIdx.y, int b = blockIdx.z) {
+                                                        const int32_t* kv_seqlens, int m_block = blockIdx.x) {
   QueryBlockOfCta c;
   c.m0 = m_block * kBlockM;
-  c.head = head;
-  c.b = b;
+  c.head = blockIdx.y;
+  c.b = blockIdx.z;
   c.kv_head = c.head / (s.num_heads / s.num_kv_heads);
   c.len = ReadLengths(s, q_seqlens, kv_seqlens, c.b);
   c.mask = MakeMask(s, c.len);

@@ -1,8 +1,6 @@
 // Forward flash attention, sm90 family (sm_90a): wgmma products, TMA copies into mbarrier-guarded rings, and warp
-// specialisation. The kernel is persistent: one CTA per SM takes work items (128 query rows of one (batch, head)) in
-// the order of tile_scheduler.h. A CTA has three warpgroups:
-//   - the producer: one thread issues the TMA copies of each item's q and of its k and v tiles into two-stage rings; it
-//     runs ahead across items, so the next item's q and first tiles land while the consumers finish this one. The
+// specialisation. A CTA owns 128 query rows of one (batch, head) and has three warpgroups:
+//   - the producer: one thread issues the TMA copies of q (once) and of each k and v tile into two-stage rings; the
 //     warpgroup gives most of its registers to the others (setmaxnreg);
 //   - two consumers of 64 rows each: s = q k^T with q and k from shared memory, the mask and variant on s, the online
 //     softmax, and o += p v with p from registers. Each iteration issues the next tile's q k^T before this tile's p v
@@ -10,8 +8,8 @@
 // k and v have separate rings: a k stage goes back to the producer as soon as its q k^T is done, so the next tiles' k
 // is in flight a whole iteration ahead. Masks, variants and non-finite values follow the sm80 family
 // (kernels/sm80/attention_fwd.cuh): tiles outside every row's key range are never loaded, tiles inside it skip the
-// per-element mask, and an item whose tiles straddle a range edge and whose result holds NaN is listed, and run again
-// with the careful product below once the CTA's items are done.
+// per-element mask, and a CTA whose tiles straddle a range edge and whose result holds NaN runs its pass again with
+// the careful product below.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -20,43 +18,29 @@
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/sm90/pipeline.h"
 #include "cpp/cuda/kernels/sm90/swizzled_tile.h"
-#include "cpp/cuda/kernels/sm90/tile_scheduler.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/kernels/sm90/wgmma.h"
 
 namespace te_jax::cuda::sm90 {
 
-// Named barriers (0 is __syncthreads): every thread before the reruns; the consumers' turns (two); each consumer
-// warpgroup's vote on a rerun (two).
-inline constexpr int kAllThreadsBarrier = 1;
-inline constexpr int kTurnBarrier = 2;
-inline constexpr int kVoteBarrier = 4;
-
-__device__ __forceinline__ void SyncAllThreads() {
-  // Not .aligned: the producer warp arrives with its one issuing lane coming from a different path.
-  asm volatile("barrier.sync %0, %1;" ::"n"(kAllThreadsBarrier), "n"(kForwardThreads) : "memory");
-}
-
-// Whether any of the consumer warpgroup's 128 threads passes true.
-__device__ __forceinline__ bool WarpgroupAny(int wg, bool pred) {
+// Whether any thread of the CTA passes true (a barrier over all kThreads threads, named 1 so it never meets
+// __syncthreads).
+template <int kThreads>
+__device__ __forceinline__ bool CtaAny(bool pred) {
   uint32_t any;
   asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.red.or.pred q, 1, %2, p;\nselp.u32 %0, 1, 0, q;\n}\n"
       : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "r"(kVoteBarrier + wg)
+      : "r"(static_cast<uint32_t>(pred)), "n"(kThreads)
       : "memory");
   return any != 0;
 }
 
-// The two turn barriers take turns between the two consumer warpgroups (FlashAttention-3's ping-pong): a warpgroup
+// Named barriers 2 and 3 take turns between the two consumer warpgroups (FlashAttention-3's ping-pong): a warpgroup
 // waits for its turn before issuing its products and hands the turn over right after, so one warpgroup's softmax
 // runs while the other's products keep the tensor cores busy.
-__device__ __forceinline__ void WaitTurn(int wg) {
-  asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + wg) : "memory");
-}
-__device__ __forceinline__ void PassTurn(int wg) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + 1 - wg) : "memory");
-}
+__device__ __forceinline__ void WaitTurn(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(2 + wg) : "memory"); }
+__device__ __forceinline__ void PassTurn(int wg) { asm volatile("bar.arrive %0, 256;" ::"r"(3 - wg) : "memory"); }
 
 template <typename Element, int kD, int kDv, typename Variant>
 struct ForwardKernel {
@@ -75,8 +59,7 @@ struct ForwardKernel {
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
-  static constexpr int kRerunOffset = kBarrierOffset + 8 * (2 + 4 * kStages);
-  static constexpr int kSmemBytes = 1024 + kRerunOffset + 4 * (1 + kForwardRedoSlots);
+  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 4 * kStages);
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
   static_assert(kBlockM == 2 * 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups of 64 rows");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
@@ -87,84 +70,31 @@ struct ForwardKernel {
   // The shared-memory map, from the 1024-byte-aligned base.
   struct Smem {
     uint32_t base;
-    int* reruns;  // the rerun list: its length, then the items (generic address of kRerunOffset)
     __device__ __forceinline__ QTile Q() const { return {base}; }
     __device__ __forceinline__ KTile K(int stage) const { return {base + kKOffset + stage * KTile::kBytes}; }
     __device__ __forceinline__ VTile V(int stage) const { return {base + kVOffset + stage * VTile::kBytes}; }
     __device__ __forceinline__ uint32_t QFull() const { return base + kBarrierOffset; }
-    __device__ __forceinline__ uint32_t QEmpty() const { return QFull() + 8; }
-    __device__ __forceinline__ uint32_t KFull(int stage) const { return QFull() + 8 * (2 + stage); }
-    __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (2 + kStages + stage); }
-    __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (2 + 2 * kStages + stage); }
-    __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (2 + 3 * kStages + stage); }
+    __device__ __forceinline__ uint32_t KFull(int stage) const { return QFull() + 8 * (1 + stage); }
+    __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
+    __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
+    __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
   };
 
-  // How many q tiles and k/v tiles have gone through a CTA's buffers, over all its items so far: the producer and the
-  // consumers count alike, and a count gives the buffer's stage and the parity of its mbarrier phase.
-  struct RingCursor {
-    int q = 0;
-    int kv = 0;
-  };
+  // The position of the i-th tile a CTA consumes (counted over both passes) in the rings.
   static __device__ __forceinline__ int StageOf(int i) { return sm90::StageOf<kStages>(i); }
   static __device__ __forceinline__ uint32_t ParityOf(int i) { return sm90::ParityOf<kStages>(i); }
 
-  // A work item as its CTA sees it: the query block, and which of its key tiles need the per-element mask.
-  struct Item {
-    QueryBlockOfCta cta;
-    int tiles;
-    int full_begin, full_end;  // tiles [full_begin, full_end) are visible to every row: no per-element mask there
-    bool straddles;            // some tile is masked element by element (a NaN result there may be spurious)
-  };
-
-  static __device__ __forceinline__ Item ItemOf(const TmaForwardArgs& a, int w) {
-    const ForwardWork work = a.schedule.Item(w);
-    Item item;
-    item.cta = QueryBlockOf<kBlockM, kBlockN>(a.args.shape, a.args.q_seqlens, a.args.kv_seqlens, work.m_block,
-                                              work.head, work.b);
-    const QueryBlockOfCta& cta = item.cta;
-    const KeySpan& span = cta.span;
-    item.tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
-    item.full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : cta.tile_end;
-    item.full_end = span.all_rows_valid ? span.full_end / kBlockN : cta.tile_end;
-    item.straddles = item.tiles > 0 && (!span.all_rows_valid || item.full_begin > cta.tile_begin ||
-                                        item.full_end < cta.tile_end);
-    return item;
-  }
-
-  // The producer thread's share of an item: its q, once the consumers are done with the previous item's, then its k
-  // and v tiles. An item without tiles loads nothing.
-  static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const Item& item,
-                                                 RingCursor& cursor) {
-    if (item.tiles == 0) return;
-    const QueryBlockOfCta& cta = item.cta;
-    MbarrierWait(sm.QEmpty(), (static_cast<uint32_t>(cursor.q) & 1u) ^ 1u);
-    LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b);
-    ++cursor.q;
-    for (int tile = cta.tile_begin; tile < cta.tile_end; ++tile, ++cursor.kv) {
-      const int stage = StageOf(cursor.kv);
-      const uint32_t parity = ParityOf(cursor.kv) ^ 1u;  // the consumers' release of this stage's previous tile
+  // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`.
+  static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
+                                                 bool load_q, int i) {
+    if (load_q) LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b);
+    for (int tile = cta.tile_begin; tile < cta.tile_end; ++tile, ++i) {
+      const int stage = StageOf(i);
+      const uint32_t parity = ParityOf(i) ^ 1u;  // the consumers' release of this stage's previous tile
       MbarrierWait(sm.KEmpty(stage), parity);
       LoadTile<kBlockN>(sm.K(stage), &a.k, sm.KFull(stage), cta.kv_head, tile * kBlockN, cta.b);
       MbarrierWait(sm.VEmpty(stage), parity);
       LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
-    }
-  }
-
-  // Calls f(item) for each item of the CTA to run again with the careful product: the listed ones (each once: both
-  // consumer warpgroups may list an item), or, when the list overflowed, every item that straddles a range edge. Every
-  // thread reads the same list, after the barrier that ends the first runs.
-  template <typename F>
-  static __device__ __forceinline__ void ForEachRerun(const TmaForwardArgs& a, const Smem& sm, F&& f) {
-    const volatile int* list = sm.reruns;
-    const bool overflowed = list[0] > kForwardRedoSlots;
-    const int count = overflowed ? (a.schedule.Items() - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : list[0];
-    for (int k = 0; k < count; ++k) {
-      const int w = overflowed ? static_cast<int>(blockIdx.x + k * gridDim.x) : list[1 + k];
-      bool listed_before = false;
-      for (int j = 0; j < k && !overflowed; ++j) listed_before |= list[1 + j] == w;
-      if (listed_before) continue;
-      const Item item = ItemOf(a, w);
-      if (item.straddles) f(item);  // one call site: f inlines the careful run once
     }
   }
 
@@ -245,15 +175,15 @@ struct ForwardKernel {
 
   static __device__ __forceinline__ void Run(const TmaForwardArgs& a) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const uint32_t base = (SmemAddress(smem_raw) + 1023u) & ~1023u;
-    const Smem sm{base, reinterpret_cast<int*>(smem_raw + (base - SmemAddress(smem_raw)) + kRerunOffset)};
+    const Smem sm{(SmemAddress(smem_raw) + 1023u) & ~1023u};
+    const ForwardArgs& args = a.args;
+    const ShapeArgs& s = args.shape;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
     if (tid == 0) {
       PrefetchTensorMap(&a.q);
       PrefetchTensorMap(&a.k);
       PrefetchTensorMap(&a.v);
       MbarrierInit(sm.QFull(), 1);
-      MbarrierInit(sm.QEmpty(), kForwardConsumerWarps);
       for (int st = 0; st < kStages; ++st) {
         MbarrierInit(sm.KFull(st), 1);
         MbarrierInit(sm.VFull(st), 1);
@@ -261,46 +191,32 @@ struct ForwardKernel {
         MbarrierInit(sm.VEmpty(st), kForwardConsumerWarps);
       }
       FenceMbarrierInit();
-      sm.reruns[0] = 0;
     }
     __syncthreads();
-    const int items = a.schedule.Items();
-    RingCursor cursor;
+    // The last query blocks see the most keys under causal masks: they start first so the tail of the grid is short.
+    const QueryBlockOfCta cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens,
+                                                               static_cast<int>(gridDim.x - 1 - blockIdx.x));
+    const int tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
+    // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
+    const KeySpan span = cta.span;
+    const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : cta.tile_end;
+    const int full_end = span.all_rows_valid ? span.full_end / kBlockN : cta.tile_end;
+    const bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > cta.tile_begin || full_end < cta.tile_end);
+
     if (warpgroup == 0) {
       DecreaseRegisters<24>();
       const bool producer = warp == 0 && lane == 0;
-      if (producer) {
-        for (int w = blockIdx.x; w < items; w += gridDim.x) Produce(a, sm, ItemOf(a, w), cursor);
-      }
-      __syncwarp();
-      SyncAllThreads();
-      if (producer) ForEachRerun(a, sm, [&](const Item& item) { Produce(a, sm, item, cursor); });
+      if (producer) Produce(a, sm, cta, true, 0);
+      if (CtaAny<kThreads>(false) && producer) Produce(a, sm, cta, false, tiles);
     } else {
       IncreaseRegisters<240>();
-      const int wg = warpgroup - 1;
-      // The first warpgroup takes the first turn. Both issue the same number of product groups per item, so the one
-      // extra hand-over (the second's last) is never waited for.
-      if (wg == 1) PassTurn(wg);
-      for (int w = blockIdx.x; w < items; w += gridDim.x) {
-        const Item item = ItemOf(a, w);
-        const bool nan = Consume<false>(a.args, sm, item, wg, warp & 3, lane, cursor);
-        if (item.straddles && WarpgroupAny(wg, nan) && tid % 128 == 0) {
-          const int slot = atomicAdd(sm.reruns, 1);
-          if (slot < kForwardRedoSlots) sm.reruns[1 + slot] = w;
-        }
-      }
-      SyncAllThreads();
-      ForEachRerun(a, sm, [&](const Item& item) { Consume<true>(a.args, sm, item, wg, warp & 3, lane, cursor); });
+      Consume(args, sm, cta, warpgroup - 1, warp & 3, lane, tiles, full_begin, full_end, straddles);
     }
   }
 
-  // A consumer warpgroup's share of an item: its 64 rows' products, softmax and outputs. Returns whether this thread's
-  // result holds NaN where a straddling tile may have put it (the first run's, not the careful one's).
-  template <bool kCareful>
-  static __device__ __forceinline__ bool Consume(const ForwardArgs& args, const Smem& sm, const Item& item, int wg,
-                                                 int warp_in_wg, int lane, RingCursor& cursor) {
-    const QueryBlockOfCta& cta = item.cta;
-    const int full_begin = item.full_begin, full_end = item.full_end;
+  static __device__ __forceinline__ void Consume(const ForwardArgs& args, const Smem& sm, const QueryBlockOfCta& cta,
+                                                 int wg, int warp_in_wg, int lane, int tiles, int full_begin,
+                                                 int full_end, bool straddles) {
     const ShapeArgs& s = args.shape;
     const int g = lane >> 2, t = lane & 3;
     const int row0 = 64 * wg;                         // the warpgroup's first row in the q tile
@@ -364,13 +280,18 @@ struct ForwardKernel {
       WgmmaFence();
     };
 
-    // The item's tiles, in the rings from position cursor.kv.
-    auto pass = [&]() {
+    MbarrierWait(sm.QFull(), 0);
+    // The first warpgroup takes the first turn. Both issue the same number of product groups per pass, so the one
+    // extra hand-over (the second's last) is never waited for.
+    if (wg == 1) PassTurn(wg);
+
+    // One pass over the CTA's tiles; ring positions count on from `first` (the second pass follows the first).
+    auto pass = [&](auto careful, int first) {
+      constexpr bool kCareful = decltype(careful)::kValue;
       softmax.Reset();
 #pragma unroll
       for (int j = 0; j < kDvP / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-      if (item.tiles == 0) return;
-      MbarrierWait(sm.QFull(), static_cast<uint32_t>(cursor.q) & 1u);
+      if (tiles == 0) return;
       // o += p v of the tile in ring position i (its v has landed): on the tensor cores, or key by key in the careful
       // pass. The careful pass takes the slow product for every tile, not only the straddling ones: a wgmma behind a
       // run-time branch makes ptxas serialise every wgmma of the kernel.
@@ -383,7 +304,7 @@ struct ForwardKernel {
         }
       };
 
-      int i = cursor.kv;
+      int i = first;
       MbarrierWait(sm.KFull(StageOf(i)), ParityOf(i));
       WaitTurn(wg);
       fence_registers();
@@ -423,7 +344,6 @@ struct ForwardKernel {
         }
         to_operand();
       }
-      release(sm.QEmpty());  // the item's last q k^T is done: the producer may load the next item's q
       MbarrierWait(sm.VFull(StageOf(i)), ParityOf(i));
       WaitTurn(wg);
       fence_registers();
@@ -432,12 +352,10 @@ struct ForwardKernel {
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(o));
       release(sm.VEmpty(StageOf(i)));
-      ++cursor.q;
-      cursor.kv += item.tiles;
     };
 
-    pass();
-    const bool nan = !kCareful && item.straddles && (AnyNaN(o) || softmax.AnyNaN());
+    pass(BoolConstant<false>{}, 0);
+    if (CtaAny<kThreads>(straddles && (AnyNaN(o) || softmax.AnyNaN()))) pass(BoolConstant<true>{}, tiles);
 
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(cta.b) * s.seqlen_q * o_stride + cta.head * kDv;
@@ -464,7 +382,6 @@ struct ForwardKernel {
             cta.len.invalid ? __int_as_float(0x7fffffff) : lse[r];
       }
     }
-    return nan;
   }
 };
 

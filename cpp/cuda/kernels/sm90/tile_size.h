@@ -13,9 +13,6 @@ TE_JAX_HOST_DEVICE constexpr int PadTo64(int d) { return (d + 63) / 64 * 64; }
 inline constexpr int kForwardThreads = 384;
 inline constexpr int kForwardConsumerWarps = 8;
 inline constexpr int kMaxDynamicSmem = 227 * 1024;  // sm90's opt-in limit per block
-// Work items whose result held NaN, to run again with the careful product; more than this many rerun every item of the
-// CTA that straddles a range edge (attention_fwd.cuh).
-inline constexpr int kForwardRedoSlots = 16;
 
 struct ForwardTile {
   int block_m;  // query rows per CTA
@@ -26,8 +23,7 @@ struct ForwardTile {
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t) {
   return 1024 +  // slack to align the tiles to the swizzle atom
          t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
-         8 * (2 + 4 * t.stages) +  // mbarriers: q full, q empty; k full, k empty, v full, v empty per stage
-         4 * (1 + kForwardRedoSlots);  // the rerun list: its length, then the items
+         8 * (1 + 4 * t.stages);  // mbarriers: q full; k full, k empty, v full, v empty per stage
 }
 
 // 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers for 64 logits and the two
