@@ -168,7 +168,9 @@ struct BackwardKernel {
       MbarrierInit(sm.OwnedFull(), 2);
       for (int st = 0; st < kStages; ++st) {
         MbarrierInit(sm.Full(st), 2 + (kOwnsKeys ? 32 : 0));  // the two copies' arrivals, and the stats warp's
-        MbarrierInit(sm.Empty(st), 8);  // the consumer warps
+        // Every consumer thread arrives: the stats warp overwrites the stage's lse and delta' with plain stores, and
+        // each thread's own arrival orders its reads of them before those stores.
+        MbarrierInit(sm.Empty(st), 256);
       }
       FenceMbarrierInit();
     }
@@ -313,7 +315,8 @@ struct BackwardKernel {
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kDP / 2]>(acc0));
       if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
-      ReleaseStage(sm.Empty(stage), lane);
+      StressDelay();
+      MbarrierArrive(sm.Empty(stage));
     }
 
     // Every owned row is written (zeros where no step saw it; NaN for a batch with invalid lengths).

@@ -149,11 +149,14 @@ struct ForwardKernel {
               const float pk = Element::ToFloat(static_cast<uint16_t>(c ? pair >> 16 : pair & 0xffffu));
 #pragma unroll
               for (int j = 0; j < kDvP / 8; ++j) {
+                // The thread's two columns 8j + 2t and 8j + 2t + 1 in one 32-bit load. (Loading them one by one,
+                // NVVM 13.0 folded the odd column's swizzle chunk to col ^ row instead of (col / 8) ^ row at d = 64.)
+                uint32_t v2;
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v2) : "r"(v.Address(key, 8 * j + 2 * t)));
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                  uint16_t x;
-                  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(v.Address(key, 8 * j + 2 * t + e)));
-                  const float sum = fmaf(pk, Element::ToFloat(x), o[j][2 * r + e]);
+                  const float ve = Element::ToFloat(static_cast<uint16_t>(e ? v2 >> 16 : v2 & 0xffffu));
+                  const float sum = fmaf(pk, ve, o[j][2 * r + e]);
                   o[j][2 * r + e] = seen ? sum : o[j][2 * r + e];
                 }
               }
