@@ -104,26 +104,13 @@ def _backward_params(d, dv, deterministic, batch=2, seqlen_q=100, heads=4):
               has_alibi=False, deterministic=deterministic)
 
 
-def _on_hopper():
-  """Whether the calls below run on an sm_90a GPU, where head dims up to 128 get the sm90 backward."""
-  try:
-    import jax
-    gpus = jax.devices("gpu")
-  except (ImportError, RuntimeError):
-    return False
-  return bool(gpus) and getattr(gpus[0], "compute_capability", "") == "9.0"
-
-
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (40, 72), (96, 32)])
 def test_backward_workspace_holds_the_float_dq_accumulator(d, dv):
-  # The sm80 family's atomic backward needs a float dq for every (b, i, h) and every column, with Sq rounded up to its
-  # 64-query tiles; its deterministic one needs nothing, and so does the sm90 backward (deterministic by design).
+  # The default backward (either family) needs a float dq for every (b, i, h) and every column, with Sq rounded up to
+  # its 64-query tiles; the deterministic one needs nothing.
   need = ext.workspace_bytes(_backward_params(d, dv, False), 'backward')
-  if _on_hopper():
-    assert need == 0
-  else:
-    assert need >= 2 * 128 * 4 * d * 4
-    assert need % 16 == 0
+  assert need >= 2 * 128 * 4 * d * 4
+  assert need % 16 == 0
   assert ext.workspace_bytes(_backward_params(d, dv, True), 'backward') == 0
 
 
@@ -134,9 +121,9 @@ def test_large_head_dims_run_the_deterministic_backward():
   names = {ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=256, head_dim_v=256,
                                 softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)}
   assert names == {"bwd_det_bf16_d256_dv256_scaled_sm_90a"}
-  # Up to 128 the sm90 family serves the backward on sm_90a, one module whatever `deterministic` says.
-  names = {ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=128, head_dim_v=128,
-                                softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)}
-  assert names == {"bwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x64"}
+  # Up to 128 the sm90 family serves the backward on sm_90a, with a module per scheme.
+  names = [ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=128, head_dim_v=128,
+                                softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)]
+  assert names == ["bwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x64", "bwd_det_bf16_d128_dv128_scaled_sm_90a_sm90_128x64"]
   assert ext.kernel_name(dict(direction="backward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False,
                               arch="sm_80")) == "bwd_bf16_d128_dv128_scaled_sm_80"

@@ -123,19 +123,11 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
 
 namespace {
 
-// The sm80 backward sums dq with atomics where that pays (tile_size.h); its deterministic kernels run otherwise. The
-// sm90 backward never does.
-bool AccumulatesDq(const AttentionParams& p, KernelFamily family) {
-  return family == KernelFamily::kSm80 && !p.deterministic &&
+// The default backward sums dq into a float accumulator where that pays (sm80/tile_size.h), in either family (the
+// sm90 family serves head dims up to 128, all of them such); the deterministic kernels run otherwise.
+bool AccumulatesDq(const AttentionParams& p) {
+  return !p.deterministic &&
          sm80::BackwardAccumulatesDq(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
-}
-
-// The backward's family on the current device; without a GPU (tracing on a CPU-only machine), the sm80 family's.
-KernelFamily BackwardFamily(const AttentionParams& p) {
-  CUdevice device = 0;
-  std::string arch;
-  if (!CurrentDeviceArch(&device, &arch).ok()) return KernelFamily::kSm80;
-  return ConfigFor(p, Direction::kBackward, arch).Family();
 }
 
 // The sm90 backward's four tensor maps (64-row boxes, kernels/sm90/attention_bwd.cuh). A side with no rows has no
@@ -164,7 +156,7 @@ Status EncodeBackwardTensorMaps(const DriverApi* driver, const AttentionParams& 
 
 int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
   if (p.engine == Engine::kCudnn) return cudnn::BackwardWorkspaceBytes(p);
-  if (!AccumulatesDq(p, BackwardFamily(p))) return 0;
+  if (!AccumulatesDq(p)) return 0;
   const sm80::DqAccumLayout l =
       sm80::BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
   const int64_t rows = (p.seqlen_q + l.row_block - 1) / l.row_block * l.row_block;
@@ -180,7 +172,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   CallModule call;
   TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kBackward, &call));
   const LoadedModule* module = call.module;
-  const bool accumulate_dq = AccumulatesDq(p, call.family);
+  const bool accumulate_dq = AccumulatesDq(p);
   float* dq_accum = accumulate_dq ? static_cast<float*>(b.workspace) : nullptr;
   BackwardArgs args{MakeShape(p), b.q,          b.k,         b.v,            b.out, b.lse, b.dout, b.dlse, b.q_seqlens,
                     b.kv_seqlens, b.alibi_slopes, b.dq, b.dk, b.dv, static_cast<float*>(b.dq), dq_accum};
@@ -197,6 +189,10 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
     TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, owned),
                                   static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch),
                                   sm90::kBackwardThreads, module->smem_bytes[1], stream, &tma));
+    if (accumulate_dq) {
+      return Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
+                    sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args);
+    }
     return Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, owned),
                   static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kBackwardThreads,
                   module->smem_bytes[2], stream, &tma);

@@ -33,7 +33,7 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     return kForwardEntries;
   }
   *count = 3;
-  return deterministic || Family() == KernelFamily::kSm90 ? kDeterministicBackwardEntries : kBackwardEntries;
+  return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
 }
 
 KernelFamily KernelConfig::Family() const {
@@ -48,8 +48,7 @@ std::string KernelConfig::Name() const { return BaseName() + (pipeline_stress ? 
 std::string KernelConfig::BaseName() const {
   if (kind == ModuleKind::kLengthGuard) return "length_guard_" + arch;
   const bool sm90 = Family() == KernelFamily::kSm90;
-  // The sm90 backward has one scheme, deterministic, whatever the call asked for: one module.
-  const char* what = direction == Direction::kForward ? "fwd" : (deterministic && !sm90 ? "bwd_det" : "bwd");
+  const char* what = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
                      VariantName(softcap, alibi) + "_" + arch;
@@ -91,18 +90,25 @@ std::string KernelConfig::RenderSource() const {
            "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"
            "te_jax_attention_forward(const te_jax::cuda::ForwardArgs args) { Fwd::Run(args); }\n";
   } else if (Family() == KernelFamily::kSm90) {
-    // The row kernel that computes delta' comes from the sm80 family (plain loads, any arch).
+    // The row kernels (delta', and the dq accumulator's conversion) come from the sm80 family (plain loads, any arch).
+    int count = 0;
+    const char* const* entries = EntryPoints(&count);
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
            "#include \"cpp/cuda/kernels/sm90/attention_bwd.cuh\"\n"
            "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims + ">;\n"
-           "using DkDv = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", true>;\n"
-           "using Dq = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", false>;\n"
-           "extern \"C\" __global__ void __launch_bounds__(Pre::kThreads)\n"
-           "te_jax_attention_backward_preprocess(const te_jax::cuda::BackwardArgs args) { Pre::Run(args); }\n"
-           "extern \"C\" __global__ void __launch_bounds__(DkDv::kThreads, 1)\n"
-           "te_jax_attention_backward_dkdv(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { DkDv::Run(args); }\n"
-           "extern \"C\" __global__ void __launch_bounds__(Dq::kThreads, 1)\n"
-           "te_jax_attention_backward_dq(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { Dq::Run(args); }\n";
+           "using DkDv = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", true, " +
+           (deterministic ? "false" : "true") + ">;\n" +
+           (deterministic
+                ? "using Dq = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", false>;\n"
+                : "using DqConvert = te_jax::cuda::sm80::BackwardDqConvertKernel<" + element + ", " + dims + ">;\n") +
+           "extern \"C\" __global__ void __launch_bounds__(Pre::kThreads)\n" + entries[0] +
+           "(const te_jax::cuda::BackwardArgs args) { Pre::Run(args); }\n"
+           "extern \"C\" __global__ void __launch_bounds__(DkDv::kThreads, 1)\n" + entries[1] +
+           "(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { DkDv::Run(args); }\n";
+    src += deterministic ? std::string("extern \"C\" __global__ void __launch_bounds__(Dq::kThreads, 1)\n") + entries[2] +
+                               "(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { Dq::Run(args); }\n"
+                         : std::string("extern \"C\" __global__ void __launch_bounds__(DqConvert::kThreads)\n") +
+                               entries[2] + "(const te_jax::cuda::BackwardArgs args) { DqConvert::Run(args); }\n";
   } else {
     const std::string dq_kernel = deterministic ? "Dq" : "DqConvert";
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"

@@ -31,8 +31,8 @@ struct KernelConfig {
   int head_dim_v = 0;
   bool softcap = false;
   bool alibi = false;
-  // Backward only: the sm80 three-kernel backward without atomics (kernels/sm80/attention_bwd.cuh). The sm90 backward
-  // is always deterministic and ignores it.
+  // Backward only: the kernels that write dq once per row in a fixed order (a dq kernel after dk/dv) instead of adding
+  // it to a float accumulator (kernels/sm80/attention_bwd.cuh, kernels/sm90/attention_bwd.cuh).
   bool deterministic = false;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by

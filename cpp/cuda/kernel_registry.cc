@@ -85,7 +85,9 @@ int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v);
-    return index == 0 ? 0 : sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v);  // preprocess, dk/dv, dq
+    // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
+    if (index == 1) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
+    return index == 2 && c.deterministic ? sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, false) : 0;
   }
   if (c.direction == Direction::kForward) return sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v);
   if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);

@@ -15,7 +15,8 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
-#include "cpp/cuda/kernels/sm80/bulk_reduce.h"
+#include "cpp/cuda/kernels/common/bulk_reduce.h"
+#include "cpp/cuda/kernels/common/dq_accum.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
@@ -51,25 +52,6 @@ struct RowOfWarp {
     r.i = static_cast<int>(bi % s.seqlen_q);
     r.b = static_cast<int>(bi / s.seqlen_q);
     return r;
-  }
-};
-
-// The float dq accumulator of (kD, kDv) calls (layout in tile_size.h: BackwardDqAccumLayout).
-template <int kD, int kDv>
-struct DqAccum {
-  static constexpr DqAccumLayout kLayout = BackwardDqAccumLayout(kD, kDv);
-  static constexpr int kSwizzle = kLayout.swizzle;
-
-  // Where column col of row i is stored within its row (the layout's swizzle).
-  static __device__ __forceinline__ int Column(int i, int col) { return col ^ ((i & kSwizzle) * 4); }
-
-  static __device__ __forceinline__ int64_t Rows(const ShapeArgs& s) {
-    return (static_cast<int64_t>(s.seqlen_q) + kLayout.row_block - 1) / kLayout.row_block * kLayout.row_block;
-  }
-  // Offset (in floats) of query row i, column 0 of `slice`, head h of batch b.
-  static __device__ __forceinline__ int64_t Offset(const ShapeArgs& s, int b, int h, int slice, int i) {
-    return ((static_cast<int64_t>(b) * s.num_heads + h) * kLayout.slices + slice) * Rows(s) * kLayout.cols +
-           static_cast<int64_t>(i) * kLayout.cols;
   }
 };
 

@@ -1,11 +1,14 @@
-// Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's deterministic scheme
-// (kernels/sm80/attention_bwd.cuh): the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a
-// scratch that aliases dq, then two kernels, both made by BackwardKernel below, write every output element once in a
-// fixed summation order (no atomics, so the backward is bitwise reproducible):
+// Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's schemes (kernels/sm80/attention_bwd.cuh):
+// the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a scratch that aliases dq, then
 //   dk/dv: a CTA owns 128 keys of one kv head and steps over the 64-query tiles, of every head of its GQA group, that
 //     see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T elementwise, then dv += p^T dout and dk += ds^T q;
-//   dq: a CTA owns 128 queries and steps over their 64-key tiles: s = q k^T, dp = dout v^T, ds, then dq += ds k. It
-//     recomputes its rows' delta' (the scratch is dq's memory, which other CTAs are writing).
+//     by default (kAccumulateDq) it also computes each step's dq block, ds k (ds^T through shared memory, each
+//     consumer warpgroup half of dq's columns), and hands it to the copy engine as one bulk float addition into the
+//     dq accumulator (common/dq_accum.h), which the sm80 conversion kernel turns into dq. The additions land in any
+//     order, so dq's last bits vary between runs;
+//   dq (deterministic=True): a CTA owns 128 queries and steps over their 64-key tiles: s = q k^T, dp = dout v^T, ds,
+//     then dq += ds k, every row written once in a fixed order. It recomputes its rows' delta' (the scratch is dq's
+//     memory, which other CTAs are writing) and s and dp (7 products per tile pair, against 5 with kAccumulateDq).
 // Both have the forward's machinery (attention_fwd.cuh): a producer warpgroup whose one thread issues the TMA copies
 // (the owned tiles once, then each step's two tiles into a two-stage ring) and two consumer warpgroups of 64 owned rows
 // on wgmma, with p^T / ds (the A operands of the second products) from registers. Each step is one q k^T-shaped pair of
@@ -15,6 +18,8 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/bulk_reduce.h"
+#include "cpp/cuda/kernels/common/dq_accum.h"
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/sm90/pipeline.h"
@@ -24,9 +29,13 @@
 
 namespace te_jax::cuda::sm90 {
 
+// Named barrier 1 over the two consumer warpgroups (never met by __syncthreads, which is barrier 0).
+__device__ __forceinline__ void ConsumersSync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
 // kOwnsKeys: the dk/dv kernel (owned rows are keys, steps are query tiles); else the dq kernel (the other way round).
-// Operand 0 of a side is its [rows][d] tensor (k or q), operand 1 its [rows][dv] tensor (v or dout).
-template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys>
+// Operand 0 of a side is its [rows][d] tensor (k or q), operand 1 its [rows][dv] tensor (v or dout). kAccumulateDq:
+// the dk/dv kernel also adds dq to the accumulator.
+template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false>
 struct BackwardKernel {
   static constexpr int kOwned = kBackwardOwnedRows;
   static constexpr int kStep = kBackwardStepRows;
@@ -44,10 +53,21 @@ struct BackwardKernel {
   static constexpr int kStep0Offset = kOwned1Offset + Owned1::kBytes;
   static constexpr int kStep1Offset = kStep0Offset + kStages * Step0::kBytes;
   static constexpr int kStatsOffset = kStep1Offset + kStages * Step1::kBytes;
-  static constexpr int kBarrierOffset = kStatsOffset + kStages * 2 * kStep * 4;
+  // kAccumulateDq: the step's ds^T [owned keys][step queries], then its float dq block (the accumulator's layout).
+  using DsTile = SwizzledTile<kOwned, kStep>;
+  using Accum = DqAccum<kD, kDv>;
+  static constexpr int kDqN = kDP / 2;  // dq columns per consumer warpgroup
+  static constexpr int kDsOffset = kStatsOffset + kStages * 2 * kStep * 4;
+  static constexpr int kDqOffset = kDsOffset + (kAccumulateDq ? DsTile::kBytes : 0);
+  static constexpr int kBarrierOffset = kDqOffset + (kAccumulateDq ? kStep * kDP * 4 : 0);
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
   static constexpr int kStatsWarp = 1;  // of the producer warpgroup: copies each step's lse and delta' (dk/dv)
-  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kAccumulateDq),
+                "tile_size.h and the kernel disagree on shared memory");
+  static_assert(!kAccumulateDq || kOwnsKeys, "only the dk/dv kernel accumulates dq");
+  static_assert(!kAccumulateDq || (Accum::kLayout.slices == 1 && Accum::kLayout.row_block == kStep &&
+                                   Accum::kLayout.cols <= kDP && kDsOffset % 1024 == 0),
+                "a step's dq block is one contiguous block of the accumulator");
   static_assert(kOwned == 2 * 64 && kStep == 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups");
   static constexpr int kTensorMapBoxRows = 64;  // tensor_maps.h: the backward's maps copy 64-row boxes
 
@@ -60,6 +80,8 @@ struct BackwardKernel {
     __device__ __forceinline__ Owned1 Own1() const { return {base + kOwned1Offset}; }
     __device__ __forceinline__ Step0 Stp0(int stage) const { return {base + kStep0Offset + stage * Step0::kBytes}; }
     __device__ __forceinline__ Step1 Stp1(int stage) const { return {base + kStep1Offset + stage * Step1::kBytes}; }
+    __device__ __forceinline__ DsTile Ds() const { return {base + kDsOffset}; }
+    __device__ __forceinline__ uint32_t DqBlock() const { return base + kDqOffset; }
     __device__ __forceinline__ uint32_t OwnedFull() const { return base + kBarrierOffset; }
     __device__ __forceinline__ uint32_t Full(int stage) const { return OwnedFull() + 8 * (1 + stage); }
     __device__ __forceinline__ uint32_t Empty(int stage) const { return OwnedFull() + 8 * (1 + kStages + stage); }
@@ -186,6 +208,38 @@ struct BackwardKernel {
     }
   }
 
+  // ds^T (the A fragments of dk += ds^T q: rows = owned keys, columns = the step's queries) into the shared tile, at
+  // this thread's rows key_row and key_row + 8.
+  static __device__ __forceinline__ void StoreDsTransposed(const Smem& sm, const uint32_t (&da)[kStep / 16][4],
+                                                           int key_row, int t) {
+    const DsTile ds = sm.Ds();
+#pragma unroll
+    for (int kk = 0; kk < kStep / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t at = ds.Address(key_row + 8 * (r & 1), 16 * kk + 8 * (r >> 1) + 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(da[kk][r]) : "memory");
+      }
+  }
+
+  // This warpgroup's columns of the step's dq block (rows query_row and query_row + 8) into the shared copy, laid out as
+  // the accumulator (common/dq_accum.h); columns past its width are padding.
+  static __device__ __forceinline__ void StoreDqBlock(const Smem& sm, const float (&dq)[kDqN / 2], int wg,
+                                                      int query_row, int t) {
+    constexpr int kCols = Accum::kLayout.cols;
+#pragma unroll
+    for (int j = 0; j < kDqN / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = query_row + 8 * r, col = wg * kDqN + 8 * j + 2 * t;
+        if (col < kCols) {
+          const uint32_t at = sm.DqBlock() + 4 * (row * kCols + Accum::Column(row, col));
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1])
+                       : "memory");
+        }
+      }
+  }
+
   static __device__ __forceinline__ void Consume(const BackwardArgs& args, const Smem& sm, const Work& w, int wg,
                                                  int warp_in_wg, int lane) {
     const ShapeArgs& s = args.shape;
@@ -236,6 +290,8 @@ struct BackwardKernel {
 
     float sc[kStep / 8][4], dp[kStep / 8][4];
     uint32_t pa[kStep / 16][4], da[kStep / 16][4];
+    float dq[kAccumulateDq ? kDqN / 2 : 1];  // kAccumulateDq: the step's dq block, this warpgroup's columns
+    const bool leader = wg == 0 && warp_in_wg == 0 && lane == 0;  // issues the bulk additions
     if (w.steps > 0) MbarrierWait(sm.OwnedFull(), 0);
     for (int i = 0; i < w.steps; ++i) {
       const int stage = StageOf<kStages>(i);
@@ -295,6 +351,7 @@ struct BackwardKernel {
       if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
       FenceOperands(pa);
       FenceOperands(da);
+      if constexpr (kAccumulateDq) FenceOperands(dq);
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) {
@@ -312,11 +369,38 @@ struct BackwardKernel {
         }
       }
       WgmmaCommit();
+      if constexpr (kAccumulateDq) {
+        // dq block = ds k over all 128 owned keys: both warpgroups' ds^T into shared memory first (the previous step's
+        // dq products, which read it, are done: see the barrier below), and the previous block read by the copy engine.
+        StoreDsTransposed(sm, da, row0 + 16 * warp_in_wg + g, t);
+        FenceSharedForAsyncProxy();  // wgmma reads shared memory through the async proxy
+        if (leader) BulkWaitSharedRead();
+        ConsumersSync();
+        WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < kOwned / 16; ++kk) {
+          Wgmma<Element, kDqN>::SSMN(dq, sm.Ds().MNMajor(kk, 0), sm.Own0().MNMajor(kk, wg * kDqN), kk > 0);
+        }
+        WgmmaCommit();
+      }
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kDP / 2]>(acc0));
       if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
       StressDelay();
       MbarrierArrive(sm.Empty(stage));
+      if constexpr (kAccumulateDq) {
+        FenceOperands(dq);
+        StoreDqBlock(sm, dq, wg, 16 * warp_in_wg + g, t);
+        FenceSharedForAsyncProxy();  // the copy engine reads the block through the async proxy
+        ConsumersSync();             // the block is whole, and every dq product of the step is done with ds^T
+        if (leader) {
+          BulkReduceAddF32(args.dq_accum + Accum::Offset(s, w.b, head, 0, step0), sm.DqBlock(),
+                           kStep * Accum::kLayout.cols * 4);
+        }
+      }
+    }
+    if constexpr (kAccumulateDq) {
+      if (leader) BulkWaitComplete();  // the block's shared memory lives until the copy engine is done with it
     }
 
     // Every owned row is written (zeros where no step saw it; NaN for a batch with invalid lengths).

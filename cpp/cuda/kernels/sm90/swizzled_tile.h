@@ -24,11 +24,12 @@ struct SwizzledTile {
     return MatrixDescriptor(base + (kk / 4) * kBlockBytes + row0 * 128 + (kk % 4) * 32, 16, 1024);
   }
 
-  // The B operand of a product whose K runs along the rows (p v: K = keys, N = columns): k16 step kk, N from column
-  // `col0` (a multiple of 64). N steps across 64-column blocks by the leading byte offset, K across 8-row groups by the
-  // stride byte offset.
+  // An operand whose K runs along the rows (B of p v: K = keys, N = columns; A of dq = ds k from ds^T): k16 step kk,
+  // M or N from column `col0` (a multiple of 64, or of 32 for a 32-wide product: like KMajor's k steps, an offset
+  // inside the 128-byte line, which the swizzle, a function of the address, follows). M or N steps across 64-column
+  // blocks by the leading byte offset, K across 8-row groups by the stride byte offset.
   __device__ __forceinline__ uint64_t MNMajor(int kk, int col0) const {
-    return MatrixDescriptor(base + (col0 / 64) * kBlockBytes + kk * 16 * 128, kBlockBytes, 1024);
+    return MatrixDescriptor(base + (col0 / 64) * kBlockBytes + (col0 % 64) * 2 + kk * 16 * 128, kBlockBytes, 1024);
   }
 
   // The address of element (row, col), for the rare scalar reads.

@@ -50,10 +50,13 @@ inline constexpr int kBackwardOwnedRows = 128;
 inline constexpr int kBackwardStepRows = 64;
 inline constexpr int kBackwardStages = 2;
 
-TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv) {
+// accumulate_dq: the dk/dv kernel of the default backward, which also adds each step's ds k to a float dq accumulator
+// (attention_bwd.cuh): it keeps the step's ds^T and the float dq block in shared memory too.
+TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, bool accumulate_dq) {
   return 1024 + (kBackwardOwnedRows + kBackwardStages * kBackwardStepRows) * (PadTo64(d) + PadTo64(dv)) * 2 +
          kBackwardStages * kBackwardStepRows * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
-         8 * (1 + 2 * kBackwardStages);                 // mbarriers: owned tiles full; each stage full and empty
+         (accumulate_dq ? kBackwardOwnedRows * kBackwardStepRows * 2 + kBackwardStepRows * PadTo64(d) * 4 : 0) +
+         8 * (1 + 2 * kBackwardStages);  // mbarriers: owned tiles full; each stage full and empty
 }
 
 TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv) { return ServesForward(d, dv) && d <= 128 && dv <= 128; }

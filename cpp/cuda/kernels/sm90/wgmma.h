@@ -46,6 +46,7 @@ __device__ __forceinline__ void FenceOperands(uint32_t (&r)[kN][4]) {
   TE_JAX_WGMMA_ACC4(d, i), TE_JAX_WGMMA_ACC4(d, i + 4), TE_JAX_WGMMA_ACC4(d, i + 8), TE_JAX_WGMMA_ACC4(d, i + 12)
 #define TE_JAX_WGMMA_ACC32(d) TE_JAX_WGMMA_ACC16(d, 0), TE_JAX_WGMMA_ACC16(d, 16)
 #define TE_JAX_WGMMA_ACC64(d) TE_JAX_WGMMA_ACC32(d), TE_JAX_WGMMA_ACC16(d, 32), TE_JAX_WGMMA_ACC16(d, 48)
+#define TE_JAX_WGMMA_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define TE_JAX_WGMMA_REGS32 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
@@ -57,12 +58,13 @@ __device__ __forceinline__ void FenceOperands(uint32_t (&r)[kN][4]) {
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
   ""
 
-// d (64 x N) = A B (accumulate == 0) or d + A B, A and B both K-major in shared memory (q k^T: q [rows][d] and
-// k [keys][d]).
-#define TE_JAX_WGMMA_SS(N, TYPE, REGS, A, B, ACCUMULATE)                     \
+// d (64 x N) = A B (accumulate == 0) or d + A B, A and B in shared memory: TRANSPOSE "0, 0" for both K-major (q k^T:
+// q [rows][d] and k [keys][d]), "1, 1" for both MN-major (dq = ds k from ds^T [keys][queries] and k [keys][d]: M and N
+// contiguous, K along the rows).
+#define TE_JAX_WGMMA_SS(N, TYPE, REGS, A, B, ACCUMULATE, TRANSPOSE)          \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                      \
   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS "}, " \
-  A ", " B ", p, 1, 1, 0, 0;\n}\n"
+  A ", " B ", p, 1, 1, " TRANSPOSE ";\n}\n"
 // d (64 x N) += A B, A (64 x 16) from registers, B MN-major in shared memory (p v: v [keys][dv], dv contiguous).
 #define TE_JAX_WGMMA_RS(N, TYPE, REGS, A, B, ACCUMULATE)                     \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                      \
@@ -79,9 +81,20 @@ struct Wgmma;
   struct Wgmma<Element, N> {                                                                                    \
     static __device__ __forceinline__ void SS(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {       \
       if constexpr (Element::kIsBf16) {                                                                         \
-        asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, SS_A, SS_B, SS_FLAG) : ACC(d) : "l"(a), "l"(b), "r"(accumulate)); \
+        asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, SS_A, SS_B, SS_FLAG, "0, 0")                                \
+                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
       } else {                                                                                                  \
-        asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, SS_A, SS_B, SS_FLAG) : ACC(d) : "l"(a), "l"(b), "r"(accumulate)); \
+        asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, SS_A, SS_B, SS_FLAG, "0, 0")                                 \
+                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
+      }                                                                                                         \
+    }                                                                                                           \
+    static __device__ __forceinline__ void SSMN(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {     \
+      if constexpr (Element::kIsBf16) {                                                                         \
+        asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, SS_A, SS_B, SS_FLAG, "1, 1")                                \
+                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
+      } else {                                                                                                  \
+        asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, SS_A, SS_B, SS_FLAG, "1, 1")                                 \
+                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
       }                                                                                                         \
     }                                                                                                           \
     static __device__ __forceinline__ void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {           \
@@ -95,6 +108,9 @@ struct Wgmma;
     }                                                                                                           \
   };
 
+#define TE_JAX_WGMMA_ACC16_ALL(d) TE_JAX_WGMMA_ACC16(d, 0)
+TE_JAX_WGMMA_SPECIALISATION(32, TE_JAX_WGMMA_ACC16_ALL, TE_JAX_WGMMA_REGS16, "%16", "%17", "%18",
+                            "{%16, %17, %18, %19}", "%20", "%21")
 TE_JAX_WGMMA_SPECIALISATION(64, TE_JAX_WGMMA_ACC32, TE_JAX_WGMMA_REGS32, "%32", "%33", "%34", "{%32, %33, %34, %35}",
                             "%36", "%37")
 TE_JAX_WGMMA_SPECIALISATION(128, TE_JAX_WGMMA_ACC64, TE_JAX_WGMMA_REGS64, "%64", "%65", "%66", "{%64, %65, %66, %67}",
@@ -105,6 +121,8 @@ TE_JAX_WGMMA_SPECIALISATION(128, TE_JAX_WGMMA_ACC64, TE_JAX_WGMMA_REGS64, "%64",
 #undef TE_JAX_WGMMA_SS
 #undef TE_JAX_WGMMA_REGS64
 #undef TE_JAX_WGMMA_REGS32
+#undef TE_JAX_WGMMA_REGS16
+#undef TE_JAX_WGMMA_ACC16_ALL
 #undef TE_JAX_WGMMA_ACC64
 #undef TE_JAX_WGMMA_ACC32
 #undef TE_JAX_WGMMA_ACC16

@@ -4,9 +4,9 @@
 // they compile to nothing for older targets, so one kernel body serves both.
 #pragma once
 
-#include "cpp/cuda/kernels/sm80/mma.h"
+#include "cpp/host_device.h"
 
-namespace te_jax::cuda::sm80 {
+namespace te_jax::cuda {
 
 #if __CUDA_ARCH__ >= 900
 inline constexpr bool kHasBulkReduce = true;
@@ -43,4 +43,4 @@ __device__ __forceinline__ void BulkWaitComplete() {
 #endif
 }
 
-}  // namespace te_jax::cuda::sm80
+}  // namespace te_jax::cuda

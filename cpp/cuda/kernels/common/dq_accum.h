@@ -1,0 +1,31 @@
+// The default backward's float dq accumulator (the call's workspace), shared by both kernel families: the sm80
+// preprocess zeroes it, a dk/dv kernel (sm80's, or sm90's for head dims up to 128) adds each step's ds k to it, and the
+// sm80 conversion kernel turns it into dq. Its layout is the sm80 dk/dv tile's (sm80/tile_size.h:
+// BackwardDqAccumLayout); the sm90 kernel's 64-query steps fit it, since both add blocks of 64 query rows.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/sm80/tile_size.h"
+
+namespace te_jax::cuda {
+
+// The accumulator of (kD, kDv) calls.
+template <int kD, int kDv>
+struct DqAccum {
+  static constexpr sm80::DqAccumLayout kLayout = sm80::BackwardDqAccumLayout(kD, kDv);
+  static constexpr int kSwizzle = kLayout.swizzle;
+
+  // Where column col of row i is stored within its row (the layout's swizzle).
+  static __device__ __forceinline__ int Column(int i, int col) { return col ^ ((i & kSwizzle) * 4); }
+
+  static __device__ __forceinline__ int64_t Rows(const ShapeArgs& s) {
+    return (static_cast<int64_t>(s.seqlen_q) + kLayout.row_block - 1) / kLayout.row_block * kLayout.row_block;
+  }
+  // Offset (in floats) of query row i, column 0 of `slice`, head h of batch b.
+  static __device__ __forceinline__ int64_t Offset(const ShapeArgs& s, int b, int h, int slice, int i) {
+    return ((static_cast<int64_t>(b) * s.num_heads + h) * kLayout.slices + slice) * Rows(s) * kLayout.cols +
+           static_cast<int64_t>(i) * kLayout.cols;
+  }
+};
+
+}  // namespace te_jax::cuda
