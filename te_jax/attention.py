@@ -15,6 +15,7 @@ from te_jax import sharding as _sharding
 from te_jax.attention_config import DTYPE_CODES, AttentionConfig
 from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
+from te_jax.sinks import apply_sinks, sink_gradient, sink_operand
 
 MAX_HEAD_DIM = 256  # cpp/validate.h: kMaxHeadDim
 MAX_WINDOW = 2**31 - 1  # cpp/validate.h: kMaxWindow
@@ -26,7 +27,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                alibi_slopes=None, return_lse: bool = False, deterministic: bool = False, engine: str | None = None,
                context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
                context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
-               q_positions=None, kv_positions=None):
+               q_positions=None, kv_positions=None, sink_logits=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -60,6 +61,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       the indices (each defaults to 0..S-1): causal means kv_pos <= q_pos, a window (l, r) means
       q_pos - l <= kv_pos <= q_pos + r, ALiBi adds slope * (kv_pos - q_pos). Need not be sorted or distinct.
       Segment ids and positions go with mask_type "no_mask" or "causal" only; CPU backend only so far.
+    sink_logits: float32 [H] (attention sinks): one extra logit per head in every row's softmax denominator that
+      contributes no value: out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); lse includes it; it gets a
+      gradient. A row with no visible key gives out = 0 and lse = sink_h. The off-by-one softmax is
+      `sink_logits=jax.lax.stop_gradient(jnp.zeros(H))`. Every engine and backend (te_jax/sinks.py).
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
@@ -85,32 +90,37 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None,
                            has_segment_ids=has_ids, has_positions=has_positions)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
+  sinks = sink_operand(sink_logits, num_heads)
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks)
   return (out, lse) if return_lse else out
 
 
 # `cp` (a ContextParallel or None) is static like config. Both directions bind the partitioned primitives of
 # te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py. `tokens` is the tuple of the four
-# segment-id and position operands (zeros when absent); like the lengths, they get no gradient.
+# segment-id and position operands (zeros when absent); like the lengths, they get no gradient. `sinks` is None or the
+# float32 [H] sink logits, applied to the kernels' out and lse (te_jax/sinks.py); the backward then runs the kernels
+# on the sink softmax's out and lse.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens):
-  return _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks):
+  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
+  return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
-def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens):
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
-  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens)
+def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks):
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, sinks)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
-  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens = residuals
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, sinks = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _sharding.backward(config, cp, q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
-                                  q_seqlens, kv_seqlens, alibi, tokens)
-  return dq, dk, dv, None, None, None, (None,) * len(tokens)
+  dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
+  dq, dk, dv = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens)
+  dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
+  return dq, dk, dv, None, None, None, (None,) * len(tokens), dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -322,6 +322,15 @@ def test_context_parallel_alibi_softcap(strategy):
 
 
 @in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_with_sinks(strategy):
+  # The sinks apply to each shard's rows of the merged out and lse (te_jax/sinks.py), heads sharded over tp.
+  sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+  results, _, (q, k, v, dout), kwargs = sharded_cp_call(strategy, "causal", (1, 4, 2), True, sink_logits=sinks)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+
+
+@in_process
 def test_padding_with_unequal_lengths_all_gather():
   """padding_causal_bottom_right with q_seqlens != kv_seqlens is exact with the all-gather strategy."""
   q, k, v, dout = inputs()
