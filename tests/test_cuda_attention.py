@@ -7,6 +7,7 @@ Skipped without a GPU."""
 from __future__ import annotations
 
 import zlib
+from functools import partial
 
 import numpy as np
 import pytest
@@ -227,6 +228,32 @@ def test_gpu_and_cpu_backends_agree(case):
     fin = np.isfinite(b)
     assert np.array_equal(np.isfinite(a), fin), name
     assert _rel(a[fin], b[fin]) < 5e-2, name
+
+
+@pytest.mark.parametrize("engine", ["te", "cudnn"])
+def test_sinks_on_the_gpu_agree_with_the_cpu_backend(engine):
+  """Attention sinks (te_jax/sinks.py, checked against the float64 definition on the CPU in tests/test_sinks.py): out,
+  lse and every gradient, dsink included, on either engine (the loss uses out alone, the backward cuDNN serves)."""
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((2, 300, 4, 128)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((2, 300, 2, 128)), jnp.bfloat16) for _ in range(2))
+  dout = jnp.asarray(rng.standard_normal((2, 300, 4, 128)), jnp.bfloat16)
+  sinks = jnp.asarray(rng.uniform(-1.0, 4.0, 4), jnp.float32)
+
+  def run(device, engine):
+    attention = partial(te_jax.fused_attn, mask_type="causal", engine=engine)
+    loss = lambda q, k, v, sinks: jnp.sum(attention(q, k, v, sink_logits=sinks).astype(jnp.float32) *
+                                          dout.astype(jnp.float32))
+    args = jax.device_put((q, k, v, sinks), device)
+    out, lse = jax.jit(lambda q, k, v, sinks: attention(q, k, v, sink_logits=sinks, return_lse=True))(*args)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    return [np.asarray(x, np.float64) for x in (out, lse, *grads)]
+
+  gpu = run(_GPUS[0], engine)
+  cpu = run(jax.devices("cpu")[0], "te")
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), gpu, cpu):
+    assert np.isfinite(a).all(), name
+    assert _rel(a, b) < 2e-2, name
 
 
 @pytest.mark.parametrize("engine", ["te", "cudnn"])
