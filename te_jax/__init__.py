@@ -3,6 +3,7 @@
 from te_jax.attention import fused_attn
 from te_jax.custom_call_path import current_custom_call_path, custom_call_path
 from te_jax.drop_in import dot_product_attention
+from te_jax.dropout import dropout_keep_mask
 from te_jax.packing import positions_from_lengths, segment_ids_from_lengths
 from te_jax.engine import EngineUnavailableError
 from te_jax.legacy_failures import raise_legacy_failures
@@ -16,8 +17,10 @@ try:
 except ImportError:
   pass
 
-__all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths", "dot_product_attention", "MaskType", "EngineUnavailableError", "custom_call_path", "current_custom_call_path", "raise_legacy_failures",
-           "reorder_for_load_balancing", "inverse_reorder_for_load_balancing"]
+__all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
+           "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
+           "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",
+           "inverse_reorder_for_load_balancing"]
 __version__ = "0.1.0"
 
 
