@@ -122,9 +122,10 @@ class TeJaxBackend(JaxBackend):
     self.url = f'te_jax.fused_attn(engine="{engine}")'
     if engine == "cudnn":
       # cuDNN's fused attention through te_jax: no soft-cap, no arbitrary ALiBi slopes (README "Engines").
-      self.caps = Capabilities(platforms={"gpu": HALF}, window=True)
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, bottom_right=True)
     else:
-      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True)
+      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True,
+                               bottom_right=True)
 
   def platform_reason(self, platform: str) -> str | None:
     reason = super().platform_reason(platform)
@@ -224,7 +225,8 @@ class FlashAttnJaxBackend(JaxBackend):
   label = "flash-attn-jax"
   requires = ("flash_attn_jax",)
   url = "flash_attn_jax.flash_mha"
-  caps = Capabilities(platforms={"gpu": HALF}, window=True, causal_cross=False)
+  # Causal masks are bottom-right aligned there (flash-attn's convention), which equals top-left only when Sq == Skv.
+  caps = Capabilities(platforms={"gpu": HALF}, window=True, causal_cross=False, bottom_right=True)
 
   def attention_fn(self, case: Case, alibi):
     from flash_attn_jax import flash_mha

@@ -230,7 +230,8 @@ class FlashAttnBackend(TorchBackend):
     self.requires = (module, "torch")
     self.url = f"{module}.flash_attn_func"
     # Causal masks are bottom-right aligned there, which equals top-left only when Sq == Skv.
-    self.caps = Capabilities(platforms={"gpu": HALF}, causal_cross=False, window=True, softcap=True, alibi=True)
+    self.caps = Capabilities(platforms={"gpu": HALF}, causal_cross=False, bottom_right=True, window=True, softcap=True,
+                             alibi=True)
 
   def _params(self):
     import importlib

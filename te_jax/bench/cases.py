@@ -34,8 +34,9 @@ def short_dtype(dtype: str) -> str:
 class Case:
   """q [batch, seq_q, heads, head_dim], k and v [batch, seq_kv, kv_heads, head_dim].
 
-  causal is top-left aligned (query i sees keys j <= i), as in jax.nn.dot_product_attention and torch SDPA; window is
-  (left, right) around the diagonal, -1 meaning unbounded on that side.
+  causal is top-left aligned (query i sees keys j <= i), as in jax.nn.dot_product_attention and torch SDPA, unless
+  bottom_right: then the queries are the last Sq tokens of the sequence (query i sees keys j <= Skv - Sq + i), as when
+  decoding against a KV cache. window is (left, right) around that diagonal, -1 meaning unbounded on that side.
   """
   batch: int
   seq_q: int
@@ -44,6 +45,7 @@ class Case:
   kv_heads: int
   head_dim: int
   causal: bool = False
+  bottom_right: bool = False  # the causal diagonal at the end of the keys; needs causal
   window: tuple[int, int] | None = None
   softcap: float = 0.0
   alibi: bool = False
@@ -54,6 +56,8 @@ class Case:
     for name in ("batch", "seq_q", "seq_kv", "heads", "kv_heads", "head_dim"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.bottom_right and not self.causal:
+      raise ValueError("bottom_right aligns the causal mask at the end of the keys; it needs causal=True")
     if self.heads % self.kv_heads:
       raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
     if self.window is not None:
@@ -68,8 +72,20 @@ class Case:
     return self.kv_heads != self.heads
 
   @property
+  def bottom_right_differs(self) -> bool:
+    """Whether the causal mask's alignment matters: bottom-right, and Sq != Skv (with Sq == Skv both are one mask)."""
+    return self.bottom_right and self.seq_q != self.seq_kv
+
+  @property
+  def mask_type(self) -> str:
+    """te_jax's name of the mask (te_jax.reference takes the same)."""
+    if not self.causal:
+      return "no_mask"
+    return "causal_bottom_right" if self.bottom_right else "causal"
+
+  @property
   def mask_label(self) -> str:
-    parts = ["causal" if self.causal else "no_mask"]
+    parts = [self.mask_type]
     if self.window is not None:
       parts.append(f"window{self.window[0]},{self.window[1]}")
     if self.softcap:
@@ -86,7 +102,7 @@ class Case:
 
   def te_jax_kwargs(self) -> dict:
     """fused_attn keyword arguments (alibi slopes are an input, added by the caller)."""
-    return dict(mask_type="causal" if self.causal else "no_mask", window_size=self.window or (-1, -1),
+    return dict(mask_type=self.mask_type, window_size=self.window or (-1, -1),
                 softcap=float(self.softcap))
 
   def small(self) -> "Case":

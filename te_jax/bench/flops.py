@@ -1,6 +1,7 @@
 """The FLOP model: 4 * B * H * Sq * Skv * D for the forward (two matmuls, 2 FLOPs per multiply-add), halved for a causal
 square mask (the FlashAttention convention), counted by visible (query, key) pairs for windows and for causal masks
-with Sq != Skv; the backward is 2.5x the forward (five matmuls instead of two) and fwd+bwd 3.5x."""
+with Sq != Skv (top-left or bottom-right aligned); the backward is 2.5x the forward (five matmuls instead of two) and
+fwd+bwd 3.5x."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from te_jax.bench.cases import Case
 MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
-def visible_pairs(seq_q: int, seq_kv: int, causal: bool, window: tuple[int, int] | None) -> int:
-  """The exact number of (query, key) pairs a top-left-aligned mask lets through."""
+def visible_pairs(seq_q: int, seq_kv: int, causal: bool, window: tuple[int, int] | None,
+                  bottom_right: bool = False) -> int:
+  """The exact number of (query, key) pairs the mask lets through; its diagonal is at key i (top-left) or at key
+  Skv - Sq + i (bottom_right) for query i."""
   left, right = window if window is not None else (-1, -1)
-  i = np.arange(seq_q, dtype=np.int64)
+  i = np.arange(seq_q, dtype=np.int64) + (seq_kv - seq_q if bottom_right else 0)
   lo = np.zeros_like(i) if left < 0 else np.maximum(i - left, 0)
   hi = np.full_like(i, seq_kv - 1)
   if causal:
@@ -30,7 +33,7 @@ def effective_pairs(case: Case) -> float:
     return float(case.seq_q * case.seq_kv)
   if case.window is None and case.causal and case.seq_q == case.seq_kv:
     return case.seq_q * case.seq_kv / 2.0
-  return float(visible_pairs(case.seq_q, case.seq_kv, case.causal, case.window))
+  return float(visible_pairs(case.seq_q, case.seq_kv, case.causal, case.window, case.bottom_right))
 
 
 def attention_flops(case: Case, mode: str = "fwd") -> float:

@@ -17,6 +17,7 @@ class Capabilities:
   head_dim_multiple: int = 8
   causal: bool = True
   causal_cross: bool = True  # top-left causal with Sq != Skv
+  bottom_right: bool = False  # a causal mask (and window) aligned at the end of the keys, with Sq != Skv
   window: bool = False
   window_needs_causal: bool = False  # only (left, 0) windows, i.e. with a causal mask or right == 0
   softcap: bool = False
@@ -29,7 +30,8 @@ class Capabilities:
   def describe(self) -> str:
     plats = "; ".join(f"{p}: {'/'.join(short_dtype(d) for d in ds)}" for p, ds in self.platforms.items())
     feats = [f"D<={self.max_head_dim}"]
-    feats += [name for name, ok in (("causal", self.causal), ("window", self.window), ("softcap", self.softcap),
+    feats += [name for name, ok in (("causal", self.causal), ("bottom-right", self.bottom_right),
+                                    ("window", self.window), ("softcap", self.softcap),
                                     ("alibi", self.alibi), ("gqa", self.gqa)) if ok]
     return f"{plats} | {' '.join(feats)} | {','.join(self.modes)}"
 
@@ -90,9 +92,11 @@ class Backend:
       return f"head dim {case.head_dim} unsupported (multiples of {c.head_dim_multiple} up to {c.max_head_dim})"
     if case.causal and not c.causal:
       return "no causal mask"
-    if case.causal and case.seq_q != case.seq_kv and not c.causal_cross:
+    if case.causal and case.seq_q != case.seq_kv and not case.bottom_right and not c.causal_cross:
       return "causal mask is bottom-right aligned; this case needs top-left with Sq != Skv"
     if case.window is not None:
+      if case.bottom_right_differs and not c.bottom_right:
+        return "no window aligned at the end of the keys (bottom-right)"
       if not c.window:
         return "no sliding window"
       if c.window_needs_causal and not (case.causal or case.window[1] == 0):
@@ -113,6 +117,16 @@ class Backend:
 
   def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
     return None
+
+  def computed_case(self, case: Case) -> tuple[Case, str]:
+    """The case this backend computes for `case` (which why_not accepted), and a note when that is another problem.
+    Without a bottom-right causal mask, queries at the end of the keys run with no mask: for one query that is the
+    same mask; for several it is what such a backend can do, and the note says so (the error column then checks the
+    unmasked result)."""
+    if not case.bottom_right_differs or self.caps.bottom_right:
+      return case, ""
+    unmasked = dataclasses.replace(case, causal=False, bottom_right=False)
+    return unmasked, "" if case.seq_q == 1 else "runs without a mask (it has no bottom-right causal mask)"
 
   def prepare(self, inputs, mode: str, num_sets: int) -> Prepared:
     raise NotImplementedError

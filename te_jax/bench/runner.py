@@ -64,6 +64,10 @@ def _failure_reason(e: BaseException) -> str:
   return text
 
 
+def _add_note(result: Result, text: str) -> None:
+  result.reason = f"{result.reason}; {text}" if result.reason else text
+
+
 class Runner:
 
   def __init__(self, options: Options):
@@ -86,11 +90,12 @@ class Runner:
     if opts.deadline is not None and time.time() > opts.deadline:
       result.status, result.reason = "skipped", "time budget (--budget) spent"
       return result
+    run_case, note = backend.computed_case(case)
     prepared = None
     try:
       t0 = time.perf_counter()
       num_sets = rotation_sets(case, opts.platform)
-      prepared = backend.prepare(self.inputs.get(case, num_sets), mode, num_sets)
+      prepared = backend.prepare(self.inputs.get(run_case, num_sets), mode, num_sets)
       result.setup_s = time.perf_counter() - t0
       timing = measure(prepared, num_sets, opts.timing_plan())
       if prepared.memory_bytes is not None:
@@ -103,26 +108,30 @@ class Runner:
       if prepared is not None:
         prepared.close()
       del prepared
-    result.status = "ok"
+    result.status, result.reason = "ok", note
     result.median_ms, result.p25_ms, result.p75_ms = (x * 1e3 for x in (timing.median_s, timing.p25_s, timing.p75_s))
     result.min_ms, result.max_ms = timing.min_s * 1e3, timing.max_s * 1e3
     result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
     result.tflops = result.flops / timing.median_s / 1e12
     if opts.check_errors:
-      key = (backend.name, case.small(), mode)
-      if key not in self._errors:
-        try:
-          self._errors[key] = measure_errors(backend, case, mode, opts.seed)
-        except Exception as e:
-          self._errors[key] = e
-      errors = self._errors[key]
-      if isinstance(errors, Exception):
-        result.reason = f"error check failed: {short_error(errors)}"
-      else:
-        result.max_err, result.rel_err, result.err_ok = errors.max_abs, errors.rel, errors.ok
-        if not errors.ok:
-          result.reason = f"inaccurate: {errors.describe()}"
+      self._check_errors(result, backend, run_case)
     return result
+
+  def _check_errors(self, result: Result, backend: Backend, run_case: Case) -> None:
+    """The errors of the case the backend computed, against the reference, measured once per small case."""
+    key = (backend.name, run_case.small(), result.mode)
+    if key not in self._errors:
+      try:
+        self._errors[key] = measure_errors(backend, run_case, result.mode, self.options.seed)
+      except Exception as e:
+        self._errors[key] = e
+    errors = self._errors[key]
+    if isinstance(errors, Exception):
+      _add_note(result, f"error check failed: {short_error(errors)}")
+    else:
+      result.max_err, result.rel_err, result.err_ok = errors.max_abs, errors.rel, errors.ok
+      if not errors.ok:
+        _add_note(result, f"inaccurate: {errors.describe()}")
 
 
 def run_sweep(items: list[tuple[Case, str]], backends: list[Backend], availability: dict[str, Availability],

@@ -1,0 +1,73 @@
+"""te_jax.bench on decode-shaped attention (issue 17): queries at the end of the keys (bottom-right causal) through the
+FLOP model, the reference and the backends that lack such a mask. CPU only, small shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from te_jax.bench import registry
+from te_jax.bench.availability import Availability
+from te_jax.bench.cases import Case
+from te_jax.bench.flops import attention_flops, visible_pairs
+from te_jax.bench.runner import Options, run_sweep
+from te_jax.bench.timing import TimingPlan
+from te_jax.reference import visible_mask
+
+FAST = TimingPlan(sample_s=0.001, samples=2, min_samples=2)
+
+
+def decode_case(**kw):
+  base = dict(batch=1, seq_q=1, seq_kv=256, heads=4, kv_heads=2, head_dim=32, causal=True, bottom_right=True)
+  base.update(kw)
+  return Case(**base)
+
+
+def _measure(names, cases, mode="fwd"):
+  backends = [registry.get(n) for n in names]
+  available = {n: Availability(n, True, "", ("fwd",)) for n in names}
+  return run_sweep([(c, mode) for c in cases], backends, available, Options(platform="cpu", plan=FAST))
+
+
+# ---------------------------------------------------------------- the case and its FLOPs
+
+def test_bottom_right_case_carries_its_mask():
+  c = decode_case(seq_q=16)
+  assert c.mask_type == "causal_bottom_right" and c.mask_label == "causal_bottom_right"
+  assert c.te_jax_kwargs()["mask_type"] == "causal_bottom_right" and c.bottom_right_differs
+  assert not decode_case(seq_q=256).bottom_right_differs  # Sq == Skv: one mask, whichever the alignment
+  assert Case.from_dict(c.to_dict()) == c
+  with pytest.raises(ValueError, match="needs causal=True"):
+    decode_case(causal=False)
+
+
+@pytest.mark.parametrize("sq,skv,window", [(1, 9, None), (4, 9, None), (5, 9, (2, 0)), (9, 9, None), (3, 8, (1, 1))])
+def test_bottom_right_pairs_match_reference_mask(sq, skv, window):
+  mask = visible_mask("causal_bottom_right", sq, skv, [sq], [skv], window or (-1, -1))
+  assert visible_pairs(sq, skv, True, window, bottom_right=True) == int(mask.sum())
+
+
+def test_decode_flops_count_every_key_for_one_query():
+  c = decode_case(batch=8, seq_kv=8192, heads=32, kv_heads=8, head_dim=128)
+  assert attention_flops(c) == 4 * 8 * 32 * 128 * 8192
+  assert attention_flops(decode_case(seq_q=16, seq_kv=64, heads=1, kv_heads=1, head_dim=8)) == 4 * 8 * sum(
+      range(64 - 16 + 1, 64 + 1))
+
+
+# ---------------------------------------------------------------- backends without a bottom-right mask
+
+def test_backends_without_bottom_right_mask_run_decode_unmasked():
+  xla, te = registry.get("jax-xla"), registry.get("te_jax-ffi")
+  one, several = decode_case(), decode_case(seq_q=16)
+  assert xla.computed_case(one) == (Case(**{**one.to_dict(), "causal": False, "bottom_right": False}), "")
+  unmasked, note = xla.computed_case(several)
+  assert not unmasked.causal and "runs without a mask" in note
+  assert te.computed_case(several) == (several, "")
+  assert "bottom-right" in xla.why_not(decode_case(window=(8, 0)), "fwd", "cpu")
+
+
+def test_decode_run_notes_the_unmasked_backend_and_checks_each_against_its_own_mask():
+  results = _measure(["te_jax-ffi", "jax-xla"], [decode_case(), decode_case(seq_q=16)])
+  by = {(r.backend, r.case.seq_q): r for r in results}
+  assert all(r.status == "ok" and r.err_ok for r in results), [(r.backend, r.reason) for r in results]
+  assert by[("jax-xla", 16)].reason == "runs without a mask (it has no bottom-right causal mask)"
+  assert by[("jax-xla", 1)].reason == "" and by[("te_jax-ffi", 16)].reason == ""
