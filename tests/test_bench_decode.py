@@ -3,12 +3,15 @@ FLOP model, the reference and the backends that lack such a mask. CPU only, smal
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from te_jax.bench import registry
 from te_jax.bench.availability import Availability
 from te_jax.bench.cases import Case
 from te_jax.bench.flops import attention_flops, visible_pairs
+from te_jax.bench.inputs import make_inputs
+from te_jax.bench.paging import paged_layout
 from te_jax.bench.runner import Options, run_sweep
 from te_jax.bench.timing import TimingPlan
 from te_jax.reference import visible_mask
@@ -66,8 +69,45 @@ def test_backends_without_bottom_right_mask_run_decode_unmasked():
 
 
 def test_decode_run_notes_the_unmasked_backend_and_checks_each_against_its_own_mask():
-  results = _measure(["te_jax-ffi", "jax-xla"], [decode_case(), decode_case(seq_q=16)])
+  results = _measure(["te_jax-ffi", "te_jax-paged16", "jax-xla"], [decode_case(), decode_case(seq_q=16)])
   by = {(r.backend, r.case.seq_q): r for r in results}
   assert all(r.status == "ok" and r.err_ok for r in results), [(r.backend, r.reason) for r in results]
   assert by[("jax-xla", 16)].reason == "runs without a mask (it has no bottom-right causal mask)"
   assert by[("jax-xla", 1)].reason == "" and by[("te_jax-ffi", 16)].reason == ""
+
+
+# ---------------------------------------------------------------- the paged backends
+
+def _gathered(paged):
+  """The contiguous K and V the page table lists: what paged_attention reads."""
+  batch, pages_per_seq = paged.page_table.shape
+  gather = lambda pool: pool[paged.page_table].reshape(batch, pages_per_seq * pool.shape[1], *pool.shape[2:])
+  return gather(paged.k_pages), gather(paged.v_pages)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_page_pool_gathers_back_to_the_contiguous_kv(page_size):
+  c = decode_case(batch=3, seq_kv=256, dtype="bfloat16")
+  inputs = make_inputs(c)
+  k, v = inputs.first.k, inputs.first.v
+  paged = paged_layout(k, v, page_size)
+  pages = 3 * 256 // page_size
+  assert paged.k_pages.shape == (pages, page_size, 2, 32) and paged.k_pages.dtype == k.dtype
+  assert paged.page_table.dtype == np.int32 and paged.page_table.shape == (3, 256 // page_size)
+  assert sorted(paged.page_table.ravel()) == list(range(pages))  # every slot used once
+  assert not np.array_equal(paged.page_table.ravel(), np.arange(pages))  # and shuffled across sequences
+  np.testing.assert_array_equal(paged.kv_lengths, [256] * 3)
+  for got, want in zip(_gathered(paged), (k, v)):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(paged_layout(k, v, page_size).page_table, paged.page_table)  # a fixed permutation
+  with pytest.raises(ValueError, match="multiple of the page size"):
+    paged_layout(k[:, :40], v[:, :40], 16)
+
+
+def test_paged_backends_declare_what_they_run():
+  paged16, paged64 = registry.get("te_jax-paged16"), registry.get("te_jax-paged64")
+  assert paged16.why_not(decode_case(seq_kv=1024), "fwd", "cpu") is None
+  assert paged64.why_not(decode_case(seq_kv=1040), "fwd", "cpu") == "Skv (1040) is not a multiple of the page size (64)"
+  assert paged16.why_not(decode_case(seq_kv=1040), "fwd", "cpu") is None
+  assert "no fwd+bwd" in paged16.why_not(decode_case(), "fwd+bwd", "cpu")
+  assert "needs top-left" in paged16.why_not(decode_case(seq_q=4, bottom_right=False), "fwd", "cpu")

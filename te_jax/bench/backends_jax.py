@@ -29,10 +29,13 @@ class JaxPrepared(Prepared):
     case = inputs.case
     self._jax = jax
     fn = backend.attention_fn(case, inputs.alibi)
-    sets = [tuple(jax.device_put(np.asarray(x)) for x in (s.q, s.k, s.v, s.dout)) for s in inputs.sets[:num_sets]]
+    host = [(s.q, s.k, s.v, s.dout) for s in inputs.sets[:num_sets]]
+    if mode == "fwd":
+      host = [backend.fwd_operands(case, q, k, v) for q, k, v, _ in host]
+    sets = [tuple(jax.device_put(np.asarray(x)) for x in operands) for operands in host]
     with backend.lowering_context():
       if mode == "fwd":
-        args = [s[:3] for s in sets]
+        args = sets
         compiled = jax.jit(fn).lower(*args[0]).compile()
         self._names = ("out",)
       elif mode == "fwd+bwd":
@@ -97,8 +100,13 @@ class JaxBackend(Backend):
   requires = ("jax",)
 
   def attention_fn(self, case: Case, alibi):
-    """A JAX-traceable (q, k, v) -> out in [B, S, H, D] layout."""
+    """A JAX-traceable (q, k, v) -> out in [B, S, H, D] layout; forward-only backends may take other operands (those
+    of fwd_operands)."""
     raise NotImplementedError
+
+  def fwd_operands(self, case: Case, q, k, v) -> tuple:
+    """The forward's operands, made from the NumPy q, k, v in setup (outside the timed region)."""
+    return q, k, v
 
   def lowering_context(self):
     return contextlib.nullcontext()
@@ -156,6 +164,42 @@ class TeJaxBackend(JaxBackend):
 def _jax_nn_kwargs() -> set[str]:
   import jax
   return set(inspect.signature(jax.nn.dot_product_attention).parameters)
+
+
+class PagedBackend(JaxBackend):
+  """te_jax.paged_attention on the case's K/V in pages of page_size tokens, shuffled through one pool (paging.py).
+  Forward only; queries sit at the end of their sequence, so causal masks are bottom-right (or Sq == Skv)."""
+
+  def __init__(self, page_size: int):
+    self.page_size = page_size
+    self.name = f"te_jax-paged{page_size}"
+    self.label = f"te_jax paged attention ({page_size}-token pages)"
+    self.url = "te_jax.paged_attention"
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, modes=("fwd",), causal_cross=False,
+                             bottom_right=True, window=True, softcap=True, alibi=True)
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    if case.seq_kv % self.page_size:
+      return f"Skv ({case.seq_kv}) is not a multiple of the page size ({self.page_size})"
+    if case.window is not None and case.seq_q != case.seq_kv and not case.bottom_right:
+      return "a window here is aligned at the end of the keys; this case aligns it at the start (Sq != Skv)"
+    return None
+
+  def fwd_operands(self, case: Case, q, k, v) -> tuple:
+    from te_jax.bench.paging import paged_layout
+    paged = paged_layout(k, v, self.page_size)
+    return q, paged.k_pages, paged.v_pages, paged.page_table, paged.kv_lengths
+
+  def attention_fn(self, case: Case, alibi):
+    import jax.numpy as jnp
+    import te_jax
+    # paged_attention has the two masks of queries at the end of the keys: bottom-right causal, or none.
+    kwargs = dict(case.te_jax_kwargs(), mask_type="causal_bottom_right" if case.causal else "no_mask")
+    slopes = None if alibi is None else jnp.asarray(alibi)
+
+    def fn(q, k_pages, v_pages, page_table, kv_lengths):
+      return te_jax.paged_attention(q, k_pages, v_pages, page_table, kv_lengths, alibi_slopes=slopes, **kwargs)
+    return fn
 
 
 class JaxNNBackend(JaxBackend):
@@ -240,6 +284,6 @@ class FlashAttnJaxBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 JaxNNBackend("cudnn"), JaxNNBackend("xla"),
+                 PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"),
                  PallasBackend(), FlashAttnJaxBackend()):
   register(_backend)
