@@ -355,6 +355,11 @@ def test_table_leaves_out_the_columns_no_row_fills(plain, monkeypatch, capsys):
   assert header[-8:] == ["backend", "median ms", "GFLOP/s", "speedup", "max err", "rel err", "mem MiB", "note"]
   assert "errors vs float64 reference" in title and "mem = peak of one call" in title
 
+  forward = [_timed("te_jax-ffi", tbps=0.002), _timed("jax-xla")]  # a forward's K/V bandwidth, in GB/s on the CPU
+  header, title = _table_lines(forward, plain, monkeypatch, capsys)
+  assert header[-5:] == ["backend", "median ms", "GFLOP/s", "GB/s", "speedup"]
+  assert "bandwidth = K/V" in title
+
   unchecked = [_timed("te_jax-ffi"), _timed("jax-xla")]  # --no-check, no memory figure, nothing to note
   header, title = _table_lines(unchecked, plain, monkeypatch, capsys)
   assert header[-4:] == ["backend", "median ms", "GFLOP/s", "speedup"]

@@ -9,7 +9,7 @@ import pytest
 from te_jax.bench import registry
 from te_jax.bench.availability import Availability
 from te_jax.bench.cases import Case
-from te_jax.bench.flops import attention_flops, visible_pairs
+from te_jax.bench.flops import attention_flops, visible_pairs, workload
 from te_jax.bench.inputs import make_inputs
 from te_jax.bench.paging import paged_layout
 from te_jax.bench.runner import Options, run_sweep
@@ -111,3 +111,13 @@ def test_paged_backends_declare_what_they_run():
   assert paged16.why_not(decode_case(seq_kv=1040), "fwd", "cpu") is None
   assert "no fwd+bwd" in paged16.why_not(decode_case(), "fwd+bwd", "cpu")
   assert "needs top-left" in paged16.why_not(decode_case(seq_q=4, bottom_right=False), "fwd", "cpu")
+
+
+# ---------------------------------------------------------------- bandwidth
+
+def test_forward_results_carry_their_kv_bandwidth():
+  results = _measure(["te_jax-paged16", "te_jax-ffi"], [decode_case(batch=2, seq_kv=512)])
+  for r in results:
+    assert r.status == "ok" and r.kv_bytes == 2 * 512 * 2 * (32 + 32) * 4  # fp32 K and V, read once
+    assert r.tbps == pytest.approx(r.kv_bytes / (r.median_ms / 1e3) / 1e12)
+  assert workload(decode_case(), "fwd+bwd")["kv_bytes"] is None  # a training step is not bandwidth-bound this way

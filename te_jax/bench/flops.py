@@ -1,13 +1,15 @@
 """The FLOP model: 4 * B * H * Sq * Skv * D for the forward (two matmuls, 2 FLOPs per multiply-add), halved for a causal
 square mask (the FlashAttention convention), counted by visible (query, key) pairs for windows and for causal masks
 with Sq != Skv (top-left or bottom-right aligned); the backward is 2.5x the forward (five matmuls instead of two) and
-fwd+bwd 3.5x."""
+fwd+bwd 3.5x. The byte model, for the memory-bound forward of decoding: the K/V read once, B * Skv * Hkv * (D + Dv)
+elements (a paged cache holds the same bytes)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from te_jax.bench.cases import Case
+from te_jax.bench.inputs import numpy_dtype
 
 MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
@@ -38,3 +40,14 @@ def effective_pairs(case: Case) -> float:
 
 def attention_flops(case: Case, mode: str = "fwd") -> float:
   return 4.0 * case.batch * case.heads * case.head_dim * effective_pairs(case) * MODE_FACTORS[mode]
+
+
+def kv_bytes(case: Case) -> float:
+  """The K and V bytes a forward reads (v's head dim is the case's head dim)."""
+  itemsize = np.dtype(numpy_dtype(case.dtype)).itemsize
+  return float(case.batch * case.seq_kv * case.kv_heads * 2 * case.head_dim * itemsize)
+
+
+def workload(case: Case, mode: str) -> dict:
+  """A result's FLOPs and, for the forward, the K/V bytes its bandwidth counts."""
+  return dict(flops=attention_flops(case, mode), kv_bytes=kv_bytes(case) if mode == "fwd" else None)

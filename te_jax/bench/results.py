@@ -25,6 +25,8 @@ class Result:
   calls_per_sample: int | None = None
   flops: float | None = None
   tflops: float | None = None
+  kv_bytes: float | None = None  # the K/V a forward reads (flops.kv_bytes); None for the backward modes
+  tbps: float | None = None  # kv_bytes / median time, TB/s
   speedup: float | None = None  # baseline median / this median, same case and mode
   max_err: float | None = None
   rel_err: float | None = None

@@ -11,7 +11,7 @@ from typing import Callable
 from te_jax.bench.accuracy import measure_errors
 from te_jax.bench.availability import Availability, short_error
 from te_jax.bench.cases import Case
-from te_jax.bench.flops import attention_flops
+from te_jax.bench.flops import workload
 from te_jax.bench.inputs import Inputs, alibi_slopes, make_inputs, rotation_sets
 from te_jax.bench.registry import Backend
 from te_jax.bench.results import Result
@@ -77,7 +77,8 @@ class Runner:
 
   def measure(self, backend: Backend, availability: Availability, case: Case, mode: str) -> Result:
     opts = self.options
-    result = Result(case=case, mode=mode, backend=backend.name, status="unsupported", flops=attention_flops(case, mode))
+    result = Result(case=case, mode=mode, backend=backend.name, status="unsupported",
+                    **workload(case, mode))
     try:
       reason = backend.why_not(case, mode, opts.platform)
     except Exception as e:  # a version-dependent check that broke: report it, keep going
@@ -113,6 +114,8 @@ class Runner:
     result.min_ms, result.max_ms = timing.min_s * 1e3, timing.max_s * 1e3
     result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
     result.tflops = result.flops / timing.median_s / 1e12
+    if result.kv_bytes is not None:
+      result.tbps = result.kv_bytes / timing.median_s / 1e12
     if opts.check_errors:
       self._check_errors(result, backend, run_case)
     return result

@@ -14,25 +14,31 @@ def throughput_unit(platform: str) -> tuple[str, float]:
   return ("GFLOP/s", 1e3) if platform == "cpu" else ("TFLOP/s", 1.0)
 
 
+def bandwidth_unit(platform: str) -> tuple[str, float]:
+  """The unit and the factor from TB/s: GB/s on the CPU, TB/s elsewhere."""
+  return ("GB/s", 1e3) if platform == "cpu" else ("TB/s", 1.0)
+
+
 def _fmt(x, spec: str, empty: str = "") -> str:
   return empty if x is None else format(x, spec)
 
 
 # Each section's columns after the case and the mode; the optional ones are left out when no row has a value (errors
-# with --no-check, memory where the backend cannot report it), so the table never shows a column it does not fill.
-COLUMNS = ["backend", "median ms", "{unit}", "speedup", "max err", "rel err", "mem MiB", "note"]
-OPTIONAL = {"max err", "rel err", "mem MiB", "note"}
-PLAIN_WIDTHS = {"backend": 22, "median ms": 16, "{unit}": 10, "speedup": 8, "max err": 8, "rel err": 8, "mem MiB": 8,
-                "note": 0}
+# with --no-check, memory where the backend cannot report it, bandwidth without a forward), so the table never shows a
+# column it does not fill.
+COLUMNS = ["backend", "median ms", "{unit}", "{bandwidth}", "speedup", "max err", "rel err", "mem MiB", "note"]
+OPTIONAL = {"{bandwidth}", "max err", "rel err", "mem MiB", "note"}
+PLAIN_WIDTHS = {"backend": 22, "median ms": 16, "{unit}": 10, "{bandwidth}": 9, "speedup": 8, "max err": 8,
+                "rel err": 8, "mem MiB": 8, "note": 0}
 
 
-def _cells(r: Result, baseline: str, factor: float) -> list[str]:
+def _cells(r: Result, baseline: str, factor: float, bandwidth_factor: float) -> list[str]:
   name = r.backend + (" (base)" if r.backend == baseline else "")
   if r.status != "ok":
-    return [name, r.status, "", "", "", "", "", r.reason]
+    return [name, r.status, "", "", "", "", "", "", r.reason]
   memory = _fmt(r.memory_mib, ".0f" if (r.memory_mib or 0) >= 10 else ".2f")
   return [name, f"{r.median_ms:.3f} ±{100 * (r.spread or 0):.0f}%", _fmt(r.tflops and r.tflops * factor, ".1f"),
-          _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), memory,
+          _fmt(r.tbps and r.tbps * bandwidth_factor, ".2f"), _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), memory,
           r.reason]
 
 
@@ -45,13 +51,15 @@ def _style(r: Result, best: Result | None, contenders: int) -> str:
 def rows(results: list[Result], platform: str, baseline: str, hide_unsupported: bool = False) -> list[list]:
   """[((case title, mode), [(cells, style)])], cells in COLUMNS order, with the fastest backend of each group marked."""
   _, factor = throughput_unit(platform)
+  _, bandwidth_factor = bandwidth_unit(platform)
   groups = []
   for (case, mode), group in itertools.groupby(results, key=lambda r: r.key):
     group = [r for r in group if not (hide_unsupported and r.status == "unsupported")]
     ok = [r for r in group if r.status == "ok"]
     best = min(ok, key=lambda r: r.median_ms) if ok else None
     title = f"{case.label + ' ' if case.label else ''}{case.shape_label} {case.mask_label} {short_dtype(case.dtype)}"
-    groups.append(((title, mode), [(_cells(r, baseline, factor), _style(r, best, len(ok))) for r in group]))
+    lines = [(_cells(r, baseline, factor, bandwidth_factor), _style(r, best, len(ok))) for r in group]
+    groups.append(((title, mode), lines))
   return groups
 
 
@@ -65,6 +73,8 @@ def _title(device: str, baseline: str, columns: list[str]) -> str:
   notes = [f"speedup over {baseline}"]
   if "max err" in columns:
     notes.append("errors vs float64 reference at a small size")
+  if "{bandwidth}" in columns:
+    notes.append("bandwidth = K/V bytes read / time")
   if "mem MiB" in columns:
     notes.append("mem = peak of one call")
   return f"te_jax attention benchmark on {device} ({'; '.join(notes)})"
@@ -77,7 +87,7 @@ def print_table(results: list[Result], platform: str, baseline: str, device: str
   keep = shown_columns(groups)
   columns = [COLUMNS[i] for i in keep]
   groups = [(key, [([cells[i] for i in keep], style) for cells, style in lines]) for key, lines in groups]
-  headers = ["case", "mode"] + [c.format(unit=unit) for c in columns]
+  headers = ["case", "mode"] + [c.format(unit=unit, bandwidth=bandwidth_unit(platform)[0]) for c in columns]
   try:
     from rich.console import Console
     from rich.table import Table
