@@ -12,6 +12,7 @@ from te_jax.bench.cases import Case
 from te_jax.bench.flops import attention_flops, visible_pairs, workload
 from te_jax.bench.inputs import make_inputs
 from te_jax.bench.paging import paged_layout
+from te_jax.bench.presets import PRESETS
 from te_jax.bench.runner import Options, run_sweep
 from te_jax.bench.timing import TimingPlan
 from te_jax.reference import visible_mask
@@ -121,3 +122,37 @@ def test_forward_results_carry_their_kv_bandwidth():
     assert r.status == "ok" and r.kv_bytes == 2 * 512 * 2 * (32 + 32) * 4  # fp32 K and V, read once
     assert r.tbps == pytest.approx(r.kv_bytes / (r.median_ms / 1e3) / 1e12)
   assert workload(decode_case(), "fwd+bwd")["kv_bytes"] is None  # a training step is not bandwidth-bound this way
+
+
+# ---------------------------------------------------------------- the decode preset
+
+def _shapes(cases):
+  return [(c.batch, c.seq_q, c.seq_kv) for c in cases]
+
+
+def test_decode_preset_has_the_issues_shapes_on_a_gpu():
+  preset = PRESETS["decode"]("gpu")
+  cases = preset.cases("gpu")
+  assert preset.modes == ["fwd"]
+  assert sorted(_shapes(cases)) == sorted([(8, 1, s) for s in (1024, 4096, 8192, 16384, 32768, 65536, 131072)]
+                                          + [(64, 1, 4096), (8, 16, 8192)])
+  assert all(c.heads == 32 and c.kv_heads == 8 and c.head_dim == 128 and c.dtype == "bfloat16" for c in cases)
+  assert all(c.mask_type == "causal_bottom_right" and c.window is None and not c.softcap for c in cases)
+  assert len({c.label for c in cases}) == 3  # the KV sweep, the large batch and the 16 queries: one plot panel each
+
+
+def test_decode_preset_is_small_on_the_cpu():
+  cases = PRESETS["decode"]("cpu").cases("cpu")
+  assert sorted(_shapes(cases)) == [(1, 1, 1024), (1, 1, 4096), (1, 1, 16384), (1, 16, 4096), (2, 1, 4096)]
+  assert all(c.dtype == "float32" and c.mask_type == "causal_bottom_right" for c in cases)
+
+
+def test_decode_preset_takes_dtype_and_mode_and_refuses_shape_flags():
+  from te_jax.bench.__main__ import build_sweep, parse_args
+  sweep = build_sweep(parse_args(["--preset", "decode", "--dtype", "bf16,fp16", "--mode", "fwd"]), "cpu")
+  assert {c.dtype for c in sweep.cases("cpu")} == {"bfloat16", "float16"} and len(sweep.cases("cpu")) == 10
+  for flags in (["--seq", "1"], ["--batch", "4", "--seq-kv", "2048"], ["--causal", "no"], ["--alibi"]):
+    with pytest.raises(SystemExit, match="--preset decode lists its cases one by one") as e:
+      build_sweep(parse_args(["--preset", "decode"] + flags), "cpu")
+    assert all(f"{flag} " in str(e.value) or f"{flag}," in str(e.value) for flag in flags if flag.startswith("--"))
+  assert "cannot apply to it; only --dtype and --mode do" in str(e.value)

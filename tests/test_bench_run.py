@@ -219,3 +219,31 @@ def test_isolated_worker_dies_with_an_interrupted_parent(signum, tmp_path):
   assert [(r["seq_q"], r["status"]) for r in rows] == [("64", "ok")]
   assert len(json.loads(paths["json"].read_text())["results"]) == 1
   assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tiny_decode_run_reports_bandwidth_and_passes_accuracy(tmp_path, monkeypatch, capsys):
+  """The decode preset's path (an explicit case list, queries at the end of the keys, the paged backends) at a size
+  the CPU runs in seconds."""
+  from te_jax.bench.cases import Case
+  from te_jax.bench.presets import PRESETS, CaseList
+  decode = lambda label, seq_q, seq_kv: Case(batch=2, seq_q=seq_q, seq_kv=seq_kv, heads=4, kv_heads=2, head_dim=32,
+                                             causal=True, bottom_right=True, label=label)
+  tiny = CaseList([decode("decode", 1, 256), decode("decode", 1, 272), decode("16 queries", 16, 256)], modes=["fwd"])
+  monkeypatch.setitem(PRESETS, "decode", lambda platform: tiny)
+  csv_path, png_path = tmp_path / "d.csv", tmp_path / "d.png"
+  rc = main(["--preset", "decode", "--backends", "te_jax-ffi,te_jax-paged16,te_jax-paged64,jax-xla", "--samples", "2",
+             "--sample-ms", "2", "--csv", str(csv_path), "--plot", str(png_path)])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "GB/s" in out and "te_jax-paged16" in out  # the bandwidth column; the notes are checked in the CSV
+  rows = {(r["backend"], int(r["seq_q"]), int(r["seq_kv"])): r for r in files.read_csv(str(csv_path))}
+  assert len(rows) == 12
+  assert rows[("te_jax-paged64", 1, 272)]["status"] == "unsupported"
+  assert "not a multiple of the page size (64)" in rows[("te_jax-paged64", 1, 272)]["reason"]
+  measured = [r for r in rows.values() if r["status"] != "unsupported"]
+  assert len(measured) == 11 and all(r["status"] == "ok" and r["err_ok"] == "True" for r in measured)
+  for r in measured:
+    assert float(r["kv_bytes"]) == 2 * int(r["seq_kv"]) * 2 * 64 * 4
+    assert float(r["tbps"]) == pytest.approx(float(r["kv_bytes"]) / float(r["median_ms"]) / 1e9)
+  assert rows[("jax-xla", 16, 256)]["reason"] == "runs without a mask (it has no bottom-right causal mask)"
+  assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

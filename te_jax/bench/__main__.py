@@ -118,10 +118,35 @@ def select_backends(spec: str | None):
   return chosen
 
 
+# The flags that change a sweep's shapes or masks; an explicit case list (CaseList) takes none of them.
+SHAPE_FLAGS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "causal", "window", "softcap", "alibi")
+
+
 def build_sweep(args, platform: str):
   from te_jax.bench.cases import parse_dtype, parse_mode
-  from te_jax.bench.presets import PRESETS
+  from te_jax.bench.presets import PRESETS, CaseList
   sweep = PRESETS[args.preset](platform)
+  if isinstance(sweep, CaseList):
+    refuse_shape_flags(args)
+  else:
+    override_shapes(sweep, args)
+  if args.dtype:
+    sweep.dtypes = [parse_dtype(d) for d in args.dtype.split(",") if d.strip()]
+  if args.mode:
+    sweep.modes = [parse_mode(m) for m in args.mode.split(",") if m.strip()]
+  return sweep
+
+
+def refuse_shape_flags(args) -> None:
+  given = [f"--{name.replace('_', '-')}" for name in SHAPE_FLAGS if getattr(args, name) not in (None, False)]
+  if given:
+    raise SystemExit(f"--preset {args.preset} lists its cases one by one (batch, lengths and mask each): "
+                     f"{', '.join(given)} cannot apply to it; only --dtype and --mode do (give shapes with the flags on "
+                     f"a sweep preset, e.g. --preset quick)")
+
+
+def override_shapes(sweep, args) -> None:
+  """The shape flags given, over the sweep's fields."""
   if args.seq:
     sweep.seqs = args.seq
   if args.seq_kv:
@@ -149,11 +174,6 @@ def build_sweep(args, platform: str):
     sweep.softcap = args.softcap
   if args.alibi:
     sweep.alibi = True
-  if args.dtype:
-    sweep.dtypes = [parse_dtype(d) for d in args.dtype.split(",") if d.strip()]
-  if args.mode:
-    sweep.modes = [parse_mode(m) for m in args.mode.split(",") if m.strip()]
-  return sweep
 
 
 def choose_baseline(requested: str | None, platform: str, availability: dict, backends) -> str:

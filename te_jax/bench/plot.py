@@ -1,11 +1,12 @@
 """--plot out.png: throughput against sequence length, one line per backend (the same colour in every panel), one panel
-per (mode, mask, head dim / model). Decode sweeps (Sq = 1) plot against the KV length."""
+per (mode, mask, head dim / model). Decode panels (one query, or queries at the end of the keys, forward) plot the K/V
+bandwidth against the KV length: they are memory-bound, and their FLOP rate says little."""
 
 from __future__ import annotations
 
 from te_jax.bench.cases import short_dtype
 from te_jax.bench.results import Result
-from te_jax.bench.table import throughput_unit
+from te_jax.bench.table import bandwidth_unit, throughput_unit
 
 _MARKERS = "osD^v<>ph*"
 
@@ -19,6 +20,11 @@ def _col_key(r: Result):
   return (c.label, c.head_dim, c.heads, c.kv_heads)
 
 
+def _is_decode(group: list[Result]) -> bool:
+  """Queries at the end of a KV cache: plotted against the KV length."""
+  return bool(group) and all(r.case.seq_q == 1 or r.case.bottom_right for r in group)
+
+
 def _row_key(r: Result):
   return (("fwd", "bwd", "fwd+bwd").index(r.mode), r.case.causal, r.case.mask_label, r.case.dtype)
 
@@ -28,7 +34,7 @@ def plot(path: str, results: list[Result], platform: str, baseline: str, title: 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  unit, factor = throughput_unit(platform)
+  flop_axis, bandwidth_axis = throughput_unit(platform), bandwidth_unit(platform)
   ok = [r for r in results if r.status == "ok" and r.tflops]
   panels: dict[tuple, list[Result]] = {}
   for r in sorted(results, key=lambda r: (_row_key(r), _col_key(r))):
@@ -54,13 +60,18 @@ def plot(path: str, results: list[Result], platform: str, baseline: str, title: 
   cmap = plt.get_cmap("tab10")
   style = {b: dict(color=cmap(i % 10), marker=_MARKERS[i % len(_MARKERS)]) for i, b in enumerate(names)}
   handles = {}
+  any_bandwidth = False
   for ax, key in zip(axes.flat, keys):
     (mode_index, _, mask, dtype), (label, head_dim, heads, kv_heads) = key
     group = panels[key]
-    decode = bool(group) and all(r.case.seq_q == 1 for r in group)
+    decode = _is_decode(group)
+    bandwidth = decode and all(r.tbps for r in group)  # forward decoding: memory-bound
+    any_bandwidth |= bandwidth
+    unit, factor = bandwidth_axis if bandwidth else flop_axis
     xs_all = set()
     for b in names:
-      pts = sorted(((r.case.seq_kv if decode else r.case.seq_q), r.tflops * factor) for r in group if r.backend == b)
+      pts = sorted(((r.case.seq_kv if decode else r.case.seq_q), (r.tbps if bandwidth else r.tflops) * factor)
+                   for r in group if r.backend == b)
       if not pts:
         continue
       xs, ys = zip(*pts)
@@ -89,7 +100,8 @@ def plot(path: str, results: list[Result], platform: str, baseline: str, title: 
     ax.axis("off")
   dtypes = sorted({short_dtype(r.case.dtype) for r in results})
   fig.suptitle(f"{title}, {', '.join(dtypes)}\nhigher is better; dashed: the baseline ({baseline}); "
-               f"FLOPs = 4·B·H·Sq·Skv·D (x0.5 causal, x2.5 bwd, x3.5 fwd+bwd)", fontsize=10)
+               f"FLOPs = 4·B·H·Sq·Skv·D (x0.5 causal, x2.5 bwd, x3.5 fwd+bwd)"
+               f"{'; bandwidth = K/V bytes read / time' if any_bandwidth else ''}", fontsize=10)
   if handles:
     labels = [b for b in names if b in handles]
     kwargs = dict(ncol=min(len(labels), 6), fontsize=9, frameon=False)

@@ -1,5 +1,6 @@
-"""Presets: sweeps of cases. Command-line flags override a preset's fields (and --batch/--heads switch off the
-token/hidden-size rules that derive batch and heads from the sequence length and head dim)."""
+"""Presets: sweeps of cases, or explicit lists where the shapes form no grid. Command-line flags override a sweep's
+fields (and --batch/--heads switch off the token/hidden-size rules that derive batch and heads from the sequence length
+and head dim); an explicit list takes only --dtype and --mode."""
 
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ class Sweep:
     return cases
 
 
+@dataclasses.dataclass
+class CaseList:
+  """Explicit cases, for presets whose shapes form no grid; their dtype is the list's (the platform's default when
+  None)."""
+  shapes: list[Case]
+  modes: list[str]
+  dtypes: list[str] | None = None
+
+  def cases(self, platform: str) -> list[Case]:
+    return [dataclasses.replace(c, dtype=dtype) for dtype in (self.dtypes or [default_dtype(platform)])
+            for c in self.shapes]
+
+
 def default_dtype(platform: str) -> str:
   return "bfloat16" if platform == "gpu" else "float32"
 
@@ -92,10 +106,23 @@ def llama(platform: str) -> Sweep:
   return Sweep(seqs=[1024, 2048, 4096, 8192], causal=[True], tokens=16384, models=LLAMA_MODELS)
 
 
-def decode(platform: str) -> Sweep:
-  """One new query token against a long KV cache (Llama-3.1-8B heads), batch 8, forward only."""
-  return Sweep(seqs=[1], seqs_kv=[1024, 4096, 16384, 65536], head_dims=[128], batch=8, heads=32, kv_heads=8,
-               modes=["fwd"])
+def _decode_case(label: str, batch: int, seq_q: int, seq_kv: int) -> Case:
+  return Case(batch=batch, seq_q=seq_q, seq_kv=seq_kv, heads=32, kv_heads=8, head_dim=128, causal=True,
+              bottom_right=True, label=label)
+
+
+def decode(platform: str) -> CaseList:
+  """Decoding against a KV cache (Llama-3.1-8B heads: 32 / 8 kv, D = 128), forward only, the queries at the end of the
+  keys (bottom-right causal): one token at batch 8 for KV lengths 1k..128k, batch 64 at 4k, and 16 queries (speculative
+  decoding) at batch 8 and 8k. Memory-bound: read it by its K/V bandwidth. On the CPU the same kinds of case at batch 1
+  (2 for the large batch) and KV up to 16k, so that it runs in a few minutes."""
+  if platform == "cpu":
+    sweep_batch, seqs_kv, large_batch, queries_kv = 1, [1024, 4096, 16384], 2, 4096
+  else:
+    sweep_batch, seqs_kv, large_batch, queries_kv = 8, [1024, 4096, 8192, 16384, 32768, 65536, 131072], 64, 8192
+  shapes = [_decode_case("decode", sweep_batch, 1, s) for s in seqs_kv]
+  shapes += [_decode_case("large batch", large_batch, 1, 4096), _decode_case("16 queries", sweep_batch, 16, queries_kv)]
+  return CaseList(shapes, modes=["fwd"])
 
 
 PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode}
