@@ -141,8 +141,8 @@ def refuse_shape_flags(args) -> None:
   given = [f"--{name.replace('_', '-')}" for name in SHAPE_FLAGS if getattr(args, name) not in (None, False)]
   if given:
     raise SystemExit(f"--preset {args.preset} lists its cases one by one (batch, lengths and mask each): "
-                     f"{', '.join(given)} cannot apply to it; only --dtype and --mode do (give shapes with the flags on "
-                     f"a sweep preset, e.g. --preset quick)")
+                     f"{', '.join(given)} cannot apply to it; only --dtype and --mode do (give shapes with the flags "
+                     f"on a sweep preset, e.g. --preset quick)")
 
 
 def override_shapes(sweep, args) -> None:

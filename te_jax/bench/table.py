@@ -38,8 +38,8 @@ def _cells(r: Result, baseline: str, factor: float, bandwidth_factor: float) -> 
     return [name, r.status, "", "", "", "", "", "", r.reason]
   memory = _fmt(r.memory_mib, ".0f" if (r.memory_mib or 0) >= 10 else ".2f")
   return [name, f"{r.median_ms:.3f} ±{100 * (r.spread or 0):.0f}%", _fmt(r.tflops and r.tflops * factor, ".1f"),
-          _fmt(r.tbps and r.tbps * bandwidth_factor, ".2f"), _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), memory,
-          r.reason]
+          _fmt(r.tbps and r.tbps * bandwidth_factor, ".2f"), _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
+          _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), memory, r.reason]
 
 
 def _style(r: Result, best: Result | None, contenders: int) -> str:
