@@ -70,6 +70,10 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   // Absent in the parameters of older callers (tests, tools): no packed sequences.
   p.has_segment_ids = d.contains("has_segment_ids") && Field<bool>(d, "has_segment_ids");
   p.has_positions = d.contains("has_positions") && Field<bool>(d, "has_positions");
+  // Absent too in older callers' parameters: no bias (its placeholder's dtype and broadcast bits are the defaults).
+  p.has_bias = d.contains("has_bias") && Field<bool>(d, "has_bias");
+  if (d.contains("bias_dtype")) p.bias_dtype = static_cast<DType>(Field<uint8_t>(d, "bias_dtype"));
+  if (d.contains("bias_broadcast")) p.bias_broadcast = Field<uint8_t>(d, "bias_broadcast");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
   p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
   return p;
@@ -95,6 +99,9 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["deterministic"] = p.deterministic;
   d["has_segment_ids"] = p.has_segment_ids;
   d["has_positions"] = p.has_positions;
+  d["has_bias"] = p.has_bias;
+  d["bias_dtype"] = static_cast<int>(p.bias_dtype);
+  d["bias_broadcast"] = static_cast<int>(p.bias_broadcast);
   return d;
 }
 

@@ -16,6 +16,9 @@ namespace te_jax {
 //   q_seqlens / kv_seqlens int32 [B], alibi_slopes float32 [B, H] (read only when has_alibi).
 //   q_segment_ids / q_positions int32 [B, Sq], kv_segment_ids / kv_positions int32 [B, Skv] (read only when
 //   has_segment_ids / has_positions; see cpp/token_mask.h for what they mean).
+//   bias [B or 1, H or 1, Sq or 1, Skv or 1] in bias_dtype (read only when has_bias; bias_broadcast says which dims
+//   are 1, cpp/bias.h), and the backward's dbias of the same shape and dtype. Without a bias both are float32
+//   [1, 1, 1, 1] placeholders (bias_broadcast kBroadcastAll).
 // q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv. The
 // segment ids and positions are always passed too, so every layer (lowering, batching, sharding) sees one operand list
 // of one shape: without the flag the Python layer passes zeros of the same shape, which XLA materialises as a
@@ -38,6 +41,10 @@ struct AttentionParams {
   // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal, and on the CPU backend only so far.
   bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding
   bool has_positions = false;    // causal masks, windows and ALiBi use these positions instead of the indices
+  // Additive logit bias (issue 12), CPU backend only so far: s = softcap(scale * q.k) + alibi + bias, before the mask.
+  bool has_bias = false;
+  DType bias_dtype = DType::kFloat32;
+  uint8_t bias_broadcast = 0xF;  // cpp/bias.h: bit set = that dim of bias is 1 (batch, heads, Sq, Skv)
   // Backward only. false: the CUDA backward sums dq over key blocks with float atomics in one pass (fast; the order
   // of the additions, and so dq's last bits, can differ between runs). true: a second pass recomputes each dq row in
   // a fixed order (bitwise reproducible, ~1.4x the backward's work). The CPU backward likewise sums dq in an order that
@@ -57,6 +64,7 @@ struct ForwardBuffers {
   const int32_t* kv_segment_ids = nullptr;
   const int32_t* q_positions = nullptr;
   const int32_t* kv_positions = nullptr;
+  const void* bias = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
@@ -82,9 +90,11 @@ struct BackwardBuffers {
   const int32_t* kv_segment_ids = nullptr;
   const int32_t* q_positions = nullptr;
   const int32_t* kv_positions = nullptr;
+  const void* bias = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  void* dbias = nullptr;  // bias's shape and dtype, summed over its broadcast dims; zero without a bias
   // Scratch the backend needs for this call (BackwardWorkspaceBytes of the backend), an extra result of the custom
   // call on both paths so XLA owns its memory; its contents are undefined on entry and on exit.
   void* workspace = nullptr;

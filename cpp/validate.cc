@@ -1,6 +1,8 @@
 #include "cpp/validate.h"
 
 #include <cmath>
+
+#include "cpp/bias.h"
 #include <string>
 
 namespace te_jax {
@@ -60,6 +62,18 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   if (backend == Backend::kCuda && packed) {
     return Status::InvalidArgument("segment ids and positions run on the CPU backend only so far (issue 11); the CUDA "
                                    "kernels do not read them yet");
+  }
+  if (p.bias_broadcast > kBroadcastAll || static_cast<int>(p.bias_dtype) >= kNumDTypes) {
+    return Status::InvalidArgument("bias must be a float32, bfloat16 or float16 array with each dim full or 1, got "
+                                   "broadcast bits " + Str(p.bias_broadcast) + " and dtype code " +
+                                   Str(static_cast<int>(p.bias_dtype)));
+  }
+  if (!p.has_bias && (p.bias_broadcast != kBroadcastAll || p.bias_dtype != DType::kFloat32)) {
+    return Status::InvalidArgument("without a bias its operand must be the float32 [1, 1, 1, 1] placeholder");
+  }
+  if (backend == Backend::kCuda && p.has_bias) {
+    return Status::InvalidArgument("bias runs on the CPU backend only so far (issue 12); the CUDA kernels (te and "
+                                   "cuDNN engines) do not read it yet");
   }
   if (static_cast<int>(p.engine) >= kNumEngines) {
     return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));

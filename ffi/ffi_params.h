@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cpp/attention_params.h"
+#include "cpp/bias.h"
 #include "cpp/status.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,6 +24,7 @@ struct AttentionAttrs {
   int64_t engine;  // cpp/engine.h code, resolved at lowering
   bool has_segment_ids;
   bool has_positions;
+  bool has_bias;
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -33,14 +35,32 @@ struct TokenArgs {
   const xla::ffi::AnyBuffer& kv_positions;
 };
 
-inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype) {
+// `what` names the operands in the error: "q, k and v", "bias".
+inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype, const char* what = "q, k and v") {
   switch (type) {
     case xla::ffi::DataType::F32: *dtype = DType::kFloat32; return Status::Ok();
     case xla::ffi::DataType::BF16: *dtype = DType::kBFloat16; return Status::Ok();
     case xla::ffi::DataType::F16: *dtype = DType::kFloat16; return Status::Ok();
     default: break;
   }
-  return Status::InvalidArgument("q, k and v must be float32, bfloat16 or float16");
+  return Status::InvalidArgument(std::string(what) + " must be float32, bfloat16 or float16");
+}
+
+// bias's dtype and broadcast bits (cpp/bias.h) from its buffer: rank 4, each dim 1 or the full [B, H, Sq, Skv] one.
+inline Status BiasFromFfi(const xla::ffi::AnyBuffer& bias, AttentionParams* p) {
+  const auto dims = bias.dimensions();
+  const int64_t full[4] = {p->batch, p->num_heads, p->seqlen_q, p->seqlen_kv};
+  if (dims.size() != 4) return Status::InvalidArgument("bias must have rank 4 [B, H, Sq, Skv] (each dim full or 1)");
+  p->bias_broadcast = 0;
+  for (int axis = 0; axis < 4; ++axis) {
+    if (dims[axis] == 1) {
+      p->bias_broadcast |= 1 << axis;
+    } else if (dims[axis] != full[axis]) {
+      return Status::InvalidArgument("bias dim " + std::to_string(axis) + " is " + std::to_string(dims[axis]) +
+                                     ", expected 1 or " + std::to_string(full[axis]));
+    }
+  }
+  return DTypeFromFfi(bias.element_type(), &p->bias_dtype, "bias");
 }
 
 inline Status ExpectShape(const char* name, const xla::ffi::AnyBuffer& buffer, std::initializer_list<int64_t> shape) {
@@ -55,11 +75,19 @@ inline Status ExpectShape(const char* name, const xla::ffi::AnyBuffer& buffer, s
   return Status::InvalidArgument(std::string(name) + " has shape [" + got + "], expected [" + want + "]");
 }
 
+// The backward's dbias result must match bias (the core writes it with bias's layout and dtype).
+inline Status ExpectDbiasLikeBias(const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dbias) {
+  const auto dims = bias.dimensions();
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("dbias", dbias, {dims[0], dims[1], dims[2], dims[3]}));
+  if (dbias.element_type() != bias.element_type()) return Status::InvalidArgument("dbias must have bias's dtype");
+  return Status::Ok();
+}
+
 // Decodes params from q, k, v and checks that every other buffer of the call has the shape and type they imply.
 inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
                             const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                            const AttentionAttrs& attrs, AttentionParams* params) {
+                            const xla::ffi::AnyBuffer& bias, const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
     return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim])");
   }
@@ -94,6 +122,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
       return Status::InvalidArgument("segment ids and positions must be int32");
     }
   }
+  TE_JAX_RETURN_IF_ERROR(BiasFromFfi(bias, &p));
   if (attrs.mask_type < 0 || attrs.mask_type >= kNumMaskTypes) {
     return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
                                    std::to_string(kNumMaskTypes) + ")");
@@ -112,6 +141,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.deterministic = attrs.deterministic;
   p.has_segment_ids = attrs.has_segment_ids;
   p.has_positions = attrs.has_positions;
+  p.has_bias = attrs.has_bias;
   *params = p;
   return Status::Ok();
 }
@@ -128,7 +158,7 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
                                             const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                             const xla::ffi::AnyBuffer& kv_seqlens,
                                             const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                            xla::ffi::AnyBuffer& out,
+                                            const xla::ffi::AnyBuffer& bias, xla::ffi::AnyBuffer& out,
                                             xla::ffi::AnyBuffer& lse, xla::ffi::AnyBuffer& workspace) {
   ForwardBuffers b;
   b.q = q.untyped_data();
@@ -138,6 +168,7 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
   b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   SetTokenBuffers(tokens, &b);
+  b.bias = bias.untyped_data();
   b.out = out.untyped_data();
   b.lse = static_cast<float*>(lse.untyped_data());
   b.workspace = workspace.untyped_data();
@@ -152,9 +183,9 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
                                               const xla::ffi::AnyBuffer& q_seqlens,
                                               const xla::ffi::AnyBuffer& kv_seqlens,
                                               const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                              xla::ffi::AnyBuffer& dq,
+                                              const xla::ffi::AnyBuffer& bias, xla::ffi::AnyBuffer& dq,
                                               xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv,
-                                              xla::ffi::AnyBuffer& workspace) {
+                                              xla::ffi::AnyBuffer& dbias, xla::ffi::AnyBuffer& workspace) {
   BackwardBuffers b;
   b.q = q.untyped_data();
   b.k = k.untyped_data();
@@ -167,9 +198,11 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
   b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   SetTokenBuffers(tokens, &b);
+  b.bias = bias.untyped_data();
   b.dq = dq.untyped_data();
   b.dk = dk.untyped_data();
   b.dv = dv.untyped_data();
+  b.dbias = dbias.untyped_data();
   b.workspace = workspace.untyped_data();
   b.workspace_bytes = workspace.size_bytes();
   return b;

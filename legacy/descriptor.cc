@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpp/bias.h"
+
 namespace te_jax::legacy {
 namespace {
 
@@ -76,8 +78,10 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint8_t>(static_cast<uint8_t>(p.mask_type));
   w.Put<uint8_t>(p.has_alibi ? 1 : 0);
   w.Put<uint8_t>((p.deterministic ? kFlagDeterministic : 0) | (p.has_segment_ids ? kFlagSegmentIds : 0) |
-                 (p.has_positions ? kFlagPositions : 0));
+                 (p.has_positions ? kFlagPositions : 0) | (p.has_bias ? kFlagBias : 0));
   w.Put<uint8_t>(static_cast<uint8_t>(p.engine));
+  w.Put<uint8_t>(static_cast<uint8_t>(p.bias_dtype));
+  w.Put<uint8_t>(p.bias_broadcast);
   w.Put<uint32_t>(Fnv1a(w.bytes().data(), w.bytes().size()));
   return w.bytes();
 }
@@ -116,20 +120,24 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   const uint8_t has_alibi = r.Get<uint8_t>();
   const uint8_t flags = r.Get<uint8_t>();
   const uint8_t engine = r.Get<uint8_t>();
+  const uint8_t bias_dtype = r.Get<uint8_t>();
+  const uint8_t bias_broadcast = r.Get<uint8_t>();
   const uint32_t checksum = r.Get<uint32_t>();
   if (checksum != Fnv1a(data, kDescriptorSize - 4)) {
     return Status::InvalidArgument("legacy descriptor checksum mismatch: the bytes were corrupted");
   }
-  if (dtype >= kNumDTypes || mask_type >= kNumMaskTypes || has_alibi > 1 || engine >= kNumEngines) {
+  if (dtype >= kNumDTypes || mask_type >= kNumMaskTypes || has_alibi > 1 || engine >= kNumEngines ||
+      bias_dtype >= kNumDTypes || bias_broadcast > kBroadcastAll) {
     return Status::InvalidArgument("legacy descriptor has an out-of-range enum field (dtype " +
                                    std::to_string(dtype) + ", mask_type " + std::to_string(mask_type) +
                                    ", has_alibi " + std::to_string(has_alibi) + ", engine " + std::to_string(engine) +
-                                   ")");
+                                   ", bias_dtype " + std::to_string(bias_dtype) + ", bias_broadcast " +
+                                   std::to_string(bias_broadcast) + ")");
   }
   if ((flags & ~kKnownFlags) != 0) {
     return Status::InvalidArgument("legacy descriptor field flags has unknown bits set (" + std::to_string(flags) +
-                                   "); only bits 0 (deterministic), 1 (has_segment_ids) and 2 (has_positions) are "
-                                   "defined");
+                                   "); only bits 0 (deterministic), 1 (has_segment_ids), 2 (has_positions) and 3 "
+                                   "(has_bias) are defined");
   }
   out.dtype = static_cast<DType>(dtype);
   out.mask_type = static_cast<MaskType>(mask_type);
@@ -138,6 +146,9 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   out.deterministic = (flags & kFlagDeterministic) != 0;
   out.has_segment_ids = (flags & kFlagSegmentIds) != 0;
   out.has_positions = (flags & kFlagPositions) != 0;
+  out.has_bias = (flags & kFlagBias) != 0;
+  out.bias_dtype = static_cast<DType>(bias_dtype);
+  out.bias_broadcast = bias_broadcast;
   *p = out;
   return Status::Ok();
 }

@@ -6,18 +6,19 @@
 #include <cstdint>
 
 #include "cpp/attention_params.h"
+#include "cpp/bias.h"
 #include "cpp/dtype.h"
 
 namespace te_jax::legacy {
 
 // Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
-// kv_positions (zeros when the descriptor's flags say they are absent).
+// kv_positions (zeros when the descriptor's flags say they are absent), then bias (a placeholder without one).
 inline constexpr int kTokenInputs = 4;
-inline constexpr int kForwardInputs = 6 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens
+inline constexpr int kForwardInputs = 7 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, bias
 inline constexpr int kForwardOutputs = 3;                 // out, lse, workspace
-inline constexpr int kBackwardInputs = 10 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                           // alibi_slopes, tokens
-inline constexpr int kBackwardOutputs = 4;                 // dq, dk, dv, workspace
+inline constexpr int kBackwardInputs = 11 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                           // alibi_slopes, tokens, bias
+inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
 // in[first], ... are q_segment_ids, kv_segment_ids, q_positions, kv_positions.
 template <typename Buffers>
@@ -39,6 +40,7 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
   b.kv_seqlens = static_cast<const int32_t*>(in[4]);
   b.alibi_slopes = static_cast<const float*>(in[5]);
   SetTokenBuffers(in, 6, &b);
+  b.bias = in[6 + kTokenInputs];
   b.out = out[0];
   b.lse = static_cast<float*>(out[1]);
   b.workspace = out[2];
@@ -59,10 +61,12 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
   b.kv_seqlens = static_cast<const int32_t*>(in[8]);
   b.alibi_slopes = static_cast<const float*>(in[9]);
   SetTokenBuffers(in, 10, &b);
+  b.bias = in[10 + kTokenInputs];
   b.dq = out[0];
   b.dk = out[1];
   b.dv = out[2];
-  b.workspace = out[3];
+  b.dbias = out[3];
+  b.workspace = out[4];
   b.workspace_bytes = workspace_bytes;
   return b;
 }
@@ -80,7 +84,8 @@ inline void BackwardOutputBytes(const AttentionParams& p, size_t bytes[kBackward
   bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim) * elem;
   bytes[1] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim) * elem;
   bytes[2] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim_v) * elem;
-  bytes[3] = 0;
+  bytes[3] = static_cast<size_t>(MakeBiasLayout(p).elements()) * DTypeSize(p.bias_dtype);
+  bytes[4] = 0;
 }
 
 }  // namespace te_jax::legacy

@@ -2,11 +2,14 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens            -> out, lse, workspace
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens -> dq, dk, dv, workspace
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias            -> out, lse, workspace
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias
+            -> dq, dk, dv, dbias, workspace
 where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv]):
 always present, zeros when config.has_segment_ids / has_positions say they are absent (see no_tokens), so lowering,
-batching and sharding handle one operand list of one shape.
+batching and sharding handle one operand list of one shape. bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32,
+bfloat16 or float16; its size-1 dims broadcast), a float32 [1, 1, 1, 1] placeholder without config.has_bias (see
+no_bias); dbias has its shape and dtype.
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -41,25 +44,32 @@ def no_tokens(batch: int, seqlen_q: int, seqlen_kv: int):
   return zq, zkv, zq, zkv
 
 
-def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, config: AttentionConfig):
-  del k, q_seqlens, kv_seqlens, alibi_slopes, tokens, config
+def no_bias():
+  """The bias operand of a call without a bias: one float32 zero, broadcast everywhere, that the kernels do not read."""
+  return jnp.zeros((1, 1, 1, 1), jnp.float32)
+
+
+def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens_and_bias, config: AttentionConfig):
+  del k, q_seqlens, kv_seqlens, alibi_slopes, tokens_and_bias, config
   batch, seqlen_q, num_heads, _ = q.shape
   out = jax.core.ShapedArray((batch, seqlen_q, num_heads, v.shape[3]), q.dtype)
   lse = jax.core.ShapedArray((batch, num_heads, seqlen_q), jnp.float32)
   return out, lse
 
 
-def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens,
+def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens_and_bias,
                             config: AttentionConfig):
-  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, tokens, config
-  return (jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
-          jax.core.ShapedArray(v.shape, v.dtype))
+  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, config
+  bias = tokens_and_bias[-1]
+  return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
 
 
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
   backend = backend_for(platform)
   q_aval, k_aval, v_aval = ctx.avals_in[:3]
-  params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype)
+  bias_aval = ctx.avals_in[-1]
+  params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
+                              bias_dtype=bias_aval.dtype)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code)
   choice = backend.choose_engine(params, direction, config)
@@ -95,17 +105,41 @@ def _fold_into_batch(args, dims, size):
   return folded
 
 
-def batch_rule(prim, args, dims, **params):
-  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first."""
+def _bias_with_full_batch(bias, bias_dim, batch: int):
+  """bias with its per-example batch dim broadcast to `batch` when it is 1 (and the batch is not): folding the mapped
+  axis into the batch makes B * N entries, which a size-1 dim of N entries would not broadcast to."""
+  axis = 1 if bias_dim == 0 else 0
+  if bias.shape[axis] == batch:
+    return bias, False
+  shape = list(bias.shape)
+  shape[axis] = batch
+  return jnp.broadcast_to(bias, shape), True
+
+
+def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
+  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last operand
+  being the bias and, with returns_dbias, the last result its gradient. Without a bias its placeholder (and its zero
+  gradient) stays as it is: unbatched, one element."""
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  outs = prim.bind(*_fold_into_batch(args, dims, size), **params)
-  return [o.reshape((o.shape[0] // size, size) + o.shape[1:]) for o in outs], [1] * len(outs)
+  has_bias = params["config"].has_bias
+  if has_bias:
+    q, q_dim = args[0], dims[0]
+    bias, expanded = _bias_with_full_batch(args[-1], dims[-1], q.shape[1 if q_dim == 0 else 0])
+    operands = _fold_into_batch([*args[:-1], bias], dims, size)
+  else:
+    operands = [*_fold_into_batch(args[:-1], dims[:-1], size), args[-1]]
+  outs = prim.bind(*operands, **params)
+  batched = len(outs) - (returns_dbias and not has_bias)
+  outs = [o.reshape((o.shape[0] // size, size) + o.shape[1:]) if i < batched else o for i, o in enumerate(outs)]
+  if returns_dbias and has_bias and expanded:  # the bias was broadcast over the batch: its gradient sums over it
+    outs[-1] = outs[-1].astype(jnp.float32).sum(axis=0, keepdims=True).astype(outs[-1].dtype)
+  return outs, [1 if i < batched else None for i in range(len(outs))]
 
 
 for _prim, _abstract in ((attention_forward_p, _forward_abstract_eval),
                          (attention_backward_p, _backward_abstract_eval)):
   _prim.def_impl(partial(dispatch.apply_primitive, _prim))
   _prim.def_abstract_eval(_abstract)
-  batching.primitive_batchers[_prim] = partial(batch_rule, _prim)
+  batching.primitive_batchers[_prim] = partial(batch_rule, _prim, returns_dbias=_prim is attention_backward_p)
 
 register_lowering("cpu")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax import _primitives
 from te_jax import context_parallel as _context_parallel
 from te_jax import sharding as _sharding
 from te_jax.attention_config import DTYPE_CODES, AttentionConfig
@@ -27,7 +28,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                alibi_slopes=None, return_lse: bool = False, deterministic: bool = False, engine: str | None = None,
                context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
                context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
-               q_positions=None, kv_positions=None, sink_logits=None):
+               q_positions=None, kv_positions=None, sink_logits=None, bias=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -65,6 +66,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       contributes no value: out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); lse includes it; it gets a
       gradient. A row with no visible key gives out = 0 and lse = sink_h. The off-by-one softmax is
       `sink_logits=jax.lax.stop_gradient(jnp.zeros(H))`. Every engine and backend (te_jax/sinks.py).
+    bias: an additive logit bias, float32, bfloat16 or float16 of rank 4, broadcastable to [B, H, Sq, Skv] with each
+      dim full or 1 ([1, H, Sq, Skv] relative positions, [B, 1, 1, Skv] a 0/-inf key mask, ...): the logits become
+      softcap(scale * q.k) + alibi + bias, before the mask. A row whose every visible logit is -inf gives out = 0,
+      lse = -inf. It gets a gradient (summed over its broadcast dims, in its dtype). CPU backend only so far.
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
@@ -88,13 +93,14 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
                            engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None,
-                           has_segment_ids=has_ids, has_positions=has_positions)
+                           has_segment_ids=has_ids, has_positions=has_positions, has_bias=bias is not None)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
+  bias_operand = _bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias_operand, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -102,25 +108,28 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py. `tokens` is the tuple of the four
 # segment-id and position operands (zeros when absent); like the lengths, they get no gradient. `sinks` is None or the
 # float32 [H] sink logits, applied to the kernels' out and lse (te_jax/sinks.py); the backward then runs the kernels
-# on the sink softmax's out and lse.
+# on the sink softmax's out and lse. `bias` is the bias operand (the placeholder of _primitives.no_bias when absent),
+# whose gradient the backward kernel returns.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks):
-  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens)
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks):
+  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias)
   return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
-def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks):
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, sinks)
-  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, sinks)
+def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks):
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
-  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, sinks = residuals
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks = residuals
   dout, dlse = cotangents
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
-  dq, dk, dv = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens)
+  dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
+                                         tokens, bias)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
-  return dq, dk, dv, None, None, None, (None,) * len(tokens), dsinks
+  # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
+  return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -236,6 +245,21 @@ def _alibi_operand(alibi_slopes, batch: int, num_heads: int):
   if not jnp.issubdtype(alibi_slopes.dtype, jnp.floating):
     raise TypeError(f"alibi_slopes must be a float array, got {alibi_slopes.dtype}")
   return jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (batch, num_heads))
+
+
+def _bias_operand(bias, full_shape: tuple[int, int, int, int]):
+  """The bias operand (te_jax/_primitives.py): bias as it is, each dim full or 1, or the placeholder without one."""
+  if bias is None:
+    return _primitives.no_bias()
+  bias = _as_array(bias, "bias")
+  allowed = "[B or 1, H or 1, Sq or 1, Skv or 1] = [{} or 1, {} or 1, {} or 1, {} or 1]".format(*full_shape)
+  if bias.ndim != 4:
+    raise ValueError(f"bias must have rank 4, {allowed}; got shape {tuple(bias.shape)}")
+  if any(extent not in (1, full) for extent, full in zip(bias.shape, full_shape)):
+    raise ValueError(f"bias must have shape {allowed} (each dim full or 1); got {tuple(bias.shape)}")
+  if np.dtype(bias.dtype) not in DTYPE_CODES:
+    raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+  return jnp.asarray(bias)
 
 
 def _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask: MaskType, batch: int,

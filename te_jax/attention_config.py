@@ -29,6 +29,8 @@ class AttentionConfig:
   # Packed sequences (issue 11): whether the token operands hold segment ids / positions (else zeros, unread).
   has_segment_ids: bool = False
   has_positions: bool = False
+  # Additive logit bias (issue 12): whether the bias operand holds one (else a float32 [1, 1, 1, 1] placeholder).
+  has_bias: bool = False
 
   def ffi_attributes(self, engine_code: int) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering
@@ -37,15 +39,20 @@ class AttentionConfig:
                 window_right=np.int64(self.window_right), scale=np.float32(self.scale),
                 softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
                 deterministic=bool(self.deterministic), engine=np.int64(engine_code),
-                has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions))
+                has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
+                has_bias=bool(self.has_bias))
 
-  def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0) -> dict:
+  def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
+                  bias_dtype=np.float32) -> dict:
     """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them);
-    engine_code 0 is te_jax's own kernels."""
+    engine_code 0 is te_jax's own kernels. bias_shape / bias_dtype: the bias operand's (the placeholder's by
+    default); its size-1 dims are the broadcast bits of cpp/bias.h."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=k_shape[1], num_heads=num_heads, num_kv_heads=k_shape[2],
                 head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
                 mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
                 scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi),
                 deterministic=bool(self.deterministic), engine=int(engine_code),
-                has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions))
+                has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
+                has_bias=bool(self.has_bias), bias_dtype=DTYPE_CODES[np.dtype(bias_dtype)],
+                bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1))

@@ -67,6 +67,9 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if seqlen_q % chunks:
     raise ValueError(f"{where}: the sequence length {seqlen_q} must be a multiple of {chunks} (the axis size "
                      f"{cp.size}{' times 2 chunks per shard for load balancing' if cp.load_balanced else ''})")
+  if config.has_bias:
+    raise ValueError(f"{where}: bias is not supported with context parallelism yet; shard the batch or the heads "
+                     "instead, or pass no bias")
   if config.has_segment_ids or config.has_positions:
     raise NotImplementedError(
         f"{where}: segment ids and positions (packed sequences) are not supported with context parallelism yet; "
@@ -135,6 +138,7 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
 def _block_forward(config, kind, q, k, v, blk: _Block, alibi):
   full, causal = _kernel_configs(config)
   out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_tokens(q, k),
+                                                  _primitives.no_bias(),
                                                   config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
@@ -145,12 +149,14 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
   full, causal = _kernel_configs(config)
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
-  return _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
-                                               *_no_tokens(q, k), config=full if kind == "full" else causal)
+  dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
+                                                        *_no_tokens(q, k), _primitives.no_bias(),
+                                                        config=full if kind == "full" else causal)
+  return dq, dk, dv
 
 
 def _no_tokens(q, k):
-  """Blocks run without segment ids and positions (check_supported refuses them with context parallelism)."""
+  """Blocks run without segment ids, positions and bias (check_supported refuses them with context parallelism)."""
   return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
 
 
@@ -284,10 +290,11 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
   return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
 
 
-def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig,
-                   cp: ContextParallel):
-  """Local shards -> local dq, dk, dv (each block uses the final out and lse, so its softmax is exact)."""
-  del tokens
+def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens_and_bias,
+                   config: AttentionConfig, cp: ContextParallel):
+  """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
+  so its softmax is exact)."""
+  no_dbias = jnp.zeros_like(tokens_and_bias[-1])
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -313,7 +320,7 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
   else:
     dqs, dk, dv = _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk)
   dq = jnp.concatenate(dqs, axis=1) if n_local > 1 else dqs[0]
-  return _poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+  return (*_poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), no_dbias)
 
 
 def _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk):
@@ -386,14 +393,14 @@ def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
   if cp is not None and cp.load_balanced:
     q, k, v, out, dout = (inv(x, cp.size, 1) for x in (q, k, v, out, dout))
     lse, dlse = inv(lse, cp.size, 2), inv(dlse, cp.size, 2)
-  dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
-                                                     *tokens, config=config)
+  dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                            alibi, *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
     if cp.load_balanced:
       dq, dk, dv = (fwd(x, cp.size, 1) for x in (dq, dk, dv))
     dq, dk, dv = _poison(bad, dq, dk, dv)
-  return dq, dk, dv
+  return dq, dk, dv, dbias
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -86,12 +86,14 @@ def _visible_sum(weights, values, visible, over: str):
 
 def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seqlens=None, window_size=(-1, -1),
                         scale=None, softcap=0.0, alibi_slopes=None, dout=None, dlse=None, q_segment_ids=None,
-                        kv_segment_ids=None, q_positions=None, kv_positions=None):
-  """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv (all float64).
+                        kv_segment_ids=None, q_positions=None, kv_positions=None, bias=None):
+  """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv and, with a bias, dbias (its
+  shape, summed over its broadcast dims; all float64).
 
   IEEE arithmetic over each row's visible keys: a NaN or inf in the row's q, in a visible key's k or v, or in a slope
   reaches that row's results as the formula carries it; keys a row does not see never affect it; a row with no visible
-  key gives out = 0, lse = -inf and zero gradients."""
+  key gives out = 0, lse = -inf and zero gradients. bias ([B or 1, H or 1, Sq or 1, Skv or 1]) is added to the logits
+  after ALiBi; a row whose visible logits are then all -inf counts as a row with no visible key."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv, num_kv_heads = k.shape[1], k.shape[2]
@@ -108,6 +110,9 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
     s, dsdraw = _logits(q, ke, scale, softcap, alibi_slopes, p, key_positions)
     visible = visible_mask(mask_type, seqlen_q, seqlen_kv, q_seqlens, kv_seqlens, window_size, q_segment_ids,
                            kv_segment_ids, q_positions, kv_positions)[:, None]
+    if bias is not None:
+      s = s + np.asarray(bias, np.float64)
+      visible = visible & ~np.all(np.where(visible, s == -np.inf, True), axis=-1, keepdims=True)
     any_visible = visible.any(axis=-1, keepdims=True)
     s = np.where(visible, s, -np.inf)
     # The row max shifts the exponentials; NaN and +inf in it carry through, and a row whose visible logits are all
@@ -127,9 +132,13 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
     dve = _visible_sum(probs, dout, visible, "queries")
     dprobs = np.einsum("bihd,bjhd->bhij", dout, ve)  # used at visible pairs only (below)
     delta = np.einsum("bihd,bihd->bhi", dout, out)
-    draw = np.where(visible, probs * (dprobs - delta[..., None] + dlse[..., None]) * dsdraw, 0.0)
+    dlogits = np.where(visible, probs * (dprobs - delta[..., None] + dlse[..., None]), 0.0)
+    draw = dlogits * dsdraw
     dq = _visible_sum(draw, ke, visible, "keys")
     dke = _visible_sum(draw, q, visible, "queries")
   fold = lambda x: x.reshape(batch, seqlen_kv, num_kv_heads, group, x.shape[-1]).sum(axis=3)
   result.update(dq=dq, dk=fold(dke), dv=fold(dve))
+  if bias is not None:
+    broadcast = tuple(axis for axis, extent in enumerate(np.shape(bias)) if extent == 1)
+    result["dbias"] = dlogits.sum(axis=broadcast, keepdims=True)
   return result

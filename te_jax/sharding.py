@@ -52,12 +52,14 @@ sharded_backward_p.multiple_results = True
 
 # `tokens`: q_segment_ids, kv_segment_ids, q_positions, kv_positions (te_jax/_primitives.py). They shard like the
 # sequence they belong to: with their batch, and over the context-parallel axis with it (where they are placeholders).
-def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens):
-  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config=config, cp=cp))
+# `bias` [B or 1, H or 1, Sq or 1, Skv or 1] shards with the batch and the heads along the dims where it is full; its
+# gradient is summed over the shards of the dims where it broadcasts (context parallelism refuses a bias).
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, bias, config=config, cp=cp))
 
 
-def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens):
-  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens,
+def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens, bias):
+  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, bias,
                                        config=config, cp=cp))
 
 
@@ -82,6 +84,7 @@ class _Plan:
 
   def __init__(self, config, cp, mesh, arg_shapes, emit_warnings: bool):
     q, k, v = arg_shapes[:3]
+    self.bias_shape = arg_shapes[-1].shape
     self.mesh = mesh
     self.notes: list[str] = []
     batch, seqlen_q, num_heads, _ = q.shape
@@ -162,7 +165,7 @@ class _Plan:
   def forward_shardings(self):
     b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
     args = (self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, s, kv, ()), self.named(b),
-            self.named(b), self.named(b, h)) + self.token_shardings()
+            self.named(b), self.named(b, h)) + self.token_shardings() + (self.bias_sharding(),)
     results = (self.named(b, s, h, ()), self.named(b, h, s))
     return args, results
 
@@ -170,12 +173,22 @@ class _Plan:
     b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
     qs, kvs, lses = self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, h, s)
     args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
-    return args, (qs, kvs, kvs)
+    return args + (self.bias_sharding(),), (qs, kvs, kvs, self.bias_sharding())
 
   def token_shardings(self):
     """q_segment_ids, kv_segment_ids, q_positions, kv_positions: [B, S] like their sequence."""
     seq = self.named(self.b_axes, self.s_axes)
     return (seq, seq, seq, seq)
+
+  def bias_sharding(self):
+    """bias (and dbias): batch and heads sharded where bias is full, whole where it broadcasts."""
+    batch, heads = self.bias_shape[:2]
+    return self.named(self.b_axes if batch != 1 else (), self.h_axes if heads != 1 else (), (), ())
+
+  def dbias_sum_axes(self) -> tuple[str, ...]:
+    """The mesh axes each device's dbias holds a partial sum over: the batch and head shards of bias's size-1 dims."""
+    batch, heads = self.bias_shape[:2]
+    return (self.b_axes if batch == 1 else ()) + (self.h_axes if heads == 1 else ())
 
 
 def _mesh_ok(mesh, arg_shapes) -> bool:
@@ -190,15 +203,15 @@ def _is_shape(x):
 # --------------------------------------------------------------------------------------------------------------------
 # custom_partitioning of the forward.
 
-def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, config, cp):
-  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
+def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias, config, cp):
+  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias,
                                      config=config, cp=cp)
 
 
 def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
-                            config, cp):
+                            bias, config, cp):
   return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids,
-                                      q_pos, kv_pos, config=config, cp=cp)
+                                      q_pos, kv_pos, bias, config=config, cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -234,16 +247,19 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
   plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=False)  # the forward already warned
   args, results = plan.backward_shardings()
   g_axes = plan.g_axes
+  dbias_axes = plan.dbias_sum_axes() if config.has_bias else ()
 
   def lower(q, k, v, *operands):
     if cp is None:
-      dq, dk, dv = _primitives.attention_backward_p.bind(q, k, v, *operands, config=config)
+      dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, *operands, config=config)
     else:
-      dq, dk, dv = cpmod.local_backward(q, k, v, *operands, config=config, cp=cp)
+      dq, dk, dv, dbias = cpmod.local_backward(q, k, v, *operands, config=config, cp=cp)
     if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
       dk = jax.lax.psum(dk.astype(jnp.float32), g_axes).astype(k.dtype)
       dv = jax.lax.psum(dv.astype(jnp.float32), g_axes).astype(v.dtype)
-    return dq, dk, dv
+    if dbias_axes:  # a bias broadcast over sharded batch entries or heads: sum the devices' partial gradients
+      dbias = jax.lax.psum(dbias.astype(jnp.float32), dbias_axes).astype(dbias.dtype)
+    return dq, dk, dv, dbias
 
   return mesh, lower, results, args
 
@@ -257,7 +273,7 @@ def _infer_forward(config, cp, mesh, arg_shapes, result_shape):
 
 def _infer_backward(config, cp, mesh, arg_shapes, result_shape):
   if not _mesh_ok(mesh, arg_shapes):
-    return jax.tree.map(lambda a: a.sharding, arg_shapes[:3], is_leaf=_is_shape)
+    return jax.tree.map(lambda a: a.sharding, (*arg_shapes[:3], arg_shapes[-1]), is_leaf=_is_shape)
   return _Plan(config, cp, mesh, arg_shapes, emit_warnings=False).backward_shardings()[1]
 
 
@@ -281,28 +297,41 @@ def _token_rule(s: str, skv: str) -> str:
   return f"b {s}, b {skv}, b {s}, b {skv}"
 
 
-def _forward_rule(config, cp, mesh, value_types, result_types):
+def _bias_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str, ...]]:
+  """The bias's factors: the call's own where a dim is full, a size-1 factor of its own where it broadcasts (listed
+  second: they need replication)."""
+  bias_shape = _shapes(value_types[-1:])[0]
+  factors = [name if extent != 1 else f"bias{axis}" for axis, (name, extent) in enumerate(zip(("b", h, s, skv),
+                                                                                             bias_shape))]
+  return " ".join(factors), tuple(f for f in factors if f.startswith("bias"))
+
+
+def _rule_factors(cp, value_types):
+  """What both rules share: the heads factor, the two sequence factors, the bias's factors, and the options (factor
+  sizes, the factors that need replication)."""
   h, sizes = _heads_rule(value_types)
-  if cp is None:
-    rule = (f"b sq {h} d, b skv hk d, b skv hk dv, b, b, b {h}, {_token_rule('sq', 'skv')} -> b sq {h} dv, b {h} sq")
-    return rule, dict(need_replication_factors=("sq", "d", "skv", "dv"), **sizes)
-  rule = f"b s {h} d, b s hk d, b s hk dv, b, b, b {h}, {_token_rule('s', 's')} -> b s {h} dv, b {h} s"
-  return rule, dict(need_replication_factors=("d", "dv"), **sizes)
+  s, skv = ("sq", "skv") if cp is None else ("s", "s")
+  bias, bias_factors = _bias_rule(value_types, h, s, skv)
+  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + bias_factors
+  return h, s, skv, bias, dict(need_replication_factors=need, **sizes)
+
+
+def _forward_rule(config, cp, mesh, value_types, result_types):
+  h, s, skv, bias, options = _rule_factors(cp, value_types)
+  return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b, b, b {h}, {_token_rule(s, skv)}, {bias} -> b {s} {h} dv, "
+          f"b {h} {s}"), options
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
-  h, sizes = _heads_rule(value_types)
-  s, skv = ("sq", "skv") if cp is None else ("s", "s")
-  rule = (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
-          f"{_token_rule(s, skv)} -> b {s} {h} d, b {skv} hk d, b {skv} hk dv")
-  need = ("sq", "d", "skv", "dv") if cp is None else ("d", "dv")
-  return rule, dict(need_replication_factors=need, **sizes)
+  h, s, skv, bias, options = _rule_factors(cp, value_types)
+  return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
+          f"{_token_rule(s, skv)}, {bias} -> b {s} {h} d, b {skv} hk d, b {skv} hk dv, {bias}"), options
 
 
-_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(10, 11))
+_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(11, 12))
 _partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
                                    sharding_rule=_forward_rule)
-_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(14, 15))
+_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(15, 16))
 _partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
                                     sharding_rule=_backward_rule)
 
@@ -358,5 +387,5 @@ for _prim, _abstract, _lowering in ((sharded_forward_p, _forward_abstract_eval, 
   _prim.def_impl(partial(dispatch.apply_primitive, _prim))
   dispatch.prim_requires_devices_during_lowering.add(_prim)  # the custom_partitioning lowering needs the devices
   _prim.def_abstract_eval(_abstract)
-  batching.primitive_batchers[_prim] = partial(_primitives.batch_rule, _prim)
+  batching.primitive_batchers[_prim] = partial(_primitives.batch_rule, _prim, returns_dbias=_prim is sharded_backward_p)
   mlir.register_lowering(_prim, _lowering)

@@ -153,6 +153,16 @@ BAD = [
     ("deterministic_int", _with(deterministic=1), TypeError, r"deterministic must be a bool"),
     ("deterministic_str", _with(deterministic="true"), TypeError, r"deterministic must be a bool"),
     ("deterministic_none", _with(deterministic=None), TypeError, r"deterministic must be a bool"),
+    # bias: rank 4, each dim full or 1, a float dtype
+    ("bias_rank_3", _with(bias=_arr(H, SQ, SKV)), ValueError, r"bias must have rank 4, \[B or 1, H or 1, Sq or 1"),
+    ("bias_rank_5", _with(bias=_arr(1, B, H, SQ, SKV)), ValueError, r"bias must have rank 4"),
+    ("bias_kv_heads", _with(bias=_arr(B, HKV, SQ, SKV)), ValueError,
+     r"bias must have shape \[B or 1, H or 1, Sq or 1, Skv or 1\] = \[2 or 1, 4 or 1, 9 or 1, 11 or 1\]"),
+    ("bias_swapped", _with(bias=_arr(1, 1, SKV, SQ)), ValueError, r"each dim full or 1"),
+    ("bias_int", _with(bias=np.zeros((1, 1, 1, SKV), np.int32)), TypeError,
+     r"bias must be float32, bfloat16 or float16, got int32"),
+    ("bias_float64", _with(bias=np.zeros((1, 1, 1, SKV), np.float64)), TypeError, r"bias must be float32"),
+    ("bias_list", _with(bias=[[[[0.0]]]]), TypeError, r"bias must be a JAX or NumPy array"),
 ]
 
 
@@ -192,6 +202,9 @@ GOOD = [
     ("alibi_h_bf16", dict(alibi_slopes=_arr(H).astype(BF16))),
     ("return_lse_numpy_bool", dict(return_lse=np.bool_(True))),
     ("deterministic_numpy_bool", dict(deterministic=np.bool_(True))),
+    ("bias_full", dict(bias=_arr(B, H, SQ, SKV))),
+    ("bias_key_mask_bf16", dict(bias=_arr(B, 1, 1, SKV).astype(BF16))),
+    ("bias_scalar_like", dict(bias=_arr(1, 1, 1, 1).astype(np.float16))),
     ("padding_edges", dict(mask_type="padding", q_seqlens=_seqlens(0, SQ), kv_seqlens=_seqlens(SKV, 0))),
     ("padding_uint8", dict(mask_type="padding", q_seqlens=_seqlens(1, 2, dtype=np.uint8),
                            kv_seqlens=_seqlens(3, 4, dtype=np.int64))),

@@ -1,9 +1,9 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (4) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
+Wire format, little-endian: u32 magic "TEJD" | u16 version (5) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
 u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
-bit 2: has_positions) | u8 engine | u32 FNV-1a.
+bit 2: has_positions, bit 3: has_bias) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 FNV-1a.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import pytest
 # A plain import: a core extension that fails to import must fail the run, not skip these tests.
 from te_jax import _te_jax_cpu as te_jax_cpu
 
-FORMAT = "<4sHH9q2f5BI"
+FORMAT = "<4sHH9q2f7BI"
 SIZE = struct.calcsize(FORMAT)
 I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "window_left",
               "window_right")
 
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
-              deterministic=True, engine=0, has_segment_ids=False, has_positions=False)
+              deterministic=True, engine=0, has_segment_ids=False, has_positions=False, has_bias=True, bias_dtype=2,
+              bias_broadcast=0b0101)
 
 
 def fnv1a(data: bytes) -> int:
@@ -34,14 +35,16 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=4, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=5, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
   if flags is None:
-    flags = int(p["deterministic"]) | int(p["has_segment_ids"]) << 1 | int(p["has_positions"]) << 2
+    flags = (int(p["deterministic"]) | int(p["has_segment_ids"]) << 1 | int(p["has_positions"]) << 2 |
+             int(p["has_bias"]) << 3)
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
-                     p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"])
+                     p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"], p["bias_dtype"],
+                     p["bias_broadcast"])
   return body + struct.pack("<I", fnv1a(body))
 
 
@@ -51,13 +54,14 @@ def packed() -> bytes:
 
 
 def test_size_and_layout(packed):
-  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 97
+  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 99
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 4 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 5 and fields[2] == SIZE
   assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
-  assert fields[14:19] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1, PARAMS["engine"])
-  assert fields[19] == fnv1a(packed[:-4])
+  assert fields[14:21] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8, PARAMS["engine"], PARAMS["bias_dtype"],
+                           PARAMS["bias_broadcast"])
+  assert fields[21] == fnv1a(packed[:-4])
   # The Python encoder here agrees with the C++ one byte for byte.
   assert craft() == packed
 
@@ -157,7 +161,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 4, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 5, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -169,47 +173,66 @@ def test_fuzz_random_fields_with_valid_checksum():
   unknown flag is set."""
   rng = np.random.default_rng(11)
   for _ in range(2000):
-    dtype, mask, alibi, flags, engine = (int(x) for x in rng.integers(0, 256, 5))
+    dtype, mask, alibi, flags, engine, bias_dtype, broadcast = (int(x) for x in rng.integers(0, 256, 7))
     if rng.random() < 0.5:  # make in-range values common too
-      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 8, engine % 2
-    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags, engine=engine)
-    if dtype < 3 and mask < 6 and alibi < 2 and flags < 8 and engine < 2:
+      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 16, engine % 2
+      bias_dtype, broadcast = bias_dtype % 3, broadcast % 16
+    data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags, engine=engine, bias_dtype=bias_dtype,
+                 bias_broadcast=broadcast)
+    if dtype < 3 and mask < 6 and alibi < 2 and flags < 16 and engine < 2 and bias_dtype < 3 and broadcast < 16:
       back = te_jax_cpu.unpack_descriptor(data)
       assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"], back["has_segment_ids"],
-              back["has_positions"], back["engine"]) == (dtype, mask, bool(alibi), bool(flags & 1), bool(flags & 2),
-                                                         bool(flags & 4), engine)
+              back["has_positions"], back["has_bias"], back["engine"], back["bias_dtype"], back["bias_broadcast"]) == (
+                  dtype, mask, bool(alibi), bool(flags & 1), bool(flags & 2), bool(flags & 4), bool(flags & 8), engine,
+                  bias_dtype, broadcast)
     else:
       with pytest.raises(ValueError, match="out-of-range enum|flags has unknown bits"):
         te_jax_cpu.unpack_descriptor(data)
 
 
 # 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
-# engine byte; 3: before the packed-sequence flags (and operands).
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 0xFFFF])
+# engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias.
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 4"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 5"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_deterministic_is_flags_bit_0(deterministic):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, deterministic=deterministic))
-  assert struct.unpack(FORMAT, data)[17] == int(deterministic)
+  assert struct.unpack(FORMAT, data)[17] & 1 == int(deterministic)
   assert te_jax_cpu.unpack_descriptor(data)["deterministic"] is deterministic
 
 
 @pytest.mark.parametrize("segment_ids,positions", [(False, False), (True, False), (False, True), (True, True)])
 def test_packed_sequence_flags_are_bits_1_and_2(segment_ids, positions):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_segment_ids=segment_ids, has_positions=positions))
-  assert struct.unpack(FORMAT, data)[17] == 1 | int(segment_ids) << 1 | int(positions) << 2
+  assert struct.unpack(FORMAT, data)[17] == 1 | int(segment_ids) << 1 | int(positions) << 2 | 8
   back = te_jax_cpu.unpack_descriptor(data)
   assert (back["has_segment_ids"], back["has_positions"]) == (segment_ids, positions)
 
 
-@pytest.mark.parametrize("flags", [0x08, 0x09, 0x80, 0xFF])
+@pytest.mark.parametrize("has_bias,dtype,broadcast", [(False, 0, 15), (True, 1, 0), (True, 0, 0b1001)])
+def test_bias_is_flags_bit_3_then_its_dtype_and_broadcast_bytes(has_bias, dtype, broadcast):
+  data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_bias=has_bias, bias_dtype=dtype, bias_broadcast=broadcast))
+  fields = struct.unpack(FORMAT, data)
+  assert (fields[17] >> 3, fields[19], fields[20]) == (int(has_bias), dtype, broadcast)
+  back = te_jax_cpu.unpack_descriptor(data)
+  assert (back["has_bias"], back["bias_dtype"], back["bias_broadcast"]) == (has_bias, dtype, broadcast)
+
+
+@pytest.mark.parametrize("field,value", [("bias_dtype", 3), ("bias_broadcast", 16), ("bias_broadcast", 255)])
+def test_bias_fields_out_of_range_raise(field, value):
+  with pytest.raises(ValueError, match=f"out-of-range enum.*{field} {value}"):
+    te_jax_cpu.unpack_descriptor(craft(**{field: value}))
+
+
+@pytest.mark.parametrize("flags", [0x10, 0x19, 0x80, 0xFF])
 def test_unknown_flag_bits_raise(flags):
   with pytest.raises(ValueError, match=rf"legacy descriptor field flags has unknown bits set \({flags}\); only bits 0 "
-                                       r"\(deterministic\), 1 \(has_segment_ids\) and 2 \(has_positions\) are defined"):
+                                       r"\(deterministic\), 1 \(has_segment_ids\), 2 \(has_positions\) and 3 "
+                                       r"\(has_bias\) are defined"):
     te_jax_cpu.unpack_descriptor(craft(flags=flags))
 
 
@@ -244,7 +267,11 @@ def test_validate_refuses_bad_values(overrides, match):
 
 def test_validate_accepts_and_backend_rules():
   te_jax_cpu.validate(PARAMS, 0)
-  te_jax_cpu.validate(PARAMS, 1)  # bf16 on CUDA is fine
+  te_jax_cpu.validate(dict(PARAMS, has_bias=False, bias_dtype=0, bias_broadcast=15), 1)  # bf16 on CUDA is fine
+  with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
+    te_jax_cpu.validate(PARAMS, 1)  # CUDA refuses a bias (both engines)
+  with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
+    te_jax_cpu.validate(dict(PARAMS, engine=1), 1)
   with pytest.raises(ValueError, match="float32"):
     te_jax_cpu.validate(dict(PARAMS, dtype=0), 1)  # CUDA refuses float32
   te_jax_cpu.validate(dict(PARAMS, dtype=0), 0)
@@ -300,7 +327,9 @@ def _bad_descriptor_call(descriptor: bytes):
   k = jnp.ones((1, 4, 1, 8), jnp.float32)
   lens = jnp.array([4], jnp.int32)
   tokens = (jnp.zeros((1, 4), jnp.int32),) * 4  # q/kv segment ids and positions, unread (flags 0)
-  return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2)), *tokens))(q, k))
+  bias = jnp.zeros((1, 1, 1, 1), jnp.float32)  # the no-bias placeholder
+  return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2)), *tokens,
+                                                              bias))(q, k))
 
 
 MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, dtype=0,
@@ -314,7 +343,7 @@ MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, h
     (b"x" * SIZE, "wrong magic"),
     (craft(version=1), "version 1"),
     (craft(mask_type=9), "out-of-range enum"),
-    (craft(flags=0x10), "flags has unknown bits"),
+    (craft(flags=0x20), "flags has unknown bits"),
     (te_jax_cpu.pack_descriptor(MATCHING)[:-1] + b"\0", "checksum"),
     (te_jax_cpu.pack_descriptor(MATCHING) + b"\0", "size mismatch"),
 ], ids=["empty", "header_only", "garbage", "version", "enum", "flags", "checksum", "oversize"])

@@ -96,16 +96,18 @@ def test_ffi_hlo():
   assert "TEJD" not in text and "_legacy" not in text
   # Typed attributes, one per option, in the mhlo.backend_config dictionary.
   assert text.count("mhlo.backend_config = {deterministic = false, engine = 0 : i64, has_alibi = true, "
-                    "has_positions = false, has_segment_ids = false, mask_type = 5 : i64, "
+                    "has_bias = false, has_positions = false, has_segment_ids = false, mask_type = 5 : i64, "
                     "scale = 2.500000e-01 : f32, softcap = 4.000000e+00 : f32, window_left = 3 : i64, "
                     "window_right = 1 : i64}") == 2
-  # Operands: forward q, k, v, q_seqlens, kv_seqlens, alibi_slopes and the four token operands (q/kv segment ids,
-  # q/kv positions, int32 [B, S] zeros here); backward adds out, lse, dout, dlse.
+  # Operands: forward q, k, v, q_seqlens, kv_seqlens, alibi_slopes, the four token operands (q/kv segment ids,
+  # q/kv positions, int32 [B, S] zeros here) and the bias (its float32 [1, 1, 1, 1] placeholder here); backward adds
+  # out, lse, dout, dlse.
   operand_counts = sorted(len(c.operands) for c in calls)
-  assert operand_counts == [10, 14]
+  assert operand_counts == [11, 15]
   forward = next(c for c in calls if "forward" in str(c.attributes["call_target_name"]))
   assert [str(o.type) for o in forward.operands[6:]] == ["tensor<2x13xi32>", "tensor<2x21xi32>",
-                                                         "tensor<2x13xi32>", "tensor<2x21xi32>"]
+                                                         "tensor<2x13xi32>", "tensor<2x21xi32>",
+                                                         "tensor<1x1x1x1xf32>"]
   hlo = lowered.as_text(dialect="hlo")
   assert hlo.count("api_version=API_VERSION_TYPED_FFI") == 2  # = 4 in xla::CustomCallApiVersion
   assert "API_VERSION_STATUS_RETURNING" not in hlo
@@ -127,21 +129,23 @@ def test_legacy_hlo_and_descriptor_contents():
     params = te_jax_cpu.unpack_descriptor(call.attributes["backend_config"].value_bytes)
     assert params == dict(batch=2, seqlen_q=13, seqlen_kv=21, num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
                           dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True,
-                          deterministic=False, engine=0, has_segment_ids=False, has_positions=False)
+                          deterministic=False, engine=0, has_segment_ids=False, has_positions=False, has_bias=False,
+                          bias_dtype=0, bias_broadcast=15)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("path", ["ffi", "legacy"])
 def test_workspace_result_and_deterministic_in_hlo(path, deterministic):
   """Each custom call has one result more than its primitive, the engine's workspace (uint8, 0 bytes on the CPU), on
-  both paths; deterministic reaches both calls as an attribute (FFI) or the descriptor's flags (legacy)."""
+  both paths (the backward's dbias, here of the bias placeholder, before it); deterministic reaches both calls as an attribute (FFI) or the descriptor's flags (legacy)."""
   with te_jax.custom_call_path(path):
     lowered = _loss_fn(deterministic=deterministic, **KW).lower(*_loss_args())
   calls = {str(c.attributes["call_target_name"]).strip('"'): c for c in _custom_calls(lowered)}
   forward, backward = calls[f"te_jax_attention_forward_cpu_{path}"], calls[f"te_jax_attention_backward_cpu_{path}"]
   assert [str(r.type) for r in forward.results] == ["tensor<2x13x4x8xf32>", "tensor<2x4x13xf32>", "tensor<0xui8>"]
   assert [str(r.type) for r in backward.results] == ["tensor<2x13x4x16xf32>", "tensor<2x21x2x16xf32>",
-                                                     "tensor<2x21x2x8xf32>", "tensor<0xui8>"]
+                                                     "tensor<2x21x2x8xf32>", "tensor<1x1x1x1xf32>",
+                                                     "tensor<0xui8>"]
   for call in (forward, backward):
     if path == "ffi":
       assert call.attributes["mhlo.backend_config"]["deterministic"].value is deterministic

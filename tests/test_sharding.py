@@ -214,6 +214,37 @@ def test_packed_sequences_shard_with_their_batch(with_positions):
   check_against_reference(results, q, k, v, dout, mask_type="causal", **tokens)
 
 
+@in_process
+@pytest.mark.parametrize("bias_shape,bias_spec,all_reduce", [
+    ((8, 4, 32, 32), P(("dp", "cp"), "tp"), False),  # full: shards with batch and heads, local
+    ((1, 4, 32, 32), P(None, "tp"), True),  # relative positions: dbias summed over the batch shards
+    ((8, 1, 1, 32), P(("dp", "cp")), True),  # key mask: dbias summed over the head shards
+])
+def test_bias_shards_with_batch_and_heads(bias_shape, bias_spec, all_reduce):
+  """bias sharded like q where it is full: results and every gradient (dbias too) equal the unsharded call's; the only
+  collective is the sum of dbias over the shards of its broadcast dims."""
+  q, k, v, dout = inputs(batch=8, seqlen=32)
+  bias = np.random.default_rng(2).standard_normal(bias_shape).astype(np.float32)
+  mesh = make_mesh((2, 2, 2))
+  spec = P(("dp", "cp"), None, "tp")
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+
+  def fn(q, k, v, d, bias):
+    out, vjp = jax.vjp(lambda q, k, v, b: te_jax.fused_attn(q, k, v, mask_type="causal", bias=b), q, k, v, bias)
+    return (out,) + vjp(d)
+
+  args = (shard(q, spec), shard(k, spec), shard(v, spec), shard(dout, spec), shard(bias, bias_spec))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fn).lower(*args).compile()
+      results = [np.asarray(r) for r in compiled(*args)]
+  assert collectives(compiled.as_text()) == ({"all-reduce"} if all_reduce else set()), collectives(compiled.as_text())
+  expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, bias)]
+  for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
+
+
 def run_forward(mesh, spec, kv_spec, q, k, v, **kwargs):
   shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec))
@@ -406,6 +437,8 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
     (dict(context_parallel_load_balanced=True, seqlen=24), ValueError, "must be a multiple of 16"),
     (dict(mask_type="causal", q_segment_ids=np.ones((4, 32), np.int32)), NotImplementedError,
      "segment ids and positions"),
+    (dict(mask_type="causal", bias=np.zeros((1, 1, 1, 32), np.float32)), ValueError,
+     "bias is not supported with context parallelism"),
 ])
 def test_context_parallel_refusals(kwargs, error, match):
   kwargs = dict(kwargs)

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpp/cpu/bias_tile.h"
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/online_softmax.h"
 #include "cpp/cpu/simd_f32x8.h"
@@ -231,6 +232,7 @@ struct ForwardArgs {
   const float* alibi_slopes;
   TokenOperands tokens;
   const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
+  BiasOperand bias;
 };
 
 struct ForwardScratch {
@@ -290,6 +292,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
     if constexpr (!kIsLinear<Variant>) {
       ApplyLogits(variant, scores, scores, keys, lanes, first_row + mask.diag_offset, key0, tokens, first_row, rows);
     }
+    if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
     if (!all_see) {
       s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
     } else if (tokens.active()) {
@@ -312,9 +315,10 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
   for (int64_t r = 0; r < rows; ++r) {
     // A row that sees no key gives out = 0 and lse = -inf whatever its accumulator holds. A row that sees keys follows
     // the formula in IEEE arithmetic: a NaN anywhere in it, or a sum of 0 (all its logits -inf, from inf inputs),
-    // comes out as NaN.
-    const bool sees_keys = s.ranges.RowSeesKeys(r);
+    // comes out as NaN. With a bias, a row whose every logit is -inf (a -inf bias on each key it sees, the bias used
+    // as a mask) counts as a row that sees no key: its sum is 0, which a NaN logit would have made NaN.
     const float sum = s.softmax.sum[r];
+    const bool sees_keys = s.ranges.RowSeesKeys(r) && !(args.bias.active() && sum == 0.0f);
     const float inv_sum = 1.0f / sum;
     T* out_row = out.Row(first_row + r);
     for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(sees_keys ? s.out[r * dv + j] * inv_sum : 0.0f);
@@ -369,9 +373,11 @@ struct BackwardArgs {
   const float* alibi_slopes;
   TokenOperands tokens;
   const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
+  BiasOperand bias;
   T* dq;
   T* dk;
   T* dv;
+  void* dbias;  // bias's dtype
 };
 
 struct BackwardScratch {
@@ -388,11 +394,12 @@ struct BackwardScratch {
   TileKeyRanges<kTileQ> ranges;
 };
 
-// dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is added to.
+// dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is added to; dbias_copy: the float32 copy of
+// dbias it adds dS to (bias_tile.h; null without a bias).
 template <typename T, typename Variant>
 void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const TokenMask& tokens,
                    const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, int64_t b,
-                   int64_t h, int64_t first_row, int64_t key0, int64_t keys, float* dq_part) {
+                   int64_t h, int64_t first_row, int64_t key0, int64_t keys, float* dq_part, float* dbias_copy) {
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
@@ -433,13 +440,25 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
     ApplyLogits(variant, dots, probs, keys, lanes, first_row + mask.diag_offset, key0, tokens, first_row, rows);
     scores = probs;
   }
+  if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
   if (!s.ranges.AllSee(key0, key0 + keys, key_tokens)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
   RecomputeProbabilities(scores, s.lse2, kTileQ, keys, lanes, probs);
 
   // dS^T = P^T * (dP^T - delta) * dLogit/dDot, with dP^T = V dO^T.
   TileGemm(keys, lanes, dv, {v_tile.data, v_tile.row_stride, 1}, {s.dout_t.data(), kTileQ}, {dscores, kTileQ},
            Accumulate::kNo);
-  SoftmaxGradient(probs, s.delta, kIsLinear<Variant> ? p.scale : 1.0f, kTileQ, keys, lanes, dscores);
+  // With a bias, dS is first taken in logit units for dbias, then scaled to the dot's.
+  const bool linear_scale_later = kIsLinear<Variant> && args.bias.active();
+  SoftmaxGradient(probs, s.delta, kIsLinear<Variant> && !linear_scale_later ? p.scale : 1.0f, kTileQ, keys, lanes,
+                  dscores);
+  if (args.bias.active()) {
+    AddBiasGradient(args.bias.layout, b, h, first_row, rows, key0, keys, dscores, kTileQ, dbias_copy);
+  }
+  if (linear_scale_later) {
+    for (int64_t c = 0; c < keys; ++c) {
+      for (int64_t r = 0; r < lanes; ++r) dscores[c * kTileQ + r] *= p.scale;
+    }
+  }
   if constexpr (!kIsLinear<Variant>) {
     for (int64_t c = 0; c < keys; ++c) {
       for (int64_t r = 0; r < lanes; ++r) dscores[c * kTileQ + r] *= variant.DLogitDDot(dots[c * kTileQ + r]);
@@ -455,7 +474,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
 // Writes the KV tile's dK and dV and adds its dQ contributions to dq_part, heads and Q tiles in ascending order.
 template <typename T, typename Variant>
 void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<QTileReach>& q_tile_reach,
-                    const WorkItem& item, float* dq_part) {
+                    const WorkItem& item, float* dq_part, float* dbias_copy) {
   const AttentionParams& p = args.params;
   const int64_t b = item.batch, kv_head = item.head;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -479,7 +498,7 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
     for (int64_t t = 0; t < q_tiles; ++t) {
       if (!Meets(p, q_tile_reach[b * q_tiles + t], args.kv_tile_tokens, b, item.tile)) continue;
       BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, b, h, t * kTileQ, key0, keys,
-                                dq_part);
+                                dq_part, dbias_copy);
     }
   }
 
@@ -583,16 +602,23 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
   if (p.deterministic) {  // zeroed in parallel, like the default's: first touching fresh pages is slow
     ParallelFor(scheduler, runs, [&](int64_t chunk) { dq_parts[chunk].assign(dq_size, 0.0f); });
   }
+  const int64_t bias_elements = MakeBiasLayout(p).elements();
+  std::vector<float> dbias_copies(args.bias.active() ? BiasGradientCopies(p, runs) * bias_elements : 0, 0.0f);
   ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
     const WorkItem& item = items[i];
     std::vector<float>& dq_part = dq_parts[p.deterministic ? item.tile : worker];
     if (!p.deterministic && dq_part.empty()) dq_part.assign(dq_size, 0.0f);
+    float* dbias_copy = args.bias.active() ? dbias_copies.data() + BiasGradientCopy(p, runs, item.batch, item.head,
+                                                                                    item.tile) * bias_elements
+                                           : nullptr;
     const int64_t* start = run_starts.data() + item.batch * (runs + 1);
     for (int64_t t = start[item.tile]; t < start[item.tile + 1]; ++t) {
       BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_reach, {item.batch, item.head, t, item.cost},
-                                 dq_part.data());
+                                 dq_part.data(), dbias_copy);
     }
   });
+  // Without a bias this writes the placeholder dbias's one zero.
+  SumBiasGradientCopies(scheduler, dbias_copies, bias_elements, p.bias_dtype, args.dbias);
 
   // dQ = the partial dQs summed in index order; every element is written, zero where no key contributed.
   constexpr int64_t kSumBlock = 16384;
@@ -604,18 +630,6 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
       args.dq[e] = FromFloat<T>(sum);
     }
   });
-}
-
-// ---------------------------------------------------------------------------------------------------------------------
-// Dispatch on the runtime dtype and variant.
-
-template <typename F>
-void DispatchDType(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: f(float{}); break;
-    case DType::kBFloat16: f(BFloat16{}); break;
-    case DType::kFloat16: f(Float16{}); break;
-  }
 }
 
 }  // namespace
@@ -637,7 +651,8 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
                               buffers.kv_seqlens,
                               buffers.alibi_slopes,
                               tokens,
-                              kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data()};
+                              kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
+                              MakeBiasOperand(params, buffers.bias)};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Forward<T, decltype(variant_tag)>(params, args, scheduler);
     });
@@ -665,9 +680,11 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
                                buffers.alibi_slopes,
                                tokens,
                                kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
+                               MakeBiasOperand(params, buffers.bias),
                                static_cast<T*>(buffers.dq),
                                static_cast<T*>(buffers.dk),
-                               static_cast<T*>(buffers.dv)};
+                               static_cast<T*>(buffers.dv),
+                               buffers.dbias};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Backward<T, decltype(variant_tag)>(params, args, scheduler);
     });

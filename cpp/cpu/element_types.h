@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpp/dtype.h"
+
 namespace te_jax::cpu {
 
 struct BFloat16 {
@@ -66,6 +68,16 @@ inline Float16 FromFloat<Float16>(float f) {
   const uint32_t bits = BitsFromFloat(base);
   const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
   return Float16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign))};
+}
+
+// Calls f(element_type_tag) with the storage type of a runtime dtype, so dispatch is written once.
+template <typename F>
+void DispatchDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(float{}); break;
+    case DType::kBFloat16: f(BFloat16{}); break;
+    case DType::kFloat16: f(Float16{}); break;
+  }
 }
 
 }  // namespace te_jax::cpu
