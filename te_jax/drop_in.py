@@ -1,8 +1,9 @@
 """te_jax.dot_product_attention: jax.nn.dot_product_attention's signature and semantics on te_jax's kernels.
 
-Everything here maps jax.nn's arguments onto one te_jax.fused_attn call; what fused_attn cannot serve yet (an
-arbitrary additive bias or boolean mask) is a ValueError that says what to use instead, never a silent fallback to
-another implementation.
+Everything here maps jax.nn's arguments onto one te_jax.fused_attn call: the masks jax.nn builds from is_causal, the
+sequence lengths and local_window_size become fused_attn's mask type, lengths and window; an arbitrary boolean mask
+becomes part of fused_attn's additive bias (attention_bias, which te_jax.flax shares). What fused_attn cannot serve is
+a ValueError that says why, never a silent fallback to another implementation.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
 
   Args:
     query, key, value: as above.
-    bias: must be None. te_jax does not take an arbitrary additive bias yet; a ValueError says so.
-    mask: must be None. te_jax does not take an arbitrary boolean mask yet; express the mask with `is_causal`,
-      `query_seq_lengths` / `key_value_seq_lengths` and `local_window_size` (or te_jax.fused_attn's mask types).
+    bias: an additive logit bias broadcastable to `[B, N, T, S]` (rank 4 or less: leading dims are added, as jax.nn;
+      each dim full or 1), added to the scaled logits; it gets a gradient. A dtype other than float32,
+      bfloat16 or float16 is taken as float32 (jax.nn adds the bias to float32 logits).
+    mask: a boolean array broadcastable to `[B, N, T, S]` like bias, True = keep (jax.nn's). It is ANDed with the
+      masks of is_causal, the sequence lengths and local_window_size. te_jax adds it to the bias as -inf where False,
+      so it costs a bias's memory and bandwidth: prefer those arguments where they say the same. The bias and the
+      mask run on the CPU backend so far (te_jax.fused_attn's bias).
     scale: multiplies the logits; default `1/sqrt(H)`. A Python number > 0 (te_jax.fused_attn's rule).
     is_causal: key j is visible to query i only when j <= i (top-left aligned, as jax.nn).
     query_seq_lengths, key_value_seq_lengths: int32 `[B]`: query rows i >= length give 0 (as jax.nn); keys j >= length
@@ -52,7 +57,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       dtype, with no gradient (as jax.nn).
 
   Where te_jax differs from jax.nn (implementation="xla"): a query row that sees no key at all (its key_value length
-  is 0, or a window that holds no valid key) gives 0 here, and -inf as its residual. jax.nn masks with a large
+  is 0, a window that holds no valid key, a mask row with no True) gives 0 here, and -inf as its residual. jax.nn masks with a large
   negative logit instead of -inf, so such a row is the mean of value over all S keys (masked ones included), its
   residual a large negative number, and its gradient reaches those values. Every row with at least one visible key
   agrees with jax.nn, forward and gradients. Rows past query_seq_lengths are 0 in both (their residual: -inf here, a
@@ -61,14 +66,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   Returns:
     The attention output, shaped like query; with return_residual, `(output, residual)`.
   """
-  if bias is not None:
-    raise ValueError("te_jax.dot_product_attention: bias must be None: te_jax does not take an arbitrary additive "
-                     "bias yet. For ALiBi use te_jax.fused_attn(..., alibi_slopes=...); otherwise use "
-                     "jax.nn.dot_product_attention")
-  if mask is not None:
-    raise ValueError("te_jax.dot_product_attention: mask must be None: te_jax does not take an arbitrary boolean "
-                     "mask yet. Express it with is_causal=True, query_seq_lengths / key_value_seq_lengths (padding) "
-                     "and local_window_size (sliding window), or use jax.nn.dot_product_attention")
   if implementation == "xla":
     raise ValueError("te_jax.dot_product_attention: implementation='xla' asks for XLA's attention, which this "
                      "function does not run; call jax.nn.dot_product_attention(..., implementation='xla') for it. "
@@ -100,14 +97,49 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   mask_type = {(False, False): "no_mask", (True, False): "causal", (False, True): "padding",
                (True, True): "padding_causal"}[(bool(is_causal), padding)]
 
+  logit_bias = attention_bias(bias, mask, (batch, num_heads, seqlen_q, seqlen_kv), query.dtype)
   result = fused_attn(query, key, value, mask_type=mask_type, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
                       window_size=_window(local_window_size), scale=scale, return_lse=bool(return_residual),
-                      engine=implementation)
+                      engine=implementation, bias=logit_bias)
   if not return_residual:
     return jnp.reshape(result, output_shape)
   out, lse = result  # lse float32 [B, N, T]
   residual = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(query.dtype))
   return jnp.reshape(out, output_shape), jnp.reshape(residual, output_shape[:-1])
+
+
+def attention_bias(bias, mask, full_shape: tuple[int, int, int, int], mask_dtype):
+  """jax.nn's bias and boolean mask as one fused_attn bias `[B|1, N|1, T|1, S|1]`, or None when both are None.
+
+  Each is broadcastable to full_shape = (B, N, T, S) by jax.nn's rules; size-1 dims stay 1, so the bias gradient
+  stays as small as the bias. The mask adds -inf where it is False: a row that keeps a key gets jax.nn's result (its
+  large negative logit also weighs exactly 0 there), a row that keeps none gives 0 (fused_attn's rule for a row of
+  -inf logits) where jax.nn gives the mean of value. Without a bias the mask's bias has mask_dtype (the query's).
+  """
+  if bias is not None:
+    bias = _logit_shaped(jnp.asarray(bias), "bias", full_shape)
+    if bias.dtype not in _BIAS_DTYPES:
+      bias = bias.astype(jnp.float32)
+  if mask is None:
+    return bias
+  mask = _logit_shaped(jnp.asarray(mask), "mask", full_shape)
+  if mask.dtype != jnp.bool_:
+    raise ValueError(f"mask must be a boolean array (True = keep), got dtype {mask.dtype}; an additive mask is a bias")
+  masked_out = jnp.where(mask, 0, -jnp.inf).astype(mask_dtype if bias is None else bias.dtype)
+  return masked_out if bias is None else bias + masked_out
+
+
+# The bias dtypes fused_attn takes.
+_BIAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _logit_shaped(x, name: str, full_shape: tuple[int, int, int, int]):
+  """x as rank 4 (jax.nn's leading unit dims), each dim full or 1."""
+  x = _ensure_4d(x)
+  if x.ndim != 4 or any(extent not in (1, full) for extent, full in zip(x.shape, full_shape)):
+    raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {full_shape} with each dim full or 1, at most "
+                     f"rank 4; got shape {tuple(x.shape)}")
+  return x
 
 
 def _ensure_4d(x):
