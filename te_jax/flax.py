@@ -13,9 +13,10 @@ The functions follow the contract of flax's `dot_product_attention` (query, key,
 broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision, module; NNX's is_causal). They need
 nothing from Flax, so this module imports no Flax: install Flax itself (`pip install "te_jax[flax]"`).
 
-Packed documents: pass `mask=te_jax.flax.PackedSequences(segment_ids)` to the module (te_jax's segment ids).
-What te_jax cannot serve yet is a ValueError that says what to do instead, never a silent fallback: an additive
-`bias`, an arbitrary boolean `mask`, attention dropout while training, sowing the attention weights (`module`).
+The module's `bias` and boolean `mask` become fused_attn's additive bias (te_jax.drop_in.attention_bias; CPU backend
+so far). Packed documents: pass `mask=te_jax.flax.PackedSequences(segment_ids)` to the module (te_jax's segment ids).
+What te_jax cannot serve yet is a ValueError that says what to do instead, never a silent fallback: attention dropout
+while training, sowing the attention weights (`module`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.attention import fused_attn
+from te_jax.drop_in import attention_bias
 from te_jax.mask_type import MaskType
 
 # fused_attn's options that make_attention_fn takes: its static keywords (and the ALiBi slopes, fixed per model); not
@@ -73,9 +75,10 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
   """An attention_fn for Flax's MultiHeadAttention that calls te_jax.fused_attn with `te_jax_options`.
 
   Args:
-    ignore_mask: drop the `mask` the module passes instead of refusing it. Only for a mask that is exactly what the
-      options already say (e.g. Linen's `nn.make_causal_mask(x)` with `mask_type="causal"`): te_jax does not look at
-      it. Do not rely on it for anything else (padding, segment masks): that mask would simply not apply.
+    ignore_mask: drop the `mask` the module passes instead of applying it as a bias. Only for a mask that is exactly
+      what the options already say (e.g. Linen's `nn.make_causal_mask(x)` with `mask_type="causal"`), to save the
+      bias's memory and bandwidth: te_jax does not look at it. Do not rely on it for anything else (padding, segment
+      masks): that mask would simply not apply.
     te_jax_options: fused_attn's keyword options: mask_type ("no_mask", "causal", "causal_bottom_right"; the padding
       masks need lengths, which a Flax module does not pass), window_size, scale, softcap, alibi_slopes,
       deterministic (fused_attn's: a bitwise reproducible backward; not Flax's dropout flag), engine,
@@ -106,24 +109,18 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     batch dims, also none); H a multiple of Hkv. Returns `[batch..., Lq, H, Dv]` in `dtype` (default: the promoted
     dtype of query, key and value, as Flax).
 
-    bias: must be None. mask: None, a PackedSequences (segment ids of packed documents), or anything when made
-    with ignore_mask=True (then dropped); use is_causal (NNX) or make_attention_fn(mask_type="causal") for a causal
-    mask. dropout_rate > 0 with deterministic=False is refused
+    bias: an additive logit bias broadcastable to `[batch..., H, Lq, Lkv]`, with its gradient. mask: broadcastable
+    likewise, nonzero = keep (Flax's), ANDed with is_causal and the options' mask; a PackedSequences (segment ids of
+    packed documents); or anything when made with ignore_mask=True (then dropped). Both become fused_attn's additive
+    bias (the mask as -inf where masked out): prefer is_causal (NNX) or make_attention_fn(mask_type="causal") to a
+    causal mask. A query row that keeps no key gives 0, where Flax gives the mean of value. dropout_rate > 0 with deterministic=False is refused
     (te_jax has no attention dropout yet); with deterministic=True it does nothing, as in Flax. module (sow_weights)
     is refused: the fused kernel never forms the attention weights. precision and force_fp32_for_softmax are
     accepted and have nothing to change: te_jax's kernels accumulate and take the softmax in float32.
     """
-    if bias is not None:
-      raise ValueError("te_jax attention_fn: bias must be None: te_jax does not take an additive attention bias "
-                       "yet; use Flax's default attention_fn for a bias")
     packed = mask if isinstance(mask, PackedSequences) else None
-    if mask is not None and packed is None and not ignore_mask:
-      raise ValueError("te_jax attention_fn: the module passed a mask, and te_jax does not take an arbitrary boolean "
-                       "mask yet. For a causal mask pass no mask and either call the NNX module with is_causal=True "
-                       "or build the attention function with te_jax.flax.make_attention_fn(mask_type='causal'); "
-                       "make_attention_fn(mask_type='causal', ignore_mask=True) drops a mask that is exactly "
-                       "nn.make_causal_mask's, unchecked. For packed documents pass "
-                       "mask=te_jax.flax.PackedSequences(segment_ids)")
+    if packed is not None or ignore_mask:
+      mask = None
     if dropout_rate and not deterministic:
       raise ValueError(f"te_jax attention_fn: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
                        f"is not in te_jax yet; set the module's dropout_rate=0.0, or run it deterministic")
@@ -153,10 +150,34 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     if is_causal and not mask_type.is_causal:
       mask_used = MaskType.CAUSAL
     tokens = {} if packed is None else packed.fused_attn_kwargs(batch_dims, batch)
-    out = fused_attn(query, key, value, mask_type=mask_used, **tokens, **te_jax_options)
+    logit_shape = (batch, query.shape[2], query.shape[1], key.shape[1])
+    bias = attention_bias(_batch_flattened(bias, batch_dims), _batch_flattened(_as_bool(mask), batch_dims),
+                          logit_shape, dtype)
+    out = fused_attn(query, key, value, mask_type=mask_used, bias=bias, **tokens, **te_jax_options)
     return out.reshape(batch_dims + out.shape[1:])
 
   return attention_fn
+
+
+def _as_bool(mask):
+  """Flax's mask (any dtype, nonzero = keep; nn.make_attention_mask's is float32) as jax.nn's boolean one."""
+  return None if mask is None else jnp.asarray(mask) != 0
+
+
+def _batch_flattened(x, batch_dims: tuple[int, ...]):
+  """x broadcastable to [batch..., H, Lq, Lkv] (Flax's bias and mask) as [B|1, H|1, Lq|1, Lkv|1], B the product of the
+  batch dims: 1 where x does not vary over them, so its gradient stays small."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  rank = len(batch_dims) + 3
+  if x.ndim > rank:
+    raise ValueError(f"bias and mask must be broadcastable to [batch..., heads, q_length, kv_length] with batch dims "
+                     f"{batch_dims}, got shape {tuple(x.shape)}")
+  x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+  if all(extent == 1 for extent in x.shape[:-3]):
+    return x.reshape((1,) + x.shape[-3:])
+  return jnp.broadcast_to(x, batch_dims + x.shape[-3:]).reshape((math.prod(batch_dims),) + x.shape[-3:])
 
 
 attention_fn = make_attention_fn()

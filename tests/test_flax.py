@@ -1,5 +1,5 @@
 """te_jax.flax: Flax's MultiHeadAttention (NNX and Linen) with te_jax's attention function trains like the default
-attention (same seed, 50 steps, losses equal to tolerance), causal; Flax's dot_product_attention contract (batch dims,
+attention (same seed, 50 steps, losses equal to tolerance), causal, packed, with a padding mask; Flax's dot_product_attention contract (batch dims,
 dtype, GQA); what it refuses, with a message."""
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ def _tokens(seed=0):
   return jax.random.randint(jax.random.key(seed), (BATCH, SEQ + 1), 0, VOCAB)
 
 
-def _next_token_loss(logits, tokens):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+def _next_token_loss(logits, tokens, valid=None):
+  """Mean over the valid tokens (all without valid): padded query rows differ (te_jax 0, Flax the mean of value)."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+  weights = jnp.ones_like(losses) if valid is None else valid.astype(losses.dtype)
+  return (losses * weights).sum() / weights.sum()
 
 
 class NnxModel(nnx.Module):
@@ -69,18 +72,22 @@ class LinenModel(nn.Module):
     return nn.Dense(VOCAB)(x)
 
 
-def _train_linen(attention_fn, pass_causal_mask):
+def _train_linen(attention_fn, pass_causal_mask, padding_mask=None):
+  """padding_mask: also pass the module nn.make_attention_mask of these valid tokens [batch, SEQ]."""
   model = LinenModel(attention_fn)
   tokens = _tokens()
   inputs = tokens[:, :-1]
   mask = nn.make_causal_mask(inputs) if pass_causal_mask else None
+  if padding_mask is not None:
+    mask = nn.combine_masks(mask, nn.make_attention_mask(padding_mask, padding_mask))
   params = model.init(jax.random.key(0), inputs, mask)
   tx = optax.adam(1e-2)
   opt_state = tx.init(params)
 
   @jax.jit
   def step(params, opt_state):
-    loss, grads = jax.value_and_grad(lambda p: _next_token_loss(model.apply(p, inputs, mask), tokens))(params)
+    loss, grads = jax.value_and_grad(lambda p: _next_token_loss(model.apply(p, inputs, mask), tokens,
+                                                                padding_mask))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -126,34 +133,61 @@ def test_nnx_packed_documents_train_like_a_segment_mask():
   assert np.abs(causal_only - got).max() > 1e-3, "the segment ids changed nothing"
 
 
-def test_nnx_padding_as_segment_id_0_trains_like_a_padding_mask():
-  """A padding mask is segment ids 1 (token) and 0 (padding). Padded query rows differ (te_jax 0, Flax the mean of
-  value), so the loss counts real tokens only, and then training is the same."""
-  lengths = np.array([SEQ, SEQ - 5, 9, 17])
-  valid = jnp.asarray(np.arange(SEQ)[None, :] < lengths[:, None])
+# Valid tokens of each row of a padded batch.
+VALID = jnp.asarray(np.arange(SEQ)[None, :] < np.array([SEQ, SEQ - 5, 9, 17])[:, None])
+
+
+@pytest.mark.parametrize("te_jax_mask", ("segment_ids", "flax_mask"))
+def test_nnx_padding_trains_like_a_padding_mask(te_jax_mask):
+  """A padding mask as Flax's own boolean mask (a bias in te_jax) or as segment ids 1 (token) and 0 (padding). Padded
+  query rows differ (te_jax 0, Flax the mean of value), so the loss counts real tokens only, and then training is the
+  same."""
   tokens = _tokens()
-  weights = valid.astype(jnp.float32)
+  flax_mask = nn.make_attention_mask(VALID, VALID)
 
   def train(attention_fn, mask):
     model = NnxModel(attention_fn, nnx.Rngs(0), num_kv_heads=2)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
-    def loss_fn(m):
-      losses = optax.softmax_cross_entropy_with_integer_labels(m(tokens[:, :-1], mask=mask, is_causal=True),
-                                                               tokens[:, 1:])
-      return (losses * weights).sum() / weights.sum()
-
     @nnx.jit
     def step(model, optimizer):
+      loss_fn = lambda m: _next_token_loss(m(tokens[:, :-1], mask=mask, is_causal=True), tokens, VALID)
       loss, grads = nnx.value_and_grad(loss_fn)(model)
       optimizer.update(model, grads)
       return loss
 
     return np.array([float(step(model, optimizer)) for _ in range(STEPS)])
 
-  want = train(None, nn.make_attention_mask(valid, valid))
-  got = train(te_jax.flax.attention_fn, te_jax.flax.PackedSequences(valid.astype(jnp.int32)))
+  want = train(None, flax_mask)
+  got = train(te_jax.flax.attention_fn,
+              flax_mask if te_jax_mask == "flax_mask" else te_jax.flax.PackedSequences(VALID.astype(jnp.int32)))
   _assert_trains_the_same(got, want)
+
+
+def test_linen_causal_and_padding_mask_trains_like_default():
+  """Linen's causal and padding masks combined into one mask, which te_jax applies as a bias."""
+  want = _train_linen(None, pass_causal_mask=True, padding_mask=VALID)
+  got = _train_linen(te_jax.flax.attention_fn, pass_causal_mask=True, padding_mask=VALID)
+  _assert_trains_the_same(got, want)
+
+
+def test_bias_and_mask_with_batch_dims_match_flax():
+  """Flax's contract for bias and mask: broadcastable to [batch..., H, Lq, Lkv] (a lower-rank bias, a mask over the
+  batch dims and keys), a float 0/1 mask; forward and the bias gradient, with is_causal and GQA."""
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((2, 3, 7, 4, 8)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((2, 3, 9, 2, 8)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((4, 7, 9)), jnp.float32)
+  mask = jnp.asarray(rng.random((2, 3, 1, 1, 9)) < 0.7).at[..., 0].set(True).astype(jnp.float32)
+
+  def loss(fn, bias):
+    return (fn(q, kv, kv, bias=bias, mask=mask, is_causal=True) ** 2).sum()
+
+  got, dgot = jax.value_and_grad(lambda b: loss(te_jax.flax.attention_fn, b))(bias)
+  want, dwant = jax.value_and_grad(lambda b: loss(nnx.dot_product_attention, b))(bias)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  assert dgot.shape == bias.shape
+  np.testing.assert_allclose(np.asarray(dgot), np.asarray(dwant), rtol=1e-4, atol=1e-5)
 
 
 def test_linen_packed_documents_forward():
@@ -225,12 +259,8 @@ def test_refused_with_a_message():
   x = jax.random.normal(jax.random.key(1), (2, 9, EMBED))
   q = k = v = x.reshape(2, 9, HEADS, EMBED // HEADS)
   fn = te_jax.flax.attention_fn
-  with pytest.raises(ValueError, match="mask.*is_causal=True"):
-    fn(q, k, v, mask=nn.make_causal_mask(x[..., 0]))
-  with pytest.raises(ValueError, match="mask"):  # a padding mask: data te_jax cannot take from a Flax module yet
-    fn(q, k, v, mask=nn.make_attention_mask(jnp.arange(9)[None] < 5, jnp.arange(9)[None] < 5))
-  with pytest.raises(ValueError, match="bias must be None"):
-    fn(q, k, v, bias=jnp.zeros((2, HEADS, 9, 9)))
+  with pytest.raises(ValueError, match=r"broadcastable to \[batch..., heads, q_length, kv_length\]"):
+    fn(q, k, v, bias=jnp.zeros((1, 2, HEADS, 9, 9)))
   with pytest.raises(ValueError, match="attention dropout"):
     fn(q, k, v, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
   with pytest.raises(ValueError, match="sow_weights"):
