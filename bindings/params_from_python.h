@@ -74,6 +74,7 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   p.has_bias = d.contains("has_bias") && Field<bool>(d, "has_bias");
   if (d.contains("bias_dtype")) p.bias_dtype = static_cast<DType>(Field<uint8_t>(d, "bias_dtype"));
   if (d.contains("bias_broadcast")) p.bias_broadcast = Field<uint8_t>(d, "bias_broadcast");
+  if (d.contains("dropout_threshold")) p.dropout_threshold = Field<uint32_t>(d, "dropout_threshold");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
   p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
   return p;
@@ -102,6 +103,7 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["has_bias"] = p.has_bias;
   d["bias_dtype"] = static_cast<int>(p.bias_dtype);
   d["bias_broadcast"] = static_cast<int>(p.bias_broadcast);
+  d["dropout_threshold"] = p.dropout_threshold;
   return d;
 }
 

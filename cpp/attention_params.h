@@ -19,6 +19,8 @@ namespace te_jax {
 //   bias [B or 1, H or 1, Sq or 1, Skv or 1] in bias_dtype (read only when has_bias; bias_broadcast says which dims
 //   are 1, cpp/bias.h), and the backward's dbias of the same shape and dtype. Without a bias both are float32
 //   [1, 1, 1, 1] placeholders (bias_broadcast kBroadcastAll).
+//   dropout uint32 [6]: the PRNG key's two words, then the global (b, h, i, j) of this call's element [0, 0, 0, 0]
+//   (read only when dropout_threshold > 0; cpp/philox.h). Zeros without dropout.
 // q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv. The
 // segment ids and positions are always passed too, so every layer (lowering, batching, sharding) sees one operand list
 // of one shape: without the flag the Python layer passes zeros of the same shape, which XLA materialises as a
@@ -45,6 +47,9 @@ struct AttentionParams {
   bool has_bias = false;
   DType bias_dtype = DType::kFloat32;
   uint8_t bias_broadcast = 0xF;  // cpp/bias.h: bit set = that dim of bias is 1 (batch, heads, Sq, Skv)
+  // Attention dropout (issue 12), CPU backend only so far: a probability is dropped when its Philox word (cpp/philox.h)
+  // is below this threshold (round(rate * 2^32)) and the kept ones are scaled by 2^32 / (2^32 - threshold); 0: none.
+  uint32_t dropout_threshold = 0;
   // Backward only. false: the CUDA backward sums dq over key blocks with float atomics in one pass (fast; the order
   // of the additions, and so dq's last bits, can differ between runs). true: a second pass recomputes each dq row in
   // a fixed order (bitwise reproducible, ~1.4x the backward's work). The CPU backward likewise sums dq in an order that
@@ -65,6 +70,7 @@ struct ForwardBuffers {
   const int32_t* q_positions = nullptr;
   const int32_t* kv_positions = nullptr;
   const void* bias = nullptr;
+  const uint32_t* dropout = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
@@ -91,6 +97,7 @@ struct BackwardBuffers {
   const int32_t* q_positions = nullptr;
   const int32_t* kv_positions = nullptr;
   const void* bias = nullptr;
+  const uint32_t* dropout = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

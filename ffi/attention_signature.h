@@ -8,25 +8,27 @@
 #define TE_JAX_FFI_ATTENTION_ATTRS                                                                     \
   .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
       "scale").Attr<float>("softcap").Attr<bool>("has_alibi").Attr<bool>("deterministic").Attr<int64_t>("engine")      \
-      .Attr<bool>("has_segment_ids").Attr<bool>("has_positions").Attr<bool>("has_bias")
+      .Attr<bool>("has_segment_ids").Attr<bool>("has_positions").Attr<bool>("has_bias")                   \
+      .Attr<int64_t>("dropout_threshold")
 
 // The packed-sequence operands that follow alibi_slopes in both directions: q_segment_ids, kv_segment_ids,
 // q_positions, kv_positions (int32 [B, Sq] / [B, Skv], zeros when the has_ flags are false).
 #define TE_JAX_FFI_TOKEN_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
 
-// q, k, v, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions, kv_positions, bias -> out,
-// lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
+// q, k, v, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions, kv_positions, bias,
+// dropout -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
 #define TE_JAX_FFI_FORWARD_SIGNATURE                                                                            \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS.Arg<xla::ffi::AnyBuffer>()     \
-      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
+      .Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()   \
+          TE_JAX_FFI_ATTENTION_ATTRS
 
 // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions,
-// kv_positions, bias -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's BackwardWorkspaceBytes)
+// kv_positions, bias, dropout -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's BackwardWorkspaceBytes)
 #define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS.Arg<xla::ffi::AnyBuffer>()     \
-      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()   \
-      .Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
+      .Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()   \
+      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS

@@ -25,6 +25,7 @@ struct AttentionAttrs {
   bool has_segment_ids;
   bool has_positions;
   bool has_bias;
+  int64_t dropout_threshold;  // cpp/attention_params.h; 0: no dropout
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -87,7 +88,8 @@ inline Status ExpectDbiasLikeBias(const xla::ffi::AnyBuffer& bias, const xla::ff
 inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
                             const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                            const xla::ffi::AnyBuffer& bias, const AttentionAttrs& attrs, AttentionParams* params) {
+                            const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
+                            const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
     return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim])");
   }
@@ -123,6 +125,12 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
     }
   }
   TE_JAX_RETURN_IF_ERROR(BiasFromFfi(bias, &p));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("dropout", dropout, {6}));
+  if (dropout.element_type() != xla::ffi::DataType::U32) return Status::InvalidArgument("dropout must be uint32");
+  if (attrs.dropout_threshold < 0 || attrs.dropout_threshold > 0xFFFFFFFFll) {
+    return Status::InvalidArgument("dropout_threshold " + std::to_string(attrs.dropout_threshold) +
+                                   " is not in [0, 2^32)");
+  }
   if (attrs.mask_type < 0 || attrs.mask_type >= kNumMaskTypes) {
     return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
                                    std::to_string(kNumMaskTypes) + ")");
@@ -142,6 +150,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.has_segment_ids = attrs.has_segment_ids;
   p.has_positions = attrs.has_positions;
   p.has_bias = attrs.has_bias;
+  p.dropout_threshold = static_cast<uint32_t>(attrs.dropout_threshold);
   *params = p;
   return Status::Ok();
 }
@@ -158,7 +167,8 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
                                             const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                             const xla::ffi::AnyBuffer& kv_seqlens,
                                             const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                            const xla::ffi::AnyBuffer& bias, xla::ffi::AnyBuffer& out,
+                                            const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
+                                            xla::ffi::AnyBuffer& out,
                                             xla::ffi::AnyBuffer& lse, xla::ffi::AnyBuffer& workspace) {
   ForwardBuffers b;
   b.q = q.untyped_data();
@@ -169,6 +179,7 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   SetTokenBuffers(tokens, &b);
   b.bias = bias.untyped_data();
+  b.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
   b.out = out.untyped_data();
   b.lse = static_cast<float*>(lse.untyped_data());
   b.workspace = workspace.untyped_data();
@@ -183,7 +194,8 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
                                               const xla::ffi::AnyBuffer& q_seqlens,
                                               const xla::ffi::AnyBuffer& kv_seqlens,
                                               const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                              const xla::ffi::AnyBuffer& bias, xla::ffi::AnyBuffer& dq,
+                                              const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
+                                              xla::ffi::AnyBuffer& dq,
                                               xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv,
                                               xla::ffi::AnyBuffer& dbias, xla::ffi::AnyBuffer& workspace) {
   BackwardBuffers b;
@@ -199,6 +211,7 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   SetTokenBuffers(tokens, &b);
   b.bias = bias.untyped_data();
+  b.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
   b.dq = dq.untyped_data();
   b.dk = dk.untyped_data();
   b.dv = dv.untyped_data();

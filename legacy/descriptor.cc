@@ -82,6 +82,7 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint8_t>(static_cast<uint8_t>(p.engine));
   w.Put<uint8_t>(static_cast<uint8_t>(p.bias_dtype));
   w.Put<uint8_t>(p.bias_broadcast);
+  w.Put<uint32_t>(p.dropout_threshold);
   w.Put<uint32_t>(Fnv1a(w.bytes().data(), w.bytes().size()));
   return w.bytes();
 }
@@ -122,6 +123,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   const uint8_t engine = r.Get<uint8_t>();
   const uint8_t bias_dtype = r.Get<uint8_t>();
   const uint8_t bias_broadcast = r.Get<uint8_t>();
+  const uint32_t dropout_threshold = r.Get<uint32_t>();
   const uint32_t checksum = r.Get<uint32_t>();
   if (checksum != Fnv1a(data, kDescriptorSize - 4)) {
     return Status::InvalidArgument("legacy descriptor checksum mismatch: the bytes were corrupted");
@@ -149,6 +151,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   out.has_bias = (flags & kFlagBias) != 0;
   out.bias_dtype = static_cast<DType>(bias_dtype);
   out.bias_broadcast = bias_broadcast;
+  out.dropout_threshold = dropout_threshold;
   *p = out;
   return Status::Ok();
 }

@@ -12,12 +12,14 @@
 namespace te_jax::legacy {
 
 // Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
-// kv_positions (zeros when the descriptor's flags say they are absent), then bias (a placeholder without one).
+// kv_positions (zeros when the descriptor's flags say they are absent), then bias (a placeholder without one), then
+// dropout (uint32 [6], key and offsets; zeros without dropout).
 inline constexpr int kTokenInputs = 4;
-inline constexpr int kForwardInputs = 7 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, bias
+inline constexpr int kForwardInputs = 8 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, bias,
+                                                          // dropout
 inline constexpr int kForwardOutputs = 3;                 // out, lse, workspace
-inline constexpr int kBackwardInputs = 11 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                           // alibi_slopes, tokens, bias
+inline constexpr int kBackwardInputs = 12 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                           // alibi_slopes, tokens, bias, dropout
 inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
 // in[first], ... are q_segment_ids, kv_segment_ids, q_positions, kv_positions.
@@ -41,6 +43,7 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
   b.alibi_slopes = static_cast<const float*>(in[5]);
   SetTokenBuffers(in, 6, &b);
   b.bias = in[6 + kTokenInputs];
+  b.dropout = static_cast<const uint32_t*>(in[7 + kTokenInputs]);
   b.out = out[0];
   b.lse = static_cast<float*>(out[1]);
   b.workspace = out[2];
@@ -62,6 +65,7 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
   b.alibi_slopes = static_cast<const float*>(in[9]);
   SetTokenBuffers(in, 10, &b);
   b.bias = in[10 + kTokenInputs];
+  b.dropout = static_cast<const uint32_t*>(in[11 + kTokenInputs]);
   b.dq = out[0];
   b.dk = out[1];
   b.dv = out[2];

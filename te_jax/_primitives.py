@@ -2,14 +2,16 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias            -> out, lse, workspace
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias, dropout   -> out, lse, workspace
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias, dropout
             -> dq, dk, dv, dbias, workspace
 where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv]):
 always present, zeros when config.has_segment_ids / has_positions say they are absent (see no_tokens), so lowering,
 batching and sharding handle one operand list of one shape. bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32,
 bfloat16 or float16; its size-1 dims broadcast), a float32 [1, 1, 1, 1] placeholder without config.has_bias (see
-no_bias); dbias has its shape and dtype.
+no_bias); dbias has its shape and dtype. dropout is uint32 [6]: the PRNG key's two words, then the global (b, h, i, j)
+of the call's element [0, 0, 0, 0] in the keep-mask of te_jax/dropout.py (nonzero for a batch or head shard); zeros,
+unread, without config.dropout_threshold (see no_dropout). It is one per call: vmap never batches it.
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -49,25 +51,36 @@ def no_bias():
   return jnp.zeros((1, 1, 1, 1), jnp.float32)
 
 
-def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens_and_bias, config: AttentionConfig):
-  del k, q_seqlens, kv_seqlens, alibi_slopes, tokens_and_bias, config
+def no_dropout():
+  """The dropout operand of a call without dropout: zeros the kernels do not read."""
+  return jnp.zeros((6,), jnp.uint32)
+
+
+def dropout_operand(key_words):
+  """The dropout operand of an unsharded call: the key's two words, offsets 0."""
+  return jnp.concatenate([jnp.stack(key_words), jnp.zeros((4,), jnp.uint32)])
+
+
+def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens_bias_dropout,
+                           config: AttentionConfig):
+  del k, q_seqlens, kv_seqlens, alibi_slopes, tokens_bias_dropout, config
   batch, seqlen_q, num_heads, _ = q.shape
   out = jax.core.ShapedArray((batch, seqlen_q, num_heads, v.shape[3]), q.dtype)
   lse = jax.core.ShapedArray((batch, num_heads, seqlen_q), jnp.float32)
   return out, lse
 
 
-def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens_and_bias,
+def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens_bias_dropout,
                             config: AttentionConfig):
   del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, config
-  bias = tokens_and_bias[-1]
+  bias = tokens_bias_dropout[-2]
   return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
 
 
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
   backend = backend_for(platform)
   q_aval, k_aval, v_aval = ctx.avals_in[:3]
-  bias_aval = ctx.avals_in[-1]
+  bias_aval = ctx.avals_in[-2]
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
                               bias_dtype=bias_aval.dtype)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
@@ -117,9 +130,16 @@ def _bias_with_full_batch(bias, bias_dim, batch: int):
 
 
 def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
-  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last operand
-  being the bias and, with returns_dbias, the last result its gradient. Without a bias its placeholder (and its zero
-  gradient) stays as it is: unbatched, one element."""
+  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last two
+  operands being the bias and the dropout operand and, with returns_dbias, the last result the bias's gradient.
+  Without a bias its placeholder (and its zero gradient) stays as it is: unbatched, one element. The dropout operand
+  stays one per call: example n of batch entry b becomes batch entry b * N + n of the folded call, so it gets that
+  entry's part of the one key's mask."""
+  *args, dropout = args
+  *dims, dropout_dim = dims
+  if dropout_dim is not None:
+    raise ValueError("fused_attn under vmap: dropout_rng must be one key for the whole vmapped call (each example "
+                     "gets its own part of its mask), not mapped")
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   has_bias = params["config"].has_bias
   if has_bias:
@@ -128,7 +148,7 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
     operands = _fold_into_batch([*args[:-1], bias], dims, size)
   else:
     operands = [*_fold_into_batch(args[:-1], dims[:-1], size), args[-1]]
-  outs = prim.bind(*operands, **params)
+  outs = prim.bind(*operands, dropout, **params)
   batched = len(outs) - (returns_dbias and not has_bias)
   outs = [o.reshape((o.shape[0] // size, size) + o.shape[1:]) if i < batched else o for i, o in enumerate(outs)]
   if returns_dbias and has_bias and expanded:  # the bias was broadcast over the batch: its gradient sums over it

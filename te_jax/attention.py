@@ -14,6 +14,7 @@ from te_jax import _primitives
 from te_jax import context_parallel as _context_parallel
 from te_jax import sharding as _sharding
 from te_jax.attention_config import DTYPE_CODES, AttentionConfig
+from te_jax.dropout import check_rate, drop_threshold, key_words
 from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient, sink_operand
@@ -28,7 +29,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                alibi_slopes=None, return_lse: bool = False, deterministic: bool = False, engine: str | None = None,
                context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
                context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
-               q_positions=None, kv_positions=None, sink_logits=None, bias=None):
+               q_positions=None, kv_positions=None, sink_logits=None, bias=None, dropout_rate: float = 0.0,
+               dropout_rng=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -70,6 +72,15 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       dim full or 1 ([1, H, Sq, Skv] relative positions, [B, 1, 1, Skv] a 0/-inf key mask, ...): the logits become
       softcap(scale * q.k) + alibi + bias, before the mask. A row whose every visible logit is -inf gives out = 0,
       lse = -inf. It gets a gradient (summed over its broadcast dims, in its dtype). CPU backend only so far.
+    dropout_rate: attention dropout, a Python float in [0, 1): each probability (after the softmax, so lse is
+      unchanged) is kept with probability 1 - dropout_rate and scaled by 1 / (1 - dropout_rate) before P.V; the
+      backward applies the same keep-mask. 0 (default): no dropout, dropout_rng is ignored. CPU backend only so far.
+    dropout_rng: the JAX PRNG key that defines the keep-mask (jax.random.key, or a raw uint32[2] jax.random.PRNGKey);
+      required when dropout_rate > 0. Element (b, h, i, j) of the [B, H, Sq, Skv] probabilities is kept as
+      te_jax.dropout_keep_mask(dropout_rng, (B, H, Sq, Skv), dropout_rate) says, however the call is sharded over the
+      batch and heads (context parallelism refuses dropout). Under vmap over N examples the mapped axis joins the
+      batch: example n's batch entry b uses mask entry b * N + n, so each example gets its own mask from one key
+      (which must not be mapped).
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
@@ -86,6 +97,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   for flag, name in ((return_lse, "return_lse"), (deterministic, "deterministic")):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
+  threshold, dropout = _dropout_operand(dropout_rate, dropout_rng)
   tokens, has_ids, has_positions = _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask,
                                                    batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
@@ -93,14 +105,15 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
                            engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None,
-                           has_segment_ids=has_ids, has_positions=has_positions, has_bias=bias is not None)
+                           has_segment_ids=has_ids, has_positions=has_positions, has_bias=bias is not None,
+                           dropout_threshold=threshold)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias_operand = _bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias_operand, sinks)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias_operand, dropout, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -109,27 +122,28 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # segment-id and position operands (zeros when absent); like the lengths, they get no gradient. `sinks` is None or the
 # float32 [H] sink logits, applied to the kernels' out and lse (te_jax/sinks.py); the backward then runs the kernels
 # on the sink softmax's out and lse. `bias` is the bias operand (the placeholder of _primitives.no_bias when absent),
-# whose gradient the backward kernel returns.
+# whose gradient the backward kernel returns. `dropout` is the dropout operand (key and offsets; te_jax/_primitives.py),
+# which gets no gradient.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks):
-  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias)
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
+  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout)
   return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
-def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks):
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks)
-  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks)
+def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
-  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, sinks = residuals
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks = residuals
   dout, dlse = cotangents
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
-                                         tokens, bias)
+                                         tokens, bias, dropout)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
-  return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, dsinks
+  return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -260,6 +274,16 @@ def _bias_operand(bias, full_shape: tuple[int, int, int, int]):
   if np.dtype(bias.dtype) not in DTYPE_CODES:
     raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
   return jnp.asarray(bias)
+
+
+def _dropout_operand(rate, rng) -> tuple[int, Any]:
+  """The drop threshold (0: no dropout) and the dropout operand (te_jax/_primitives.py) of an unsharded call."""
+  rate = check_rate(rate)
+  if rate == 0.0:
+    return 0, _primitives.no_dropout()
+  if rng is None:
+    raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key (jax.random.key or jax.random.PRNGKey)")
+  return int(drop_threshold(rate)), _primitives.dropout_operand(key_words(rng))
 
 
 def _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask: MaskType, batch: int,

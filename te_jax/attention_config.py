@@ -31,6 +31,9 @@ class AttentionConfig:
   has_positions: bool = False
   # Additive logit bias (issue 12): whether the bias operand holds one (else a float32 [1, 1, 1, 1] placeholder).
   has_bias: bool = False
+  # Attention dropout (issue 12): a probability is dropped when its Philox word is below this (te_jax/dropout.py:
+  # drop_threshold); 0: no dropout, the dropout operand is a placeholder.
+  dropout_threshold: int = 0
 
   def ffi_attributes(self, engine_code: int) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering
@@ -40,7 +43,7 @@ class AttentionConfig:
                 softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
                 deterministic=bool(self.deterministic), engine=np.int64(engine_code),
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
-                has_bias=bool(self.has_bias))
+                has_bias=bool(self.has_bias), dropout_threshold=np.int64(self.dropout_threshold))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
                   bias_dtype=np.float32) -> dict:
@@ -55,4 +58,5 @@ class AttentionConfig:
                 deterministic=bool(self.deterministic), engine=int(engine_code),
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
                 has_bias=bool(self.has_bias), bias_dtype=DTYPE_CODES[np.dtype(bias_dtype)],
-                bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1))
+                bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1),
+                dropout_threshold=int(self.dropout_threshold))

@@ -70,6 +70,9 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if config.has_bias:
     raise ValueError(f"{where}: bias is not supported with context parallelism yet; shard the batch or the heads "
                      "instead, or pass no bias")
+  if config.dropout_threshold:
+    raise ValueError(f"{where}: dropout_rate > 0 is not supported with context parallelism yet; shard the batch or "
+                     "the heads instead, or pass dropout_rate=0")
   if config.has_segment_ids or config.has_positions:
     raise NotImplementedError(
         f"{where}: segment ids and positions (packed sequences) are not supported with context parallelism yet; "
@@ -138,7 +141,7 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
 def _block_forward(config, kind, q, k, v, blk: _Block, alibi):
   full, causal = _kernel_configs(config)
   out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_tokens(q, k),
-                                                  _primitives.no_bias(),
+                                                  _primitives.no_bias(), _primitives.no_dropout(),
                                                   config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
@@ -151,12 +154,14 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
     lse = lse - blk.lse_shift
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
                                                         *_no_tokens(q, k), _primitives.no_bias(),
+                                                        _primitives.no_dropout(),
                                                         config=full if kind == "full" else causal)
   return dq, dk, dv
 
 
 def _no_tokens(q, k):
-  """Blocks run without segment ids, positions and bias (check_supported refuses them with context parallelism)."""
+  """Blocks run without segment ids, positions, bias and dropout (check_supported refuses them with context
+  parallelism)."""
   return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
 
 
@@ -290,11 +295,11 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
   return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
 
 
-def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens_and_bias,
+def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
-  so its softmax is exact)."""
-  no_dbias = jnp.zeros_like(tokens_and_bias[-1])
+  so its softmax is exact). `placeholders`: the tokens, bias and dropout operands, unused."""
+  no_dbias = jnp.zeros_like(placeholders[-2])
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)

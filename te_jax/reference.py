@@ -86,14 +86,17 @@ def _visible_sum(weights, values, visible, over: str):
 
 def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seqlens=None, window_size=(-1, -1),
                         scale=None, softcap=0.0, alibi_slopes=None, dout=None, dlse=None, q_segment_ids=None,
-                        kv_segment_ids=None, q_positions=None, kv_positions=None, bias=None):
+                        kv_segment_ids=None, q_positions=None, kv_positions=None, bias=None,
+                        keep_mask=None, dropout_rate=0.0):
   """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv and, with a bias, dbias (its
   shape, summed over its broadcast dims; all float64).
 
   IEEE arithmetic over each row's visible keys: a NaN or inf in the row's q, in a visible key's k or v, or in a slope
   reaches that row's results as the formula carries it; keys a row does not see never affect it; a row with no visible
   key gives out = 0, lse = -inf and zero gradients. bias ([B or 1, H or 1, Sq or 1, Skv or 1]) is added to the logits
-  after ALiBi; a row whose visible logits are then all -inf counts as a row with no visible key."""
+  after ALiBi; a row whose visible logits are then all -inf counts as a row with no visible key. keep_mask (bool
+  [B, H, Sq, Skv], e.g. te_jax.dropout_keep_mask) applies attention dropout: out and dv use the probabilities times
+  keep_mask / (1 - dropout_rate); lse is unchanged."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv, num_kv_heads = k.shape[1], k.shape[2]
@@ -123,16 +126,19 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
     total = e.sum(axis=-1, keepdims=True)
     probs = np.where(visible, e / np.where(any_visible, total, 1.0), 0.0)
     lse = np.where(any_visible, np.log(total) + shift, -np.inf)[..., 0]
-    out = _visible_sum(probs, ve, visible, "keys")
+    # 1 without dropout, else keep / (1 - rate): what P.V multiplies each probability by.
+    keep_scale = 1.0 if keep_mask is None else np.asarray(keep_mask, np.float64) / (1.0 - dropout_rate)
+    dropped = probs * keep_scale
+    out = _visible_sum(dropped, ve, visible, "keys")
     result = dict(out=out, lse=lse)
     if dout is None:
       return result
     dout = np.asarray(dout, np.float64)
     dlse = np.zeros_like(lse) if dlse is None else np.where(any_visible[..., 0], np.asarray(dlse, np.float64), 0.0)
-    dve = _visible_sum(probs, dout, visible, "queries")
+    dve = _visible_sum(dropped, dout, visible, "queries")
     dprobs = np.einsum("bihd,bjhd->bhij", dout, ve)  # used at visible pairs only (below)
     delta = np.einsum("bihd,bihd->bhi", dout, out)
-    dlogits = np.where(visible, probs * (dprobs - delta[..., None] + dlse[..., None]), 0.0)
+    dlogits = np.where(visible, probs * (keep_scale * dprobs - delta[..., None] + dlse[..., None]), 0.0)
     draw = dlogits * dsdraw
     dq = _visible_sum(draw, ke, visible, "keys")
     dke = _visible_sum(draw, q, visible, "queries")

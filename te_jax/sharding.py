@@ -54,13 +54,17 @@ sharded_backward_p.multiple_results = True
 # sequence they belong to: with their batch, and over the context-parallel axis with it (where they are placeholders).
 # `bias` [B or 1, H or 1, Sq or 1, Skv or 1] shards with the batch and the heads along the dims where it is full; its
 # gradient is summed over the shards of the dims where it broadcasts (context parallelism refuses a bias).
-def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias):
-  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, bias, config=config, cp=cp))
+# `dropout` (key and offsets, te_jax/_primitives.py) is replicated; each batch or head shard adds its global offsets, so
+# a sharded call drops exactly what the unsharded call drops (context parallelism refuses dropout).
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, bias, dropout, config=config,
+                                      cp=cp))
 
 
-def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens, bias):
+def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens, bias,
+             dropout):
   return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, bias,
-                                       config=config, cp=cp))
+                                       dropout, config=config, cp=cp))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -84,7 +88,7 @@ class _Plan:
 
   def __init__(self, config, cp, mesh, arg_shapes, emit_warnings: bool):
     q, k, v = arg_shapes[:3]
-    self.bias_shape = arg_shapes[-1].shape
+    self.bias_shape = arg_shapes[-2].shape
     self.mesh = mesh
     self.notes: list[str] = []
     batch, seqlen_q, num_heads, _ = q.shape
@@ -165,7 +169,7 @@ class _Plan:
   def forward_shardings(self):
     b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
     args = (self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, s, kv, ()), self.named(b),
-            self.named(b), self.named(b, h)) + self.token_shardings() + (self.bias_sharding(),)
+            self.named(b), self.named(b, h)) + self.token_shardings() + (self.bias_sharding(), self.named())
     results = (self.named(b, s, h, ()), self.named(b, h, s))
     return args, results
 
@@ -173,7 +177,7 @@ class _Plan:
     b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
     qs, kvs, lses = self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, h, s)
     args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
-    return args + (self.bias_sharding(),), (qs, kvs, kvs, self.bias_sharding())
+    return args + (self.bias_sharding(), self.named()), (qs, kvs, kvs, self.bias_sharding())
 
   def token_shardings(self):
     """q_segment_ids, kv_segment_ids, q_positions, kv_positions: [B, S] like their sequence."""
@@ -190,6 +194,15 @@ class _Plan:
     batch, heads = self.bias_shape[:2]
     return (self.b_axes if batch == 1 else ()) + (self.h_axes if heads == 1 else ())
 
+  def with_shard_offsets(self, q, dropout):
+    """This device's dropout operand: the global batch and head of its first q entry added to the call's offsets.
+    q is the local shard; the batch and heads are split into contiguous blocks, in the order of axis_index."""
+    def first(axes, local_extent):
+      return jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(local_extent) if axes else jnp.uint32(0)
+    shift = jnp.stack([jnp.uint32(0), jnp.uint32(0), first(self.b_axes, q.shape[0]), first(self.h_axes, q.shape[2]),
+                       jnp.uint32(0), jnp.uint32(0)])
+    return dropout + shift
+
 
 def _mesh_ok(mesh, arg_shapes) -> bool:
   return (mesh is not None and not mesh.empty and
@@ -203,15 +216,16 @@ def _is_shape(x):
 # --------------------------------------------------------------------------------------------------------------------
 # custom_partitioning of the forward.
 
-def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias, config, cp):
+def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias, dropout, config,
+                           cp):
   return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias,
-                                     config=config, cp=cp)
+                                     dropout, config=config, cp=cp)
 
 
 def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
-                            bias, config, cp):
+                            bias, dropout, config, cp):
   return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids,
-                                      q_pos, kv_pos, bias, config=config, cp=cp)
+                                      q_pos, kv_pos, bias, dropout, config=config, cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -231,8 +245,10 @@ def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
   plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=True)
   args, results = plan.forward_shardings()
   if cp is None:
-    def lower(*operands):
-      return tuple(_primitives.attention_forward_p.bind(*operands, config=config))
+    def lower(q, *operands):
+      *operands, dropout = operands
+      return tuple(_primitives.attention_forward_p.bind(q, *operands, plan.with_shard_offsets(q, dropout),
+                                                        config=config))
   else:
     lower = partial(cpmod.local_forward, config=config, cp=cp)
   return mesh, lower, results, args
@@ -251,7 +267,9 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
 
   def lower(q, k, v, *operands):
     if cp is None:
-      dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, *operands, config=config)
+      *operands, dropout = operands
+      dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, *operands, plan.with_shard_offsets(q, dropout),
+                                                                config=config)
     else:
       dq, dk, dv, dbias = cpmod.local_backward(q, k, v, *operands, config=config, cp=cp)
     if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
@@ -273,7 +291,7 @@ def _infer_forward(config, cp, mesh, arg_shapes, result_shape):
 
 def _infer_backward(config, cp, mesh, arg_shapes, result_shape):
   if not _mesh_ok(mesh, arg_shapes):
-    return jax.tree.map(lambda a: a.sharding, (*arg_shapes[:3], arg_shapes[-1]), is_leaf=_is_shape)
+    return jax.tree.map(lambda a: a.sharding, (*arg_shapes[:3], arg_shapes[-2]), is_leaf=_is_shape)
   return _Plan(config, cp, mesh, arg_shapes, emit_warnings=False).backward_shardings()[1]
 
 
@@ -300,7 +318,7 @@ def _token_rule(s: str, skv: str) -> str:
 def _bias_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str, ...]]:
   """The bias's factors: the call's own where a dim is full, a size-1 factor of its own where it broadcasts (listed
   second: they need replication)."""
-  bias_shape = _shapes(value_types[-1:])[0]
+  bias_shape = _shapes(value_types[-2:-1])[0]
   factors = [name if extent != 1 else f"bias{axis}" for axis, (name, extent) in enumerate(zip(("b", h, s, skv),
                                                                                              bias_shape))]
   return " ".join(factors), tuple(f for f in factors if f.startswith("bias"))
@@ -312,26 +330,26 @@ def _rule_factors(cp, value_types):
   h, sizes = _heads_rule(value_types)
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
   bias, bias_factors = _bias_rule(value_types, h, s, skv)
-  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + bias_factors
+  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + bias_factors + ("rng",)
   return h, s, skv, bias, dict(need_replication_factors=need, **sizes)
 
 
 def _forward_rule(config, cp, mesh, value_types, result_types):
   h, s, skv, bias, options = _rule_factors(cp, value_types)
-  return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b, b, b {h}, {_token_rule(s, skv)}, {bias} -> b {s} {h} dv, "
-          f"b {h} {s}"), options
+  return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b, b, b {h}, {_token_rule(s, skv)}, {bias}, rng -> b {s} {h} "
+          f"dv, b {h} {s}"), options
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
   h, s, skv, bias, options = _rule_factors(cp, value_types)
   return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
-          f"{_token_rule(s, skv)}, {bias} -> b {s} {h} d, b {skv} hk d, b {skv} hk dv, {bias}"), options
+          f"{_token_rule(s, skv)}, {bias}, rng -> b {s} {h} d, b {skv} hk d, b {skv} hk dv, {bias}"), options
 
 
-_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(11, 12))
+_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(12, 13))
 _partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
                                    sharding_rule=_forward_rule)
-_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(15, 16))
+_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(16, 17))
 _partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
                                     sharding_rule=_backward_rule)
 

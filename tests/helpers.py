@@ -151,9 +151,10 @@ def attn_kwargs(case: Case, inputs: Inputs) -> dict:
   return kw
 
 
-def forward_and_vjp_fn(case: Case, inputs: Inputs):
-  """A function (q, k, v, dout, dlse) -> (out, lse or None, dq, dk, dv) computing fused_attn and its VJP."""
-  kw = attn_kwargs(case, inputs)
+def forward_and_vjp_fn(case: Case, inputs: Inputs, **extra):
+  """A function (q, k, v, dout, dlse) -> (out, lse or None, dq, dk, dv) computing fused_attn and its VJP; `extra`:
+  more fused_attn arguments (dropout_rate, ...)."""
+  kw = dict(attn_kwargs(case, inputs), **extra)
 
   def fn(q, k, v, dout, dlse):
     primal, vjp = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, **kw), q, k, v)
@@ -168,9 +169,9 @@ def forward_and_vjp_fn(case: Case, inputs: Inputs):
   return fn
 
 
-def run_on_path(case: Case, inputs: Inputs, path: str) -> dict:
+def run_on_path(case: Case, inputs: Inputs, path: str, **extra) -> dict:
   """Jits forward + VJP under `path`, checks the HLO really calls that path's targets, returns numpy results."""
-  fn = jax.jit(forward_and_vjp_fn(case, inputs))
+  fn = jax.jit(forward_and_vjp_fn(case, inputs, **extra))
   args = (inputs.q, inputs.k, inputs.v, inputs.dout, inputs.dlse)
   with te_jax.custom_call_path(path):
     lowered = fn.lower(*args)
@@ -184,11 +185,13 @@ def run_on_path(case: Case, inputs: Inputs, path: str) -> dict:
   return {n: (None if x is None else np.asarray(x)) for n, x in zip(names, outs)}
 
 
-def reference(case: Case, inputs: Inputs) -> dict:
+def reference(case: Case, inputs: Inputs, **extra) -> dict:
+  """`extra`: more attention_reference arguments (keep_mask, dropout_rate, ...)."""
   return attention_reference(inputs.q, inputs.k, inputs.v, mask_type=case.mask, q_seqlens=inputs.q_seqlens,
                              kv_seqlens=inputs.kv_seqlens, window_size=case.window, scale=case.scale,
                              softcap=case.softcap, alibi_slopes=inputs.alibi, dout=inputs.dout,
-                             dlse=inputs.dlse if case.return_lse and case.with_dlse else None, **(inputs.tokens or {}))
+                             dlse=inputs.dlse if case.return_lse and case.with_dlse else None, **(inputs.tokens or {}),
+                             **extra)
 
 
 def visibility(case: Case, inputs: Inputs) -> np.ndarray:

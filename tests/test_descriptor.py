@@ -1,9 +1,10 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (5) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
+Wire format, little-endian: u32 magic "TEJD" | u16 version (6) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
 u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
-bit 2: has_positions, bit 3: has_bias) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 FNV-1a.
+bit 2: has_positions, bit 3: has_bias) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 dropout_threshold |
+u32 FNV-1a.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 # A plain import: a core extension that fails to import must fail the run, not skip these tests.
 from te_jax import _te_jax_cpu as te_jax_cpu
 
-FORMAT = "<4sHH9q2f7BI"
+FORMAT = "<4sHH9q2f7BII"
 SIZE = struct.calcsize(FORMAT)
 I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "window_left",
               "window_right")
@@ -24,7 +25,7 @@ I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "he
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
               deterministic=True, engine=0, has_segment_ids=False, has_positions=False, has_bias=True, bias_dtype=2,
-              bias_broadcast=0b0101)
+              bias_broadcast=0b0101, dropout_threshold=0x9ABCDEF0)
 
 
 def fnv1a(data: bytes) -> int:
@@ -35,7 +36,7 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=5, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=6, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
@@ -44,7 +45,7 @@ def craft(version=5, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes
              int(p["has_bias"]) << 3)
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
                      p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"], p["bias_dtype"],
-                     p["bias_broadcast"])
+                     p["bias_broadcast"], p["dropout_threshold"])
   return body + struct.pack("<I", fnv1a(body))
 
 
@@ -54,14 +55,15 @@ def packed() -> bytes:
 
 
 def test_size_and_layout(packed):
-  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 99
+  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 103
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 5 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 6 and fields[2] == SIZE
   assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
   assert fields[14:21] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8, PARAMS["engine"], PARAMS["bias_dtype"],
                            PARAMS["bias_broadcast"])
-  assert fields[21] == fnv1a(packed[:-4])
+  assert fields[21] == PARAMS["dropout_threshold"]
+  assert fields[22] == fnv1a(packed[:-4])
   # The Python encoder here agrees with the C++ one byte for byte.
   assert craft() == packed
 
@@ -161,7 +163,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 5, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 6, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -191,10 +193,10 @@ def test_fuzz_random_fields_with_valid_checksum():
 
 
 # 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
-# engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias.
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 0xFFFF])
+# engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias; 5: before dropout.
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 5"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 6"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 
@@ -220,6 +222,13 @@ def test_bias_is_flags_bit_3_then_its_dtype_and_broadcast_bytes(has_bias, dtype,
   assert (fields[17] >> 3, fields[19], fields[20]) == (int(has_bias), dtype, broadcast)
   back = te_jax_cpu.unpack_descriptor(data)
   assert (back["has_bias"], back["bias_dtype"], back["bias_broadcast"]) == (has_bias, dtype, broadcast)
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2**31, 2**32 - 1])
+def test_dropout_threshold_is_a_u32_after_the_bias_bytes(threshold):
+  data = te_jax_cpu.pack_descriptor(dict(PARAMS, dropout_threshold=threshold))
+  assert struct.unpack(FORMAT, data)[21] == threshold
+  assert te_jax_cpu.unpack_descriptor(data)["dropout_threshold"] == threshold
 
 
 @pytest.mark.parametrize("field,value", [("bias_dtype", 3), ("bias_broadcast", 16), ("bias_broadcast", 255)])
@@ -267,7 +276,11 @@ def test_validate_refuses_bad_values(overrides, match):
 
 def test_validate_accepts_and_backend_rules():
   te_jax_cpu.validate(PARAMS, 0)
-  te_jax_cpu.validate(dict(PARAMS, has_bias=False, bias_dtype=0, bias_broadcast=15), 1)  # bf16 on CUDA is fine
+  no_bias = dict(PARAMS, has_bias=False, bias_dtype=0, bias_broadcast=15)
+  te_jax_cpu.validate(dict(no_bias, dropout_threshold=0), 1)  # bf16 on CUDA is fine
+  for engine in (0, 1):  # CUDA refuses dropout (both engines)
+    with pytest.raises(ValueError, match="dropout_rate > 0 runs on the CPU backend only so far"):
+      te_jax_cpu.validate(dict(no_bias, engine=engine), 1)
   with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
     te_jax_cpu.validate(PARAMS, 1)  # CUDA refuses a bias (both engines)
   with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
@@ -328,8 +341,9 @@ def _bad_descriptor_call(descriptor: bytes):
   lens = jnp.array([4], jnp.int32)
   tokens = (jnp.zeros((1, 4), jnp.int32),) * 4  # q/kv segment ids and positions, unread (flags 0)
   bias = jnp.zeros((1, 1, 1, 1), jnp.float32)  # the no-bias placeholder
+  dropout = jnp.zeros((6,), jnp.uint32)  # the no-dropout placeholder
   return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2)), *tokens,
-                                                              bias))(q, k))
+                                                              bias, dropout))(q, k))
 
 
 MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, dtype=0,

@@ -245,6 +245,22 @@ def test_bias_shards_with_batch_and_heads(bias_shape, bias_spec, all_reduce):
     np.testing.assert_allclose(got, want, err_msg=name, **TOL)
 
 
+@in_process
+@pytest.mark.parametrize("spec", [P(("dp", "cp"), None, "tp"), P("tp", None, ("dp", "cp")), P(None, None, "dp")],
+                         ids=["batch4_heads2", "batch2_heads4", "heads2"])
+def test_dropout_shards_give_the_unsharded_mask(spec):
+  """Each batch/head shard adds its global offsets to the dropout operand: the sharded call drops exactly what the
+  unsharded call drops (out bitwise; gradients to float32 rounding), with no collective."""
+  q, k, v, dout = inputs(batch=8, seqlen=32, kv_heads=4)
+  kwargs = dict(mask_type="causal", dropout_rate=0.4, dropout_rng=jax.random.key(3))
+  results, hlo = run_sharded(make_mesh((2, 2, 2)), spec, q, k, v, dout, **kwargs)
+  assert collectives(hlo) == set(), collectives(hlo)
+  expected = check_against_unsharded(results, q, k, v, dout, **kwargs)
+  np.testing.assert_array_equal(results[0], expected[0])
+  mask = te_jax.dropout_keep_mask(kwargs["dropout_rng"], (8, 4, 32, 32), 0.4)
+  check_against_reference(results, q, k, v, dout, mask_type="causal", keep_mask=mask, dropout_rate=0.4)
+
+
 def run_forward(mesh, spec, kv_spec, q, k, v, **kwargs):
   shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec))
@@ -439,6 +455,8 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
      "segment ids and positions"),
     (dict(mask_type="causal", bias=np.zeros((1, 1, 1, 32), np.float32)), ValueError,
      "bias is not supported with context parallelism"),
+    (dict(mask_type="causal", dropout_rate=0.1, dropout_rng=jax.random.key(0)), ValueError,
+     "dropout_rate > 0 is not supported with context parallelism"),
 ])
 def test_context_parallel_refusals(kwargs, error, match):
   kwargs = dict(kwargs)

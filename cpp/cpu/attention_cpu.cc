@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpp/cpu/bias_tile.h"
+#include "cpp/cpu/dropout_tile.h"
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/online_softmax.h"
 #include "cpp/cpu/simd_f32x8.h"
@@ -233,6 +234,7 @@ struct ForwardArgs {
   TokenOperands tokens;
   const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
   BiasOperand bias;
+  DropoutOperand dropout;
 };
 
 struct ForwardScratch {
@@ -299,6 +301,8 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
       s.ranges.MarkAllSeen(rows);
     }
     s.softmax.Update(scores, kTileQ, keys, lanes, s.rescale);
+    // After the softmax's sums (lse sees every probability), before P.V.
+    if (args.dropout.active()) ApplyDropout(args.dropout, b, h, first_row, rows, key0, keys, kTileQ, scores);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < dv; ++j) s.out[r * dv + j] *= s.rescale[r];
     }
@@ -374,6 +378,7 @@ struct BackwardArgs {
   TokenOperands tokens;
   const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
   BiasOperand bias;
+  DropoutOperand dropout;
   T* dq;
   T* dk;
   T* dv;
@@ -449,6 +454,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
            Accumulate::kNo);
   // With a bias, dS is first taken in logit units for dbias, then scaled to the dot's.
   const bool linear_scale_later = kIsLinear<Variant> && args.bias.active();
+  if (args.dropout.active()) ApplyDropout(args.dropout, b, h, first_row, rows, key0, keys, kTileQ, dscores);
   SoftmaxGradient(probs, s.delta, kIsLinear<Variant> && !linear_scale_later ? p.scale : 1.0f, kTileQ, keys, lanes,
                   dscores);
   if (args.bias.active()) {
@@ -465,6 +471,8 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
     }
   }
 
+  // dV takes the probabilities P.V took: dropped and scaled.
+  if (args.dropout.active()) ApplyDropout(args.dropout, b, h, first_row, rows, key0, keys, kTileQ, probs);
   TileGemm(keys, dv, rows, {probs, kTileQ, 1}, dout_rows, {s.dv.data(), dv}, Accumulate::kYes);
   TileGemm(keys, d, rows, {dscores, kTileQ, 1}, q_rows, {s.dk.data(), d}, Accumulate::kYes);
   float* dq = dq_part + ((b * p.seqlen_q + first_row) * p.num_heads + h) * d;
@@ -652,7 +660,8 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
                               buffers.alibi_slopes,
                               tokens,
                               kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
-                              MakeBiasOperand(params, buffers.bias)};
+                              MakeBiasOperand(params, buffers.bias),
+                              MakeDropoutOperand(params, buffers.dropout)};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Forward<T, decltype(variant_tag)>(params, args, scheduler);
     });
@@ -681,6 +690,7 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
                                tokens,
                                kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
                                MakeBiasOperand(params, buffers.bias),
+                               MakeDropoutOperand(params, buffers.dropout),
                                static_cast<T*>(buffers.dq),
                                static_cast<T*>(buffers.dk),
                                static_cast<T*>(buffers.dv),
