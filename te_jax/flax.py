@@ -113,17 +113,17 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     likewise, nonzero = keep (Flax's), ANDed with is_causal and the options' mask; a PackedSequences (segment ids of
     packed documents); or anything when made with ignore_mask=True (then dropped). Both become fused_attn's additive
     bias (the mask as -inf where masked out): prefer is_causal (NNX) or make_attention_fn(mask_type="causal") to a
-    causal mask. A query row that keeps no key gives 0, where Flax gives the mean of value. dropout_rate > 0 with deterministic=False is refused
-    (te_jax has no attention dropout yet); with deterministic=True it does nothing, as in Flax. module (sow_weights)
-    is refused: the fused kernel never forms the attention weights. precision and force_fp32_for_softmax are
+    causal mask. A query row that keeps no key gives 0, where Flax gives the mean of value. dropout_rate > 0 with
+    deterministic=False is fused_attn's dropout keyed by dropout_rng (CPU backend so far), which draws an independent
+    mask per batch entry and head (te_jax.dropout_keep_mask): it needs broadcast_dropout=False (Flax's default, True,
+    shares one mask across them, which te_jax does not draw, so it is refused); with deterministic=True dropout does
+    nothing, as in Flax. module (sow_weights) is refused: the fused kernel never forms the attention weights. precision and force_fp32_for_softmax are
     accepted and have nothing to change: te_jax's kernels accumulate and take the softmax in float32.
     """
     packed = mask if isinstance(mask, PackedSequences) else None
     if packed is not None or ignore_mask:
       mask = None
-    if dropout_rate and not deterministic:
-      raise ValueError(f"te_jax attention_fn: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
-                       f"is not in te_jax yet; set the module's dropout_rate=0.0, or run it deterministic")
+    dropout = _dropout_options(dropout_rate, dropout_rng, deterministic, broadcast_dropout)
     if module is not None:
       raise ValueError("te_jax attention_fn: sow_weights needs the attention weights, which te_jax's fused kernel "
                        "never forms; use Flax's default attention_fn to inspect them")
@@ -131,7 +131,7 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
                      ("attn_weights_value_einsum", attn_weights_value_einsum)):
       if fn is not None:
         raise ValueError(f"te_jax attention_fn: {name} must be None: te_jax's kernels do their own matmuls")
-    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax  # nothing to do (docstring)
+    del precision, force_fp32_for_softmax  # nothing to do (docstring)
 
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
@@ -153,10 +153,23 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     logit_shape = (batch, query.shape[2], query.shape[1], key.shape[1])
     bias = attention_bias(_batch_flattened(bias, batch_dims), _batch_flattened(_as_bool(mask), batch_dims),
                           logit_shape, dtype)
-    out = fused_attn(query, key, value, mask_type=mask_used, bias=bias, **tokens, **te_jax_options)
+    out = fused_attn(query, key, value, mask_type=mask_used, bias=bias, **tokens, **dropout, **te_jax_options)
     return out.reshape(batch_dims + out.shape[1:])
 
   return attention_fn
+
+
+def _dropout_options(dropout_rate, dropout_rng, deterministic: bool, broadcast_dropout: bool) -> dict:
+  """fused_attn's dropout arguments for Flax's: none when Flax applies no dropout (rate 0 or deterministic)."""
+  if not dropout_rate or deterministic:
+    return {}
+  if broadcast_dropout:
+    raise ValueError("te_jax attention_fn: broadcast_dropout=True (Flax's default) shares one dropout mask across the "
+                     "batch and heads, and te_jax draws an independent one per batch entry and head; set the "
+                     "module's broadcast_dropout=False")
+  if dropout_rng is None:
+    raise ValueError(f"te_jax attention_fn: dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng")
+  return dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
 
 
 def _as_bool(mask):

@@ -237,8 +237,30 @@ def test_nnx_dropout_deterministic_is_the_default_attention():
   te = nnx.MultiHeadAttention(**kw, attention_fn=te_jax.flax.attention_fn, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(te(x, is_causal=True, deterministic=True), ref(x, is_causal=True, deterministic=True),
                              rtol=1e-5, atol=1e-6)
-  with pytest.raises(ValueError, match="attention dropout"):
+  with pytest.raises(ValueError, match="set the module's broadcast_dropout=False"):
     te(x, is_causal=True, deterministic=False)
+
+
+def test_dropout_is_fused_attn_dropout_with_the_flax_key():
+  """Flax's dropout_rng and dropout_rate become fused_attn's: the same keep-mask (te_jax.dropout_keep_mask), so the
+  result equals the float64 reference with that mask; an NNX module applies it while training, with gradients."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 11, HEADS, 8)), jnp.float32) for _ in range(3))
+  key = jax.random.key(9)
+  got = te_jax.flax.attention_fn(q, k, v, dropout_rate=0.25, dropout_rng=key, broadcast_dropout=False)
+  keep = np.asarray(te_jax.dropout_keep_mask(key, (2, HEADS, 11, 11), 0.25))
+  s = np.einsum("bihd,bjhd->bhij", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(8)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p = p / p.sum(-1, keepdims=True) * keep / 0.75
+  np.testing.assert_allclose(np.asarray(got), np.einsum("bhij,bjhd->bihd", p, np.asarray(v, np.float64)),
+                             rtol=1e-5, atol=1e-6)
+  mha = nnx.MultiHeadAttention(num_heads=HEADS, in_features=EMBED, decode=False, dropout_rate=0.1,
+                               broadcast_dropout=False, attention_fn=te_jax.flax.attention_fn, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 9, EMBED))
+  train, evaluation = mha(x, deterministic=False), mha(x, deterministic=True)
+  assert np.isfinite(np.asarray(train)).all() and not np.allclose(np.asarray(train), np.asarray(evaluation))
+  grads = nnx.grad(lambda m: jnp.sum(m(x, deterministic=False) ** 2))(mha)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
 @pytest.mark.parametrize("batch_dims", ((), (3,), (2, 3)), ids=("none", "one", "two"))
@@ -261,8 +283,10 @@ def test_refused_with_a_message():
   fn = te_jax.flax.attention_fn
   with pytest.raises(ValueError, match=r"broadcastable to \[batch..., heads, q_length, kv_length\]"):
     fn(q, k, v, bias=jnp.zeros((1, 2, HEADS, 9, 9)))
-  with pytest.raises(ValueError, match="attention dropout"):
+  with pytest.raises(ValueError, match="broadcast_dropout=True"):
     fn(q, k, v, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="needs a dropout_rng"):
+    fn(q, k, v, dropout_rate=0.1, deterministic=False, broadcast_dropout=False)
   with pytest.raises(ValueError, match="sow_weights"):
     nnx.MultiHeadAttention(num_heads=HEADS, in_features=EMBED, decode=False, attention_fn=fn,
                            rngs=nnx.Rngs(0))(x, sow_weights=True)
