@@ -56,7 +56,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       (batch and head sharding work without it). See docs/SHARDING.md.
     context_parallel_strategy: "all_gather" (gather K/V, compute the local query rows) or "ring" (K/V blocks passed
       around the axis with collective permutes, results merged by log-sum-exp).
-    context_parallel_load_balanced: q, k, v (and so out, lse) are in te_jax.reorder_for_load_balancing order.
+    context_parallel_load_balanced: q, k, v (and so out, lse; and the segment ids and positions, if any) are in
+      te_jax.reorder_for_load_balancing order.
     q_segment_ids, kv_segment_ids: int32 [B, Sq] / [B, Skv] (packed sequences): a query sees only keys with its own
       id; id 0 is padding (such a query gives out = 0, lse = -inf and zero gradients; such a key is never seen).
       q_segment_ids alone with Sq == Skv: the keys use the same ids. te_jax.segment_ids_from_lengths builds them.

@@ -23,11 +23,15 @@ Strategies:
     (lax.switch), the partial results are merged by log-sum-exp in float32. The backward runs the same ring with the
     final out/lse (so the softmax is exact per block); dK/dV accumulators (float32) travel with their K/V block and
     one last permute returns them to their owners.
+
+Calls with segment ids or positions (CPU backend) take a simpler path, at the end of this file: every token has a
+position, so each block pair is plain attention on the blocks' ids and positions (docs/SHARDING.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +77,9 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if config.dropout_threshold:
     raise ValueError(f"{where}: dropout_rate > 0 is not supported with context parallelism yet; shard the batch or "
                      "the heads instead, or pass dropout_rate=0")
-  if config.has_segment_ids or config.has_positions:
-    raise NotImplementedError(
-        f"{where}: segment ids and positions (packed sequences) are not supported with context parallelism yet; "
-        "shard packed rows over the batch instead")
   mask = config.mask_type
-  has_window = config.window_left >= 0 or config.window_right >= 0
+  # With segment ids or positions every block carries its tokens' positions, and windows need no shifted diagonal.
+  has_window = (config.window_left >= 0 or config.window_right >= 0) and not uses_tokens(config)
   if has_window and not mask.is_causal:
     raise NotImplementedError(
         f"{where}: a sliding window needs a causal mask type (window_size={config.window_left, config.window_right}, "
@@ -160,8 +161,8 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
 
 
 def _no_tokens(q, k):
-  """Blocks run without segment ids, positions, bias and dropout (check_supported refuses them with context
-  parallelism)."""
+  """Blocks of calls without segment ids and positions run without them (and without bias and dropout, which
+  check_supported refuses with context parallelism)."""
   return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
 
 
@@ -173,6 +174,11 @@ def _chunk_ids(cp: ContextParallel, rank):
   if not cp.load_balanced:
     return [rank]
   return [rank, 2 * cp.size - 1 - rank]
+
+
+def _gather_natural(x, cp: ContextParallel):
+  """The whole sequence of a local shard [B, S/N, ...], in natural order (all-gather over the axis)."""
+  return _to_natural(lax.all_gather(x, cp.axis, axis=1, tiled=True), cp)
 
 
 def _split(x, n, axis):
@@ -220,9 +226,10 @@ def _check_axis_size(cp: ContextParallel):
 # The per-shard forward and backward (they run inside shard_map or a custom_partitioning lowering).
 
 def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig, cp: ContextParallel):
-  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `tokens` are the unused
-  placeholders of the segment ids and positions (refused with context parallelism)."""
-  del tokens
+  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `tokens`: the local segment
+  ids and positions (placeholders when the call has none), then the bias and dropout placeholders."""
+  if uses_tokens(config):
+    return _packed_forward(q, k, v, alibi, tokens[:4], config, cp)
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -233,8 +240,7 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: Attent
   bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
   outs, lses = [], []
   if cp.strategy == "all_gather":
-    k_all = _to_natural(lax.all_gather(k, cp.axis, axis=1, tiled=True), cp)
-    v_all = _to_natural(lax.all_gather(v, cp.axis, axis=1, tiled=True), cp)
+    k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
     kind = "causal" if config.mask_type.is_causal else "full"
     for qc, qid in zip(q_chunks, q_ids):
       blk = _geometry(config, kind, qid * chunk, 0, chunk, k_all.shape[1], q_seqlens, kv_seqlens, alibi)
@@ -261,8 +267,7 @@ def _ring_kind(config, qid, kid):
 
 def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk):
   n_local = len(q_chunks)
-  outs = [jnp.zeros(qc.shape[:3] + (v.shape[3],), jnp.float32) for qc in q_chunks]
-  lses = [jnp.full((qc.shape[0], qc.shape[2], qc.shape[1]), -jnp.inf, jnp.float32) for qc in q_chunks]
+  outs, lses = (list(state) for state in zip(*(_empty_state(qc, v, jnp.float32) for qc in q_chunks)))
   k_cur, v_cur = k, v
   for step in range(cp.size):
     if step < cp.size - 1:  # issued first: the next block travels while this one computes
@@ -278,6 +283,12 @@ def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, c
   return outs, lses
 
 
+def _empty_state(q, v, dtype):
+  """The (out, lse) of attention over no key: the neutral element of merge_partial."""
+  return (jnp.zeros(q.shape[:3] + (v.shape[3],), dtype), jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf,
+                                                                   jnp.float32))
+
+
 def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi):
   qo, ko = qid * chunk, kid * chunk
 
@@ -286,8 +297,7 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
     return _block_forward(config, kind, qc, kc, vc, blk, alibi)
 
   def skip():
-    return (jnp.zeros(qc.shape[:3] + (vc.shape[3],), qc.dtype),
-            jnp.full((qc.shape[0], qc.shape[2], qc.shape[1]), -jnp.inf, jnp.float32))
+    return _empty_state(qc, vc, qc.dtype)
 
   index = _ring_kind(config, qid, kid)
   if index is None:
@@ -298,8 +308,10 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
 def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
-  so its softmax is exact). `placeholders`: the tokens, bias and dropout operands, unused."""
+  so its softmax is exact). `placeholders`: the tokens (see local_forward), bias and dropout operands."""
   no_dbias = jnp.zeros_like(placeholders[-2])
+  if uses_tokens(config):
+    return (*_packed_backward(q, k, v, out, lse, dout, dlse, alibi, placeholders[:4], config, cp), no_dbias)
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -310,8 +322,7 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
                    _split(dout, n_local, 1), _split(dlse, n_local, 2), q_ids))
   bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
   if cp.strategy == "all_gather":
-    k_all = _to_natural(lax.all_gather(k, cp.axis, axis=1, tiled=True), cp)
-    v_all = _to_natural(lax.all_gather(v, cp.axis, axis=1, tiled=True), cp)
+    k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
     kind = "causal" if config.mask_type.is_causal else "full"
     dqs, dk_all, dv_all = [], None, None
     for qc, oc, lc, doc, dlc, qid in per_q:
@@ -378,12 +389,125 @@ def _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, 
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Packed sequences: calls with segment ids or positions (CPU backend). Every token carries its position (the given
+# one, or its global index), so the kernel's causal mask, window and ALiBi compare kv_pos with q_pos and a (query
+# block, key block) pair is plain attention on the two blocks with their ids and positions: no geometry, no natural
+# order, no skipping by chunk index (the kernel skips the key tiles no query of the block can see). K/V's ids and
+# positions travel with K/V; q's stay local.
+
+def uses_tokens(config: AttentionConfig) -> bool:
+  return config.has_segment_ids or config.has_positions
+
+
+def _global_indices(cp: ContextParallel, rank, batch: int, local_len: int):
+  """int32 [B, local_len]: the natural sequence index of each token shard `rank` (traced) holds, in local order."""
+  chunks = _chunk_ids(cp, rank)
+  chunk = local_len // len(chunks)
+  index = jnp.concatenate([c * chunk + jnp.arange(chunk, dtype=jnp.int32) for c in chunks])
+  return jnp.broadcast_to(index, (batch, local_len))
+
+
+def _token_sides(config, cp, tokens):
+  """((q ids, q positions), (kv ids, kv positions)) of this shard; global indices where the call has no positions,
+  so that causal masks, windows and ALiBi stay right across blocks."""
+  q_ids, kv_ids, q_pos, kv_pos = tokens
+  if not config.has_positions:
+    rank = lax.axis_index(cp.axis)
+    q_pos, kv_pos = _global_indices(cp, rank, *q_ids.shape), _global_indices(cp, rank, *kv_ids.shape)
+  return (q_ids, q_pos), (kv_ids, kv_pos)
+
+
+def _packed_config(config):
+  return dataclasses.replace(config, has_positions=True)
+
+
+def _packed_operands(q, k, alibi, q_side, kv_side):
+  """The lengths (the whole blocks: ids and positions say the rest), alibi, tokens, bias and dropout of one block."""
+  batch = q.shape[0]
+  return (jnp.full((batch,), q.shape[1], jnp.int32), jnp.full((batch,), k.shape[1], jnp.int32), alibi, q_side[0],
+          kv_side[0], q_side[1], kv_side[1], _primitives.no_bias(), _primitives.no_dropout())
+
+
+def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side):
+  return _primitives.attention_forward_p.bind(q, k, v, *_packed_operands(q, k, alibi, q_side, kv_side),
+                                              config=_packed_config(config))
+
+
+def _packed_block_backward(config, q, out, lse, dout, dlse, alibi, q_side, k, v, kv_side):
+  dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse,
+                                                        *_packed_operands(q, k, alibi, q_side, kv_side),
+                                                        config=_packed_config(config))
+  return dq, dk, dv
+
+
+def _gather_block(block, cp: ContextParallel):
+  """Every array of `block` over the whole sequence, in device order (tiled all-gather)."""
+  return jax.tree.map(lambda x: lax.all_gather(x, cp.axis, axis=1, tiled=True), block)
+
+
+def _ring_pass(block, cp: ContextParallel):
+  """Sends every array of `block` one step along the ring."""
+  return jax.tree.map(lambda x: lax.ppermute(x, cp.axis, _ring_perm(cp)), block)
+
+
+def _packed_forward(q, k, v, alibi, tokens, config, cp):
+  _check_axis_size(cp)
+  q_side, kv_side = _token_sides(config, cp, tokens)
+  attend = functools.partial(_packed_block_forward, config, q, alibi, q_side)
+  if cp.strategy == "all_gather":  # device order is fine: the gathered ids and positions are in the same order
+    out, lse = attend(*_gather_block((k, v, kv_side), cp))
+  else:
+    out, lse = _empty_state(q, v, jnp.float32)
+    block = (k, v, kv_side)
+    for step in range(cp.size):
+      if step < cp.size - 1:  # issued first: the next block travels while this one computes
+        next_block = _ring_pass(block, cp)
+      out, lse = merge_partial(out, lse, *attend(*block))
+      if step < cp.size - 1:
+        block = next_block
+  return out.astype(q.dtype), lse
+
+
+def _packed_backward(q, k, v, out, lse, dout, dlse, alibi, tokens, config, cp):
+  _check_axis_size(cp)
+  q_side, kv_side = _token_sides(config, cp, tokens)
+  grads = functools.partial(_packed_block_backward, config, q, out, lse, dout, dlse, alibi, q_side)
+  if cp.strategy == "all_gather":
+    dq, dk_all, dv_all = grads(*_gather_block((k, v, kv_side), cp))
+    dk, dv = (lax.psum_scatter(x.astype(jnp.float32), cp.axis, scatter_dimension=1, tiled=True)
+              for x in (dk_all, dv_all))
+  else:
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    block = (k, v, kv_side)
+    for step in range(cp.size):
+      if step < cp.size - 1:
+        next_block = _ring_pass(block, cp)
+      dq_b, dk_b, dv_b = grads(*block)
+      dq = dq + dq_b
+      # The accumulators travel with their K/V block; after the last step this permute returns them to their owner.
+      dk, dv = _ring_pass((dk + dk_b, dv + dv_b), cp)
+      if step < cp.size - 1:
+        block = next_block
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The unpartitioned meaning (one device holds everything): undo the load-balancing order, attend, redo it.
+
+def _tokens_in_natural_order(config, cp, operands):
+  """The segment ids and positions (the first four of `operands`) come in the load-balanced order like q, k, v."""
+  if not uses_tokens(config):
+    return operands
+  from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv
+  return tuple(inv(x, cp.size, 1) for x in operands[:4]) + tuple(operands[4:])
+
 
 def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config, cp):
   from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
   if cp is not None and cp.load_balanced:
     q, k, v = (inv(x, cp.size, 1) for x in (q, k, v))
+    tokens = _tokens_in_natural_order(config, cp, tokens)
   out, lse = _primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
@@ -398,6 +522,7 @@ def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
   if cp is not None and cp.load_balanced:
     q, k, v, out, dout = (inv(x, cp.size, 1) for x in (q, k, v, out, dout))
     lse, dlse = inv(lse, cp.size, 2), inv(dlse, cp.size, 2)
+    tokens = _tokens_in_natural_order(config, cp, tokens)
   dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
                                                             alibi, *tokens, config=config)
   if cp is not None:

@@ -388,6 +388,62 @@ def test_padding_with_unequal_lengths_all_gather():
   check_against_unsharded(results, q, k, v, dout, **kwargs)
 
 
+def packed_tokens(with_positions, batch=4, seqlen=32, seed=0):
+  """Random packings, several documents per row and padding (id 0) after them; positions restart per document."""
+  lens = np.random.default_rng(seed).integers(1, 8, (batch, 4))
+  tokens = dict(q_segment_ids=np.asarray(te_jax.segment_ids_from_lengths(lens, seqlen)))
+  if with_positions:
+    pos = np.asarray(te_jax.positions_from_lengths(lens, seqlen))
+    tokens.update(q_positions=pos, kv_positions=pos)
+  return tokens
+
+
+def check_packed_cp_call(strategy, mask, load_balanced, tokens, mesh_shape=(1, 4, 2), **kwargs):
+  """The ids and positions sharded over cp with q, k, v (reordered with them when load balanced): results equal the
+  unsharded call's, with the collectives of the strategy."""
+  q, k, v, dout = inputs()
+  mesh = make_mesh(mesh_shape)
+  cp = mesh.shape["cp"]
+  reorder = (lambda x: np.asarray(te_jax.reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  undo = (lambda x: np.asarray(te_jax.inverse_reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  spec = cp_spec(mesh_shape)
+  shard = lambda x, s: jax.device_put(reorder(x), NamedSharding(mesh, s))
+  kwargs = dict(mask_type=mask, **kwargs)
+
+  def fn(q, k, v, d, tokens):
+    return attention_and_grads(q, k, v, d, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                               context_parallel_load_balanced=load_balanced, **tokens, **kwargs)
+
+  args = (*(shard(x, spec) for x in (q, k, v, dout)), {n: shard(t, P(spec[0], "cp")) for n, t in tokens.items()})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fn).lower(*args).compile()
+      results = [undo(np.asarray(r)) for r in compiled(*args)]
+  check_against_unsharded(results, q, k, v, dout, **tokens, **kwargs)
+  check_cp_collectives(compiled.as_text(), strategy, mesh_shape, 2)
+
+
+@in_process
+@pytest.mark.parametrize("with_positions", [False, True], ids=["ids", "ids_positions"])
+@pytest.mark.parametrize("load_balanced", [False, True], ids=["lb0", "lb1"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_packed_sequences(strategy, mask, load_balanced, with_positions):
+  check_packed_cp_call(strategy, mask, load_balanced, packed_tokens(with_positions, seed=3))
+
+
+@in_process
+@pytest.mark.parametrize("strategy,mask,window,with_positions", [("ring", "causal", (5, 0), False),
+                                                                 ("ring", "no_mask", (3, 2), True),
+                                                                 ("all_gather", "no_mask", (4, 1), False)])
+def test_context_parallel_packed_sequences_with_windows(strategy, mask, window, with_positions):
+  """Windows compare positions (global indices without them): any mask type, either strategy; ALiBi too."""
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+  check_packed_cp_call(strategy, mask, True, packed_tokens(with_positions, seed=4), window_size=window,
+                       alibi_slopes=slopes)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # shard_map and vmap.
 
@@ -451,8 +507,8 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
     (dict(context_parallel_axis="sp"), ValueError, "'sp' is not an axis of the mesh in context"),
     (dict(context_parallel_strategy="tree"), ValueError, "context_parallel_strategy must be one of"),
     (dict(context_parallel_load_balanced=True, seqlen=24), ValueError, "must be a multiple of 16"),
-    (dict(mask_type="causal", q_segment_ids=np.ones((4, 32), np.int32)), NotImplementedError,
-     "segment ids and positions"),
+    (dict(mask_type="causal", q_segment_ids=np.ones((4, 32), np.int32), kv_segment_ids=np.ones((4, 16), np.int32),
+          seqlen_kv=16), NotImplementedError, "needs self-attention shapes Sq == Skv"),
     (dict(mask_type="causal", bias=np.zeros((1, 1, 1, 32), np.float32)), ValueError,
      "bias is not supported with context parallelism"),
     (dict(mask_type="causal", dropout_rate=0.1, dropout_rng=jax.random.key(0)), ValueError,
@@ -461,6 +517,8 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
 def test_context_parallel_refusals(kwargs, error, match):
   kwargs = dict(kwargs)
   q, k, v, _ = inputs(seqlen=kwargs.pop("seqlen", 32))
+  seqlen_kv = kwargs.pop("seqlen_kv", k.shape[1])
+  k, v = k[:, :seqlen_kv], v[:, :seqlen_kv]
   kwargs.setdefault("context_parallel_axis", "cp")
   with jax.set_mesh(make_mesh((1, 8, 1))):
     with pytest.raises(error, match=match):
