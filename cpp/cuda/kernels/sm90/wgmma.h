@@ -74,29 +74,26 @@ __device__ __forceinline__ void FenceOperands(uint32_t (&r)[kN][4]) {
 template <typename Element, int kN>
 struct Wgmma;
 
+// A shared-memory product member: SS (A and B K-major) or SSMN (both MN-major), which differ in TE_JAX_WGMMA_SS's
+// TRANSPOSE.
+#define TE_JAX_WGMMA_SS_MEMBER(NAME, TRANSPOSE, N, ACC, REGS, A, B, FLAG)                                       \
+  static __device__ __forceinline__ void NAME(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {       \
+    if constexpr (Element::kIsBf16) {                                                                           \
+      asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, A, B, FLAG, TRANSPOSE)                                      \
+                   : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
+    } else {                                                                                                    \
+      asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, A, B, FLAG, TRANSPOSE)                                       \
+                   : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
+    }                                                                                                           \
+  }
+
 // One specialisation per n: N accumulator registers (N / 2 floats), their placeholders, and the operand numbers that
 // follow them (A or its four registers, B, the accumulate flag).
 #define TE_JAX_WGMMA_SPECIALISATION(N, ACC, REGS, SS_A, SS_B, SS_FLAG, RS_A, RS_B, RS_FLAG)                        \
   template <typename Element>                                                                                   \
   struct Wgmma<Element, N> {                                                                                    \
-    static __device__ __forceinline__ void SS(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {       \
-      if constexpr (Element::kIsBf16) {                                                                         \
-        asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, SS_A, SS_B, SS_FLAG, "0, 0")                                \
-                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
-      } else {                                                                                                  \
-        asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, SS_A, SS_B, SS_FLAG, "0, 0")                                 \
-                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
-      }                                                                                                         \
-    }                                                                                                           \
-    static __device__ __forceinline__ void SSMN(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {     \
-      if constexpr (Element::kIsBf16) {                                                                         \
-        asm volatile(TE_JAX_WGMMA_SS(N, "bf16", REGS, SS_A, SS_B, SS_FLAG, "1, 1")                                \
-                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
-      } else {                                                                                                  \
-        asm volatile(TE_JAX_WGMMA_SS(N, "f16", REGS, SS_A, SS_B, SS_FLAG, "1, 1")                                 \
-                     : ACC(d) : "l"(a), "l"(b), "r"(accumulate));                                                 \
-      }                                                                                                         \
-    }                                                                                                           \
+    TE_JAX_WGMMA_SS_MEMBER(SS, "0, 0", N, ACC, REGS, SS_A, SS_B, SS_FLAG)                                       \
+    TE_JAX_WGMMA_SS_MEMBER(SSMN, "1, 1", N, ACC, REGS, SS_A, SS_B, SS_FLAG)                                     \
     static __device__ __forceinline__ void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {           \
       if constexpr (Element::kIsBf16) {                                                                         \
         asm volatile(TE_JAX_WGMMA_RS(N, "bf16", REGS, RS_A, RS_B, RS_FLAG)                                       \
@@ -117,6 +114,7 @@ TE_JAX_WGMMA_SPECIALISATION(128, TE_JAX_WGMMA_ACC64, TE_JAX_WGMMA_REGS64, "%64",
                             "%68", "%69")
 
 #undef TE_JAX_WGMMA_SPECIALISATION
+#undef TE_JAX_WGMMA_SS_MEMBER
 #undef TE_JAX_WGMMA_RS
 #undef TE_JAX_WGMMA_SS
 #undef TE_JAX_WGMMA_REGS64
