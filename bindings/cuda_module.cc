@@ -54,7 +54,8 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 }
 
 // {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
-// backward, optionally "deterministic" (bool, default false).
+// backward, optionally "deterministic" (bool, default false), for the forward optionally "decode" (bool, default
+// false: the decode kernels, cpp/cuda/decode_geometry.h).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -82,6 +83,10 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   // The module a call with these options runs (the default backward is the deterministic one for large head dims).
   c.deterministic = c.direction == cuda::Direction::kBackward &&
                     (deterministic || !cuda::sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
+  c.decode = d.contains("decode") && nb::cast<bool>(d["decode"]);
+  if (c.decode && c.direction != cuda::Direction::kForward) {
+    throw nb::value_error("decode applies to the forward direction only");
+  }
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;
 }

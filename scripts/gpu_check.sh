@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|stress|sanitize|jit|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
@@ -35,7 +35,7 @@ for s in $SECTIONS; do
   tests)
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
-      "$REPO"/tests/test_cuda_attention.py 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
+      "$REPO"/tests/test_cuda_attention.py "$REPO"/tests/test_cuda_decode.py 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   stress)
     # The numerics tests of te_jax's kernels with a random sleep before every pipeline wait and hand-over
@@ -73,6 +73,15 @@ t = time.perf_counter(); r2 = ext.prepare(p, "backward"); t_bwd = time.perf_coun
 print(f"fresh process cache hit: prepare fwd {t_fwd*1e3:.1f} ms ({r['origin']}, read {r['seconds']*1e3:.1f} ms), bwd {t_bwd*1e3:.1f} ms ({r2['origin']})")
 PY
     ;;
+  decode)
+    # Decode against cuDNN and XLA (issue 17's shapes), the forward's crossover in query positions at 8k keys, and the
+    # HBM copy bandwidth the memory-bound shapes are held to.
+    python3 "$REPO/scripts/hbm_bandwidth.py" 2>&1 | tee "$OUT/hbm.log" | grep -v Warning
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn,jax-xla \
+      --keep-going --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --backends te_jax-te,jax-cudnn --mode fwd --batch 8 --heads 32 \
+      --kv-heads 8 --head-dim 128 --seq 1,4,16,17,32,64 --seq-kv 8192 --causal no --keep-going \
+      --json "$OUT/decode_crossover.json" 2>&1 | tee "$OUT/decode_crossover.log" | grep -v Warning | tail -20 ;;
   bench)
     timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 \
       | tee "$OUT/bench.log" | grep -v Warning ;;

@@ -23,11 +23,32 @@ CASES = [
     ("d_ne_dv_big",           "bfloat16", 1, 100, 100, 2, 2,   256, 128, "no_mask",                     (-1, -1), 0.0, False, False),
 ]
 
+# Decode-shaped cases (Sq <= 16: the decode kernels, cpp/cuda/kernels/decode/), tests/test_cuda_decode.py: GQA packing
+# of 1-80 query heads per K/V head with 1-16 positions (both kernels, padding rows, several row blocks), split-KV
+# (b x Hkv small against long keys), every mask and variant, ragged lengths.
+DECODE_CASES = [
+    # name,                   dtype,      b, sq, skv,   h,  hkv, d,   dv,  mask,                          window,   cap,  alibi, ragged
+    ("dec_sq1_gqa4_ragged",   "bfloat16", 3, 1,  3000,  8,  2,   128, 128, "padding_causal_bottom_right", (-1, -1), 0.0,  False, True),
+    ("dec_sq1_mha_fp16",      "float16",  2, 1,  700,   4,  4,   64,  64,  "no_mask",                     (-1, -1), 0.0,  False, False),
+    ("dec_sq4_gqa8_variants", "bfloat16", 2, 4,  1500,  16, 2,   128, 128, "causal_bottom_right",         (300, 0), 20.0, True,  False),
+    ("dec_sq16_gqa4",         "bfloat16", 2, 16, 2000,  8,  2,   128, 128, "causal_bottom_right",         (-1, -1), 0.0,  False, False),
+    ("dec_sq16_g12_ragged",   "bfloat16", 2, 16, 600,   12, 1,   64,  64,  "padding_causal_bottom_right", (-1, -1), 0.0,  False, True),
+    ("dec_mqa_g80",           "bfloat16", 1, 2,  500,   80, 1,   64,  64,  "no_mask",                     (-1, -1), 0.0,  False, False),
+    ("dec_d256",              "bfloat16", 2, 1,  1000,  4,  1,   256, 256, "causal_bottom_right",         (-1, -1), 0.0,  False, False),
+    ("dec_d_ne_dv_fp16",      "float16",  2, 3,  400,   6,  3,   192, 128, "causal",                      (-1, -1), 0.0,  True,  False),
+    ("dec_sq_gt_skv",         "bfloat16", 1, 9,  5,     4,  2,   64,  64,  "causal_bottom_right",         (-1, -1), 0.0,  False, False),
+    ("dec_d8",                "bfloat16", 2, 2,  300,   2,  1,   8,   8,   "no_mask",                     (-1, -1), 5.0,  False, False),
+    ("dec_window_both_fp16",  "float16",  2, 5,  900,   4,  2,   64,  64,  "no_mask",                     (100, 20), 0.0, False, False),
+    ("dec_long_splits",       "bfloat16", 1, 1,  20000, 8,  1,   128, 128, "causal_bottom_right",         (-1, -1), 0.0,  False, False),
+]
+
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
+_DECODE_MAX_SEQLEN_Q = 16  # cpp/cuda/kernels/decode/tile_size.h
 
 # Both backward kinds: the GPU tests run every case with deterministic=False and True.
-CONFIGS = sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
-                  for c in CASES
+CONFIGS = sorted({(direction, deterministic, direction == "forward" and c[3] <= _DECODE_MAX_SEQLEN_Q,
+                   _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
+                  for c in CASES + DECODE_CASES
                   for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})
-CONFIGS = [dict(direction=dr, deterministic=det, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
-           for dr, det, dt, d, dv, sc, al in CONFIGS]
+CONFIGS = [dict(direction=dr, deterministic=det, decode=dec, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
+           for dr, det, dec, dt, d, dv, sc, al in CONFIGS]

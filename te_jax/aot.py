@@ -28,14 +28,15 @@ class CompilerUnavailable(Exception):
 def config_set(name: str, arch: str) -> list[dict]:
   """Named sets: 'common' (bf16/fp16, D = Dv in 64/128/256, every variant, every direction), 'all-head-dims' (bf16,
   every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'.
-  Directions: forward, backward and the deterministic backward."""
+  Module kinds: forward, decode (the forward of few query positions), backward and the deterministic backward."""
   def make(direction, dtype, d, dv, softcap=False, alibi=False):
     kind, _, det = direction.partition("-")
-    return dict(direction=kind, dtype=DTYPES[dtype], head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi,
-                deterministic=det == "deterministic", arch=arch)
+    return dict(direction="forward" if kind == "decode" else kind, decode=kind == "decode", dtype=DTYPES[dtype],
+                head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi, deterministic=det == "deterministic",
+                arch=arch)
 
   # The backward's two module kinds: atomic dq (the default) and fused_attn(deterministic=True).
-  both = ("forward", "backward", "backward-deterministic")
+  both = ("forward", "decode", "backward", "backward-deterministic")
   if name == "common":
     return [make(dr, dt, d, dv, sc, al) for dr, dt, (d, dv), (sc, al) in
             itertools.product(both, DTYPES, COMMON_HEAD_DIMS, VARIANTS)]

@@ -3,9 +3,11 @@
 #include <string>
 
 #include "cpp/cuda/cudnn/cudnn_attention.h"
+#include "cpp/cuda/decode_geometry.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernel_registry.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/tensor_maps.h"
@@ -33,16 +35,16 @@ ShapeArgs MakeShape(const AttentionParams& p) {
 struct CallModule {
   const LoadedModule* module = nullptr;
   KernelFamily family = KernelFamily::kSm80;
+  CUdevice device = 0;
 };
 
 Status Module(const AttentionParams& params, Direction direction, CallModule* call) {
-  CUdevice device = 0;
   std::string arch;
-  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
+  TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&call->device, &arch));
   const KernelConfig config = ConfigFor(params, direction, arch);
   call->family = config.Family();
   JitReport report;
-  return GetLoadedModule(config, device, &call->module, &report);
+  return GetLoadedModule(config, call->device, &call->module, &report);
 }
 
 template <typename Args>
@@ -81,8 +83,46 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
 }
 
 int64_t ForwardWorkspaceBytes(const AttentionParams& p) {
-  return p.engine == Engine::kCudnn ? cudnn::ForwardWorkspaceBytes(p) : 0;
+  return p.engine == Engine::kCudnn ? cudnn::ForwardWorkspaceBytes(p) : DecodeWorkspaceBytes(p);
 }
+
+namespace {
+
+// The decode kernels (kernels/decode/): one decode CTA per (split, K/V head x row block, batch), then, with more than
+// one split, the combine kernel (a warp per query row).
+Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p,
+                    const ForwardBuffers& b, const ForwardArgs& args, CUdevice device, CUstream stream) {
+  int multiprocessors = 0, smem_per_multiprocessor = 0;
+  CUresult r = driver->cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);
+  if (r == CUDA_SUCCESS) {
+    r = driver->cuDeviceGetAttribute(&smem_per_multiprocessor,
+                                     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, device);
+  }
+  if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's multiprocessors: " + driver->ErrorString(r));
+  // Both kernels' slots are counted with the 16-row kernel's shared memory; the 64-row kernel's differs by its q tile.
+  const DecodeGeometry g =
+      DecodeGeometryFor(p, DecodeSlots(multiprocessors, smem_per_multiprocessor, module->smem_bytes[0]));
+  const int64_t partial_rows = g.splits * p.batch * p.seqlen_q * p.num_heads;
+  if (g.splits > 1) {
+    TE_JAX_RETURN_IF_ERROR(
+        CheckWorkspace(b.workspace_bytes, partial_rows * (p.head_dim_v + 1) * static_cast<int64_t>(sizeof(float)),
+                       "forward"));
+  }
+  float* partial_out = static_cast<float*>(b.workspace);
+  DecodeArgs decode{args,         g.heads_per_block, g.positions_per_block, g.head_blocks, g.row_blocks,
+                    g.splits,     g.tiles_per_split, partial_out,
+                    partial_out == nullptr ? nullptr : partial_out + partial_rows * p.head_dim_v};
+  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[g.kernel], "attention decode", static_cast<unsigned>(g.splits),
+                                static_cast<unsigned>(p.num_kv_heads * g.row_blocks), static_cast<unsigned>(p.batch),
+                                decode::kThreads, module->smem_bytes[g.kernel], stream, &decode));
+  if (g.splits == 1) return Status::Ok();
+  const int rows_per_block = decode::kCombineThreads / 32;
+  return Launch(driver, module->kernels[2], "attention decode combine",
+                CeilDiv(p.batch * p.seqlen_q * p.num_heads, rows_per_block), 1, 1, decode::kCombineThreads, 0, stream,
+                &decode);
+}
+
+}  // namespace
 
 Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
@@ -96,6 +136,10 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &call));
   ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  if (call.family == KernelFamily::kDecode) {
+    if (p.batch == 0 || p.num_heads == 0) return Status::Ok();
+    return LaunchDecode(driver, call.module, p, b, args, call.device, stream);
+  }
   if (call.family == KernelFamily::kSm80) {
     const sm80::TileSize tile = sm80::ForwardTileSize(d, dv);
     return Launch(driver, call.module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),

@@ -35,6 +35,24 @@ struct ForwardArgs {
   float* lse;
 };
 
+// The decode kernels' parameters (kernels/decode/): the forward's, and the launch geometry the host chose. A CTA
+// (blockIdx x = split, y = K/V head x row block, z = batch) packs heads_per_block query heads of one K/V head times
+// positions_per_block query positions into the rows of its tile (row r: position r / heads_per_block, head
+// r % heads_per_block of its block) and reads keys tiles [split * tiles_per_split, (split + 1) * tiles_per_split).
+// With one split it writes out and lse; with more, each split writes its partial result (its keys' normalised output
+// and log-sum-exp) to the workspace, and the combine kernel merges them.
+struct DecodeArgs {
+  ForwardArgs args;
+  int32_t heads_per_block;
+  int32_t positions_per_block;
+  int32_t head_blocks;  // row blocks of a K/V head: head_blocks x ceil(Sq / positions_per_block)
+  int32_t row_blocks;
+  int32_t splits;
+  int32_t tiles_per_split;
+  float* partial_out;  // [splits][B][Sq][H][Dv]
+  float* partial_lse;  // [splits][B][H][Sq]
+};
+
 // A CUtensorMap (cuda.h), opaque: 128 bytes, 128-byte aligned. Kernels built by NVRTC see no cuda.h, so they take it as
 // this; the host encodes a CUtensorMap and copies it in (tensor_maps.h checks the sizes agree).
 struct alignas(128) TensorMap {

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 
+#include "cpp/cuda/decode_geometry.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 
@@ -13,6 +15,9 @@ const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", 
                                         "te_jax_attention_backward_dq_convert"};
 const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
                                                      "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq"};
+
+const char* const kDecodeEntries[] = {"te_jax_attention_decode_rows16", "te_jax_attention_decode_rows64",
+                                      "te_jax_attention_decode_combine"};
 
 const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_enforce_length_contract"};
 
@@ -28,6 +33,10 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     *count = 2;
     return kLengthGuardEntries;
   }
+  if (decode) {
+    *count = 3;
+    return kDecodeEntries;
+  }
   if (direction == Direction::kForward) {
     *count = 1;
     return kForwardEntries;
@@ -37,6 +46,7 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 }
 
 KernelFamily KernelConfig::Family() const {
+  if (decode) return KernelFamily::kDecode;
   if (kind != ModuleKind::kAttention || arch != "sm_90a") return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
                                                        : sm90::ServesBackward(head_dim, head_dim_v);
@@ -48,10 +58,11 @@ std::string KernelConfig::Name() const { return BaseName() + (pipeline_stress ? 
 std::string KernelConfig::BaseName() const {
   if (kind == ModuleKind::kLengthGuard) return "length_guard_" + arch;
   const bool sm90 = Family() == KernelFamily::kSm90;
-  const char* what = direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
+  const char* what = decode ? "dec" : direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
                      VariantName(softcap, alibi) + "_" + arch;
+  if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
     return name + "_sm90_" + std::to_string(sm90::kBackwardOwnedRows) + "x" + std::to_string(sm90::kBackwardStepRows);
@@ -78,7 +89,21 @@ std::string KernelConfig::RenderSource() const {
   const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
   std::string src = "// te_jax JIT translation unit: " + Name() + "\n" +
                     (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
-  if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
+  if (decode) {
+    const std::string decode_kernel = "te_jax::cuda::decode::DecodeKernel<" + element + ", " + dims + ", " + variant;
+    src += "#include \"cpp/cuda/kernels/decode/attention_decode.cuh\"\n"
+           "#include \"cpp/cuda/kernels/decode/combine.cuh\"\n"
+           "using Rows16 = " + decode_kernel + ", 1>;\n"
+           "using Rows64 = " + decode_kernel + ", 4>;\n"
+           "using Combine = te_jax::cuda::decode::CombineKernel<" + element + ", " + std::to_string(head_dim_v) + ">;\n";
+    int count = 0;
+    const char* const* entries = EntryPoints(&count);
+    const std::string kernels[] = {"Rows16", "Rows64", "Combine"};
+    for (int i = 0; i < count; ++i) {
+      src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
+             "(const te_jax::cuda::DecodeArgs args) { " + kernels[i] + "::Run(args); }\n";
+    }
+  } else if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
     // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
     src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n"
            "using Fwd = te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
@@ -139,6 +164,7 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.alibi = params.has_alibi;
   c.deterministic = direction == Direction::kBackward &&
                     (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
+  c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   c.arch = arch;
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
   c.pipeline_stress = stress != nullptr && std::string(stress) == "1";

@@ -18,10 +18,11 @@ enum class Direction { kForward, kBackward };
 // theirs (kernels/common/length_guard.cuh), which depends on the arch alone.
 enum class ModuleKind { kAttention, kLengthGuard };
 
-// Which kernel family serves a configuration: sm80 (mma.sync, cp.async; every arch from sm_80) or sm90 (wgmma, TMA,
-// warp specialisation; on sm_90a the forward, and the backward of head dims up to 128). The family follows from the configuration, so the AOT sets, the
+// Which kernel family serves a configuration: sm80 (mma.sync, cp.async; every arch from sm_80), sm90 (wgmma, TMA,
+// warp specialisation; on sm_90a the forward, and the backward of head dims up to 128), or decode (the forward of few
+// query positions, kernels/decode/; every arch). The family follows from the configuration, so the AOT sets, the
 // cache and the launcher agree on it.
-enum class KernelFamily { kSm80, kSm90 };
+enum class KernelFamily { kSm80, kSm90, kDecode };
 
 struct KernelConfig {
   ModuleKind kind = ModuleKind::kAttention;
@@ -34,6 +35,8 @@ struct KernelConfig {
   // Backward only: the kernels that write dq once per row in a fixed order (a dq kernel after dk/dv) instead of adding
   // it to a float accumulator (kernels/sm80/attention_bwd.cuh, kernels/sm90/attention_bwd.cuh).
   bool deterministic = false;
+  // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
+  bool decode = false;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.
@@ -43,8 +46,8 @@ struct KernelConfig {
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
   std::string RenderSource() const;
-  // Entry points of the module, in launch order (forward: 1; backward: preprocess, dk/dv + dq, dq conversion;
-  // deterministic backward: preprocess, dk/dv, dq).
+  // Entry points of the module, in launch order (forward: 1; decode: the 16-row and 64-row kernels, the combine;
+  // backward: preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv, dq).
   const char* const* EntryPoints(int* count) const;
 };
 

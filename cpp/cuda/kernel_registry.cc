@@ -8,6 +8,7 @@
 
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/jit_cache.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/nvrtc_compiler.h"
@@ -83,6 +84,7 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
+  if (c.decode) return index < 2 ? decode::SmemBytes(c.head_dim, c.head_dim_v, decode::RowTilesOfKernel(index)) : 0;
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v);
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion

@@ -18,4 +18,23 @@ __device__ __forceinline__ void PackAFragment(const float (&c)[kN8][4], int kk, 
   a[3] = Element::Pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// Whether any accumulator holds NaN (the kernels' cue to rerun a pass with the careful handling of non-finite values).
+template <int kN8>
+__device__ __forceinline__ bool AnyNaN(const float (&c)[kN8][4]) {
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < kN8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) any |= c[j][e] != c[j][e];
+  return any;
+}
+
+template <int kMT, int kN8>
+__device__ __forceinline__ bool AnyNaN(const float (&c)[kMT][kN8][4]) {
+  bool any = false;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) any |= AnyNaN(c[mt]);
+  return any;
+}
+
 }  // namespace te_jax::cuda

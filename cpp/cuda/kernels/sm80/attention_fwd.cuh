@@ -31,43 +31,6 @@ struct ForwardKernel {
   static_assert(kBlockM == 16 * kWarps * kMT, "a warp owns 16 * kMT query rows");
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
 
-  // Sets o to NaN in the columns where a key this thread's rows see holds a non-finite value (IEEE would give inf or
-  // NaN there; the product of the zeroed tile then adds only the finite rest).
-  static __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][kDvP / 8][4], const int2* ranges,
-                                                                       const VTile& v_tile, int n0, int warp, int g,
-                                                                       int t) {
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int2 keys = ranges[(warp * kMT + mt) * 16 + g + 8 * r];
-        const int first = keys.x > n0 ? keys.x : n0;
-        const int last = keys.y < n0 + kBlockN ? keys.y : n0 + kBlockN;
-#pragma unroll 1
-        for (int key = first; key < last; ++key) {
-          const uint16_t* row = v_tile.data + (key - n0) * VTile::kPitch;
-#pragma unroll
-          for (int j = 0; j < kDvP / 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              if (IsNonFinite<Element>(row[j * 8 + 2 * t + c])) o[mt][j][2 * r + c] = __int_as_float(0x7fffffff);
-            }
-        }
-      }
-    }
-  }
-
-  static __device__ __forceinline__ bool AnyNaN(const float (&o)[kMT][kDvP / 8][4]) {
-    bool any = false;
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < kDvP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) any |= o[mt][j][e] != o[mt][j][e];
-    return any;
-  }
-
   // Whether a row's range holds a key. Read with a volatile load so the compiler keeps it here, after the main loop:
   // hoisted above it, the two flags held through the loop made the d = 128 kernel spill.
   static __device__ __forceinline__ bool RowSeesKeys(const int2* range) {
@@ -164,7 +127,7 @@ struct ForwardKernel {
       // Poisoning o before this tile's rescale and product is the same as after: NaN stays NaN.
       if constexpr (kCareful) {
         if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(v_tile[stage], tid))) {
-          PoisonColumnsOfNonFiniteValues(o, ranges, v_tile[stage], n0, warp, g, t);
+          PoisonColumnsOfNonFiniteValues<Element>(o, ranges + warp * kMT * 16, v_tile[stage], n0, n0, n0 + kBlockN, g, t);
           __syncthreads();  // every warp has read the values before they are zeroed
           ZeroNonFinite<Element, kThreads>(v_tile[stage], tid);
           __syncthreads();

@@ -167,15 +167,6 @@ struct ForwardKernel {
     }
   }
 
-  static __device__ __forceinline__ bool AnyNaN(const float (&o)[kDvP / 8][4]) {
-    bool any = false;
-#pragma unroll
-    for (int j = 0; j < kDvP / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) any |= o[j][e] != o[j][e];
-    return any;
-  }
-
   static __device__ __forceinline__ void Run(const TmaForwardArgs& a) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Smem sm{(SmemAddress(smem_raw) + 1023u) & ~1023u};

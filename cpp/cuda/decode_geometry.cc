@@ -1,0 +1,50 @@
+#include "cpp/cuda/decode_geometry.h"
+
+#include <algorithm>
+
+#include "cpp/cuda/kernels/decode/tile_size.h"
+
+namespace te_jax::cuda {
+namespace {
+
+// A bound on SMs x decode CTAs per SM of any GPU (H200: 132 x 2), for the workspace.
+constexpr int64_t kMaxSlots = 1024;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+bool UsesDecodeKernels(const AttentionParams& p) { return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ; }
+
+DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots) {
+  DecodeGeometry g;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  g.kernel = group * p.seqlen_q <= decode::RowsOfTile(1) ? 0 : 1;
+  const int64_t rows = decode::RowsOfTile(decode::RowTilesOfKernel(g.kernel));
+  g.heads_per_block = static_cast<int>(std::min(group, rows));
+  g.positions_per_block = static_cast<int>(std::min(p.seqlen_q, rows / g.heads_per_block));
+  g.head_blocks = static_cast<int>(CeilDiv(group, g.heads_per_block));
+  g.row_blocks = g.head_blocks * static_cast<int>(CeilDiv(p.seqlen_q, g.positions_per_block));
+  g.ctas_per_split = p.batch * p.num_kv_heads * g.row_blocks;
+  const int64_t tiles = std::max<int64_t>(1, CeilDiv(p.seqlen_kv, decode::kBlockN));
+  const int64_t splits =
+      g.ctas_per_split == 0 ? 1 : std::clamp<int64_t>(std::min(slots, kMaxSlots) / g.ctas_per_split, 1, tiles);
+  g.tiles_per_split = static_cast<int>(CeilDiv(tiles, splits));
+  g.splits = static_cast<int>(CeilDiv(tiles, g.tiles_per_split));  // no split without tiles
+  return g;
+}
+
+int64_t DecodeWorkspaceBytes(const AttentionParams& p) {
+  if (!UsesDecodeKernels(p)) return 0;
+  const DecodeGeometry g = DecodeGeometryFor(p, kMaxSlots);
+  if (g.splits == 1) return 0;
+  return g.splits * p.batch * p.seqlen_q * p.num_heads * (p.head_dim_v + 1) * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t DecodeSlots(int multiprocessors, int smem_per_multiprocessor, int smem_bytes) {
+  // Each CTA also takes 1 KB of shared memory the driver reserves.
+  const int64_t per_sm = std::max(1, smem_per_multiprocessor / (smem_bytes + 1024));
+  return std::min<int64_t>(kMaxSlots, static_cast<int64_t>(multiprocessors) * per_sm);
+}
+
+}  // namespace te_jax::cuda

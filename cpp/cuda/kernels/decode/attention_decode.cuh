@@ -1,0 +1,320 @@
+// Decode attention (few query positions, long key sequences): mma.sync m16n8k16, ldmatrix and a cp.async ring, so it
+// runs on every arch from sm_80. Bound by reading K and V, not by the tensor cores, so the design is about bytes:
+//   - GQA packing: a CTA's tile rows are query heads of one K/V head x query positions (kernel_args.h DecodeArgs), so
+//     each K/V byte is read once per group, not once per query head;
+//   - split-KV: the key tiles of a (batch, K/V head) are split across CTAs (blockIdx.x) so that small batches still
+//     fill the GPU; each split writes its partial output and log-sum-exp, and combine.cuh merges them;
+//   - within a CTA the warps split each stage's keys (one 16-row tile: 16 keys per warp) or its rows (four row tiles),
+//     and the epilogue merges the warps' partial softmax states.
+// Masks, variants, lengths and non-finite values follow the sm80 forward (kernels/sm80/attention_fwd.cuh): tiles
+// outside the rows' key ranges are never read, tiles inside every row's range skip the per-element mask, and a CTA
+// whose straddling tiles may have put NaN where no row sees it runs again with the careful product.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/online_softmax.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
+#include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
+#include "cpp/cuda/kernels/sm80/smem_tile.h"
+#include "cpp/cuda/kernels/sm80/warp_gemm.h"
+
+namespace te_jax::cuda::decode {
+
+// The query rows of a CTA: heads [head0, head0 + heads) of its K/V head's group at positions [pos0, pos0 + positions),
+// row r being head r % heads_per_block at position r / heads_per_block. Rows outside that rectangle are padding.
+struct RowBlock {
+  int b, kv_head, split;
+  int head0, heads;
+  int pos0, positions;
+  int heads_per_block;
+
+  __device__ __forceinline__ bool Valid(int r) const {
+    return r % heads_per_block < heads && r / heads_per_block < positions;
+  }
+  __device__ __forceinline__ int Head(int r) const { return head0 + r % heads_per_block; }
+  __device__ __forceinline__ int Position(int r) const { return pos0 + r / heads_per_block; }
+};
+
+__device__ __forceinline__ RowBlock RowBlockOfCta(const DecodeArgs& a) {
+  const ShapeArgs& s = a.args.shape;
+  const int group = s.num_heads / s.num_kv_heads;
+  const int row_block = static_cast<int>(blockIdx.y) % a.row_blocks;
+  const int head_block = row_block % a.head_blocks;
+  RowBlock rb;
+  rb.b = blockIdx.z;
+  rb.kv_head = static_cast<int>(blockIdx.y) / a.row_blocks;
+  rb.split = blockIdx.x;
+  rb.heads_per_block = a.heads_per_block;
+  rb.head0 = rb.kv_head * group + head_block * a.heads_per_block;
+  rb.heads = min(a.heads_per_block, group - head_block * a.heads_per_block);
+  rb.pos0 = row_block / a.head_blocks * a.positions_per_block;
+  rb.positions = min(a.positions_per_block, s.seqlen_q - rb.pos0);
+  return rb;
+}
+
+template <typename Element, int kD, int kDv, typename Variant, int kRowTiles>
+struct DecodeKernel {
+  static constexpr int kThreads = decode::kThreads;
+  static constexpr int kRows = RowsOfTile(kRowTiles);
+  static constexpr int kKeySlices = kWarps / kRowTiles;
+  static constexpr int kSliceN = kBlockN / kKeySlices;  // keys per warp per stage
+  static constexpr int kStages = Stages(kD, kDv);
+  static constexpr int kDP = PadHeadDim(kD);
+  static constexpr int kDvP = PadHeadDim(kDv);
+  using QTile = sm80::SmemTile<kRows, kDP>;
+  using KTile = sm80::SmemTile<kBlockN, kDP>;
+  using VTile = sm80::SmemTile<kBlockN, kDvP>;
+  static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
+  static constexpr int kRingOffset = QTile::kBytes;
+  static constexpr int kRowsOffset = kRingOffset + kStages * kStageBytes;
+  static constexpr int kSmemBytes = kRowsOffset + kRows * 16;
+  static constexpr int kPitch = EpiloguePitch(kDv);
+  static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
+  static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,
+                "the epilogue fits in the rings");
+
+  struct Smem {
+    unsigned char* base;
+    __device__ __forceinline__ QTile Q() const { return {reinterpret_cast<uint16_t*>(base)}; }
+    __device__ __forceinline__ KTile K(int stage) const {
+      return {reinterpret_cast<uint16_t*>(base + kRingOffset + stage * kStageBytes)};
+    }
+    __device__ __forceinline__ VTile V(int stage) const {
+      return {reinterpret_cast<uint16_t*>(base + kRingOffset + stage * kStageBytes + KTile::kBytes)};
+    }
+    // Per row: its visible keys, its position on the mask's diagonal, its ALiBi slope.
+    __device__ __forceinline__ int2* Ranges() const { return reinterpret_cast<int2*>(base + kRowsOffset); }
+    __device__ __forceinline__ int* Positions() const { return reinterpret_cast<int*>(Ranges() + kRows); }
+    __device__ __forceinline__ float* Slopes() const { return reinterpret_cast<float*>(Positions() + kRows); }
+    // The epilogue, over the rings: each warp's 16 x dv partial output, then each warp's row maxima and sums, then per
+    // CTA row the warps' weights, 1 / sum and lse.
+    __device__ __forceinline__ float* PartialOut(int warp) const {
+      return reinterpret_cast<float*>(base + kRingOffset) + warp * 16 * kPitch;
+    }
+    __device__ __forceinline__ float* PartialMax() const { return PartialOut(kWarps); }
+    __device__ __forceinline__ float* PartialSum() const { return PartialMax() + kWarps * 16; }
+    __device__ __forceinline__ float* Weights() const { return PartialSum() + kWarps * 16; }
+    __device__ __forceinline__ float* InvSum() const { return Weights() + kRows * kKeySlices; }
+    __device__ __forceinline__ float* Lse() const { return InvSum() + kRows; }
+  };
+
+  static __device__ __forceinline__ void Run(const DecodeArgs& a) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm{smem_raw};
+    const ForwardArgs& args = a.args;
+    const ShapeArgs& s = args.shape;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_tile = warp % kRowTiles, slice = warp / kRowTiles;
+    const RowBlock rb = RowBlockOfCta(a);
+    const BatchLengths len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, rb.b);
+    const RowMask mask = MakeMask(s, len);
+
+    // The q rows: each 16-byte chunk from its own (position, head); padding rows and columns are zero-filled.
+    const uint16_t* q = static_cast<const uint16_t*>(args.q);
+    for (int c = tid; c < kRows * (kDP / 8); c += kThreads) {
+      const int r = c / (kDP / 8), col = c % (kDP / 8) * 8;
+      const bool valid = rb.Valid(r) && col < kD;
+      const int64_t row = (static_cast<int64_t>(rb.b) * s.seqlen_q + rb.Position(r)) * s.num_heads + rb.Head(r);
+      sm80::CpAsync16(sm.Q().Address(r, col), valid ? q + row * kD + col : q, valid);
+    }
+    sm80::CpAsyncCommit();
+    for (int r = tid; r < kRows; r += kThreads) {
+      const KeyRange keys = rb.Valid(r) ? mask.Keys(rb.Position(r)) : KeyRange{0, 0};
+      sm.Ranges()[r] = make_int2(static_cast<int>(keys.begin), static_cast<int>(keys.end));
+      sm.Positions()[r] = rb.Position(r) + static_cast<int>(mask.diag_offset);
+      sm.Slopes()[r] = Variant::kHasAlibi && rb.Valid(r) ? args.alibi_slopes[rb.b * s.num_heads + rb.Head(r)] : 0.0f;
+    }
+
+    // The split's key tiles: its share of the tiles any row of the CTA sees.
+    const KeySpan span = KeysOfRows(mask, rb.pos0, rb.positions);
+    const int tile_begin = max(span.FirstTile(kBlockN), rb.split * a.tiles_per_split);
+    const int tile_end = min(span.EndTile(kBlockN), (rb.split + 1) * a.tiles_per_split);
+    const int tiles = tile_end > tile_begin ? tile_end - tile_begin : 0;
+    // Tiles [full_begin, full_end) are visible to every row: no per-element mask there.
+    const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
+    const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
+
+    const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
+    const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
+    const uint16_t* k =
+        static_cast<const uint16_t*>(args.k) + static_cast<int64_t>(rb.b) * s.seqlen_kv * k_stride + rb.kv_head * kD;
+    const uint16_t* v =
+        static_cast<const uint16_t*>(args.v) + static_cast<int64_t>(rb.b) * s.seqlen_kv * v_stride + rb.kv_head * kDv;
+    auto load = [&](int i) {  // the pass's i-th tile into its stage
+      const int stage = i % kStages, n0 = (tile_begin + i) * kBlockN;
+      sm.K(stage).template AsyncLoad<kThreads>(k, k_stride, n0, len.kv_len, kD, tid);
+      sm.V(stage).template AsyncLoad<kThreads>(v, v_stride, n0, len.kv_len, kDv, tid);
+    };
+
+    Variant variant;  // its slope is set per row (the row's head)
+    variant.scale = s.scale;
+    variant.cap = s.softcap;
+    variant.slope = 0.0f;
+    // As in the sm80 forward: the plain scaled dot product keeps raw q.k and folds the scale into the exp2 FMA.
+    constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+    const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
+
+    float o[1][kDvP / 8][4];
+    OnlineSoftmax<kSliceN / 8> softmax;
+    const int2* warp_ranges = sm.Ranges() + row_tile * 16;
+    __syncthreads();  // the row table is written
+
+    auto pass = [&](auto careful) {
+      constexpr bool kCareful = decltype(careful)::kValue;
+      softmax.Reset();
+      sm80::ZeroFragments(o);
+#pragma unroll
+      for (int i = 0; i < kStages - 1; ++i) {
+        if (i < tiles) load(i);
+        sm80::CpAsyncCommit();
+      }
+      for (int i = 0; i < tiles; ++i) {
+        const int stage = i % kStages;
+        sm80::CpAsyncWait<kStages - 2>();
+        __syncthreads();  // tile i landed for everyone, and everyone is done with the stage the next load overwrites
+        if (i + kStages - 1 < tiles) load(i + kStages - 1);
+        sm80::CpAsyncCommit();
+        const int tile = tile_begin + i, n0 = tile * kBlockN, key0 = n0 + slice * kSliceN;
+        const bool interior = tile >= full_begin && tile < full_end;
+        if constexpr (kCareful) {
+          if (!interior && __syncthreads_or(sm80::ThreadSeesNonFinite<Element, kThreads>(sm.V(stage), tid))) {
+            sm80::PoisonColumnsOfNonFiniteValues<Element>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t);
+            __syncthreads();  // every warp has read the values before they are zeroed
+            sm80::ZeroNonFinite<Element, kThreads>(sm.V(stage), tid);
+            __syncthreads();
+          }
+        }
+        const KTile k_slice{sm.K(stage).data + slice * kSliceN * KTile::kPitch};
+        const VTile v_slice{sm.V(stage).data + slice * kSliceN * VTile::kPitch};
+
+        float sc[1][kSliceN / 8][4];
+        sm80::ZeroFragments(sc);
+        sm80::WarpGemmABt<Element, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, k_slice, lane);
+        if (!kRawScores || !interior) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int local = row_tile * 16 + g + 8 * r;
+            const int2 keys = sm.Ranges()[local];
+            if constexpr (Variant::kHasAlibi) variant.slope = sm.Slopes()[local];  // the row's head's
+            const int position = sm.Positions()[local];
+#pragma unroll
+            for (int j = 0; j < kSliceN / 8; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int col = key0 + j * 8 + 2 * t + c;
+                float logit = sc[0][j][2 * r + c];
+                if constexpr (!kRawScores) logit = variant.Logit(logit, position, col);
+                sc[0][j][2 * r + c] = interior || (col >= keys.x && col < keys.y) ? logit : -__int_as_float(0x7f800000);
+              }
+          }
+        }
+        float rescale[2];
+        softmax.Update(sc[0], log2_scale, rescale);
+#pragma unroll
+        for (int j = 0; j < kDvP / 8; ++j) {
+          o[0][j][0] *= rescale[0];
+          o[0][j][1] *= rescale[0];
+          o[0][j][2] *= rescale[1];
+          o[0][j][3] *= rescale[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < kSliceN / 16; ++kk) {
+          uint32_t p[1][4];
+          PackAFragment<Element>(sc[0], kk, p[0]);
+          sm80::WarpMmaRegA<Element, 1, kDvP>(o, p, v_slice, kk * 16, 0, kDvP, lane);
+        }
+      }
+      sm80::CpAsyncWait<0>();
+    };
+
+    pass(BoolConstant<false>{});
+    const bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > tile_begin || full_end < tile_end);
+    // The barrier also keeps the careful pass's first loads from overwriting a stage another warp still reads.
+    if (straddles && __syncthreads_or(AnyNaN(o) || softmax.AnyNaN())) pass(BoolConstant<true>{});
+    __syncthreads();  // the rings are free for the epilogue
+    Epilogue(a, sm, rb, len, o, softmax, warp, g, t, tid);
+  }
+
+  // Merges the warps' softmax states row by row and writes the CTA's rows: out and lse when the call has one split,
+  // else the split's partial output and lse for combine.cuh.
+  static __device__ __forceinline__ void Epilogue(const DecodeArgs& a, const Smem& sm, const RowBlock& rb,
+                                                  const BatchLengths& len, const float (&o)[1][kDvP / 8][4],
+                                                  const OnlineSoftmax<kSliceN / 8>& softmax, int warp, int g, int t,
+                                                  int tid) {
+    const ShapeArgs& s = a.args.shape;
+    float* part = sm.PartialOut(warp);
+#pragma unroll
+    for (int j = 0; j < kDvP / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[(g + 8 * (e >> 1)) * kPitch + j * 8 + 2 * t + (e & 1)] = o[0][j][e];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = QuadSum(softmax.sum[r]);
+      if (t == 0) {
+        sm.PartialMax()[warp * 16 + g + 8 * r] = softmax.max[r];
+        sm.PartialSum()[warp * 16 + g + 8 * r] = sum;
+      }
+    }
+    __syncthreads();
+
+    // Row r of the CTA is row r % 16 of the warps (r / 16) + kRowTiles * slice. Maxima are in log2 units; a warp that
+    // saw no key of the row (max -inf) weighs 0.
+    const bool direct = a.splits == 1;
+    for (int r = tid; r < kRows; r += kThreads) {
+      float m = -__int_as_float(0x7f800000);
+#pragma unroll
+      for (int sl = 0; sl < kKeySlices; ++sl) m = fmaxf(m, sm.PartialMax()[(r / 16 + kRowTiles * sl) * 16 + r % 16]);
+      float l = 0.0f;
+#pragma unroll
+      for (int sl = 0; sl < kKeySlices; ++sl) {
+        const int w = (r / 16 + kRowTiles * sl) * 16 + r % 16;
+        const float weight = sm.PartialMax()[w] == -__int_as_float(0x7f800000) ? 0.0f : Exp2(sm.PartialMax()[w] - m);
+        sm.Weights()[r * kKeySlices + sl] = weight;
+        l += weight * sm.PartialSum()[w];
+      }
+      // One split: the sm80 forward's Finish (a row that sees keys and sums to 0, from -inf logits, gives 0 * inf).
+      // A split's partial: a row none of whose keys are in the split (or all -inf) is an empty part, 0 and -inf.
+      const int2 keys = sm.Ranges()[r];
+      const bool empty = direct ? keys.x >= keys.y : l == 0.0f;
+      sm.InvSum()[r] = empty ? 0.0f : 1.0f / l;
+      sm.Lse()[r] = empty ? -__int_as_float(0x7f800000) : m * kLn2 + logf(l);
+    }
+    __syncthreads();
+
+    for (int e = tid; e < kRows * (kDv / 2); e += kThreads) {
+      const int r = e / (kDv / 2), col = e % (kDv / 2) * 2;
+      if (!rb.Valid(r)) continue;
+      float x[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int sl = 0; sl < kKeySlices; ++sl) {
+        const float weight = sm.Weights()[r * kKeySlices + sl];
+        const float* src = sm.PartialOut(r / 16 + kRowTiles * sl) + (r % 16) * kPitch + col;
+        x[0] += weight * src[0];
+        x[1] += weight * src[1];
+      }
+      const float inv = sm.InvSum()[r];
+      const int64_t row = (static_cast<int64_t>(rb.b) * s.seqlen_q + rb.Position(r)) * s.num_heads + rb.Head(r);
+      if (direct) {
+        const uint32_t packed = len.invalid ? kPackedNaN : Element::Pack(x[0] * inv, x[1] * inv);
+        *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.args.out) + row * kDv + col) = packed;
+      } else {
+        const int64_t split_row = static_cast<int64_t>(rb.split) * s.batch * s.seqlen_q * s.num_heads + row;
+        *reinterpret_cast<float2*>(a.partial_out + split_row * kDv + col) = make_float2(x[0] * inv, x[1] * inv);
+      }
+    }
+    for (int r = tid; r < kRows; r += kThreads) {
+      if (!rb.Valid(r)) continue;
+      const int64_t lse_row = (static_cast<int64_t>(rb.b) * s.num_heads + rb.Head(r)) * s.seqlen_q + rb.Position(r);
+      if (direct) {
+        a.args.lse[lse_row] = len.invalid ? __int_as_float(0x7fffffff) : sm.Lse()[r];
+      } else {
+        a.partial_lse[static_cast<int64_t>(rb.split) * s.batch * s.num_heads * s.seqlen_q + lse_row] = sm.Lse()[r];
+      }
+    }
+  }
+};
+
+}  // namespace te_jax::cuda::decode

@@ -1,0 +1,63 @@
+// The split-KV combine: merges the splits' partial results of each query row (attention_decode.cuh) by their
+// log-sum-exp, out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max lse + log sum_s w_s (the
+// merge of te_jax.merge_states). One warp per row (batch, position, head); lanes take column pairs.
+#pragma once
+
+#include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/element.h"
+#include "cpp/cuda/kernels/common/online_softmax.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
+
+namespace te_jax::cuda::decode {
+
+template <typename Element, int kDv>
+struct CombineKernel {
+  static constexpr int kThreads = kCombineThreads;
+
+  static __device__ __forceinline__ void Run(const DecodeArgs& a) {
+    const ShapeArgs& s = a.args.shape;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);  // (b, pos, head)
+    const int64_t rows = static_cast<int64_t>(s.batch) * s.seqlen_q * s.num_heads;
+    if (row >= rows) return;
+    const int head = static_cast<int>(row % s.num_heads);
+    const int pos = static_cast<int>(row / s.num_heads % s.seqlen_q);
+    const int b = static_cast<int>(row / s.num_heads / s.seqlen_q);
+    const BatchLengths len = ReadLengths(s, a.args.q_seqlens, a.args.kv_seqlens, b);
+    const KeyRange keys = MakeMask(s, len).Keys(pos);
+    const int64_t lse_row = (static_cast<int64_t>(b) * s.num_heads + head) * s.seqlen_q + pos;
+    const int64_t lse_split_stride = rows;  // [splits][B][H][Sq]
+    const int64_t out_split_stride = rows * kDv;
+
+    // max over the splits (fmaxf skips a NaN lse; its weight below is NaN, and so are out and lse).
+    float m = -__int_as_float(0x7f800000);
+    for (int sp = 0; sp < a.splits; ++sp) m = fmaxf(m, a.partial_lse[sp * lse_split_stride + lse_row]);
+    // A row that sees keys but whose every part is empty had only -inf logits: 0 * inf, as one split would give.
+    const bool sees_keys = keys.begin < keys.end;
+    const float base = m == -__int_as_float(0x7f800000) ? 0.0f : m;
+    float l = 0.0f;
+    for (int sp = 0; sp < a.splits; ++sp) l += Exp2((a.partial_lse[sp * lse_split_stride + lse_row] - base) * kLog2e);
+    const float inv = sees_keys ? 1.0f / l : 0.0f;
+
+    uint16_t* out = static_cast<uint16_t*>(a.args.out) + row * kDv;
+    const float* part = a.partial_out + row * kDv;
+    for (int col = 2 * lane; col < kDv; col += 64) {
+      float x[2] = {0.0f, 0.0f};
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const float w = Exp2((a.partial_lse[sp * lse_split_stride + lse_row] - base) * kLog2e);
+        const float2 y = *reinterpret_cast<const float2*>(part + sp * out_split_stride + col);
+        x[0] += w * y.x;
+        x[1] += w * y.y;
+      }
+      *reinterpret_cast<uint32_t*>(out + col) = len.invalid ? kPackedNaN : Element::Pack(x[0] * inv, x[1] * inv);
+    }
+    if (lane == 0) {
+      a.args.lse[lse_row] = len.invalid   ? __int_as_float(0x7fffffff)
+                            : !sees_keys ? -__int_as_float(0x7f800000)
+                                         : m + logf(l);
+    }
+  }
+};
+
+}  // namespace te_jax::cuda::decode

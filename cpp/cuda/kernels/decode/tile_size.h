@@ -1,0 +1,55 @@
+// The tuning table of the decode kernels (kernels/decode/): few query rows against a long key sequence, bound by the
+// memory bandwidth of reading K and V once. A CTA packs the query heads of one K/V head (and a few query positions)
+// into the rows of one tile, so every K/V byte it reads serves the whole group, and the keys of a (batch, K/V head)
+// are split across CTAs (split-KV) when batch x K/V heads alone cannot fill the GPU; a combine kernel merges the
+// splits' partial results by their log-sum-exp.
+#pragma once
+
+#include "cpp/cuda/kernels/sm80/tile_size.h"
+
+namespace te_jax::cuda::decode {
+
+// Up to this many query positions a call takes the decode kernels (the row-packed tile loses to the forward kernels'
+// 128-row tiles once the positions of one (batch, head) fill a tile; H200 measurements in docs/BENCHMARKS.md).
+inline constexpr int kMaxSeqlenQ = 16;
+
+inline constexpr int kWarps = 4;
+inline constexpr int kThreads = 32 * kWarps;
+inline constexpr int kBlockN = 64;  // keys per pipeline stage
+
+// Tiles as in the sm80 family (head dims padded to the mma k extent, rows padded by 16 bytes).
+using sm80::PadHeadDim;
+using sm80::TileBytes;
+
+// Stages of the cp.async ring: three for head dims up to 128 (~105 KB with the 16-row tile: two CTAs per SM), two
+// above (~140 KB).
+TE_JAX_HOST_DEVICE constexpr int Stages(int d, int dv) {
+  return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
+}
+
+// A CTA's warps split its tile as row_tiles 16-row tiles x (kWarps / row_tiles) key slices of each stage: one row tile
+// (16 rows: a single position of up to 16 heads, the common decode step) gives each warp 16 of the 64 keys; four row
+// tiles (64 rows, e.g. 4 heads x 16 positions) give each warp 16 rows and all 64 keys.
+TE_JAX_HOST_DEVICE constexpr int RowsOfTile(int row_tiles) { return 16 * row_tiles; }
+
+// The pipeline: the q tile, the k and v rings, and each row's key range, position and ALiBi slope. The epilogue reuses
+// the rings for the warps' float partial outputs and each row's max and sum per warp.
+TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles) {
+  const int rows = RowsOfTile(row_tiles);
+  return TileBytes(rows, PadHeadDim(d)) +
+         Stages(d, dv) * (TileBytes(kBlockN, PadHeadDim(d)) + TileBytes(kBlockN, PadHeadDim(dv))) + rows * (8 + 4 + 4);
+}
+
+// The epilogue's float rows of each warp's partial output, padded by 4 floats so a fragment store's 8 rows spread over
+// the banks.
+TE_JAX_HOST_DEVICE constexpr int EpiloguePitch(int dv) { return PadHeadDim(dv) + 4; }
+
+TE_JAX_HOST_DEVICE constexpr int EpilogueBytes(int dv) { return kWarps * 16 * (EpiloguePitch(dv) + 2) * 4; }
+
+// The combine kernel: a warp per query row.
+inline constexpr int kCombineThreads = 256;
+
+// The two kernels of a decode module: row tiles 1 and 4.
+TE_JAX_HOST_DEVICE constexpr int RowTilesOfKernel(int index) { return index == 0 ? 1 : 4; }
+
+}  // namespace te_jax::cuda::decode

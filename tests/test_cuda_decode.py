@@ -1,0 +1,105 @@
+"""GPU tests of the decode kernels (cpp/cuda/kernels/decode/: calls with at most 16 query positions): out, lse and the
+gradients against the float64 reference for GQA packings of 1-80 heads, 1-16 positions, split-KV, every mask and
+variant, ragged lengths; FFI and legacy bitwise equal; 20 runs bitwise equal; non-finite inputs follow the formula
+(also across splits and the warps' key slices); invalid run-time lengths give NaN. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+try:
+  _GPUS = jax.devices("gpu")
+except RuntimeError:
+  _GPUS = []
+if not _GPUS:
+  pytest.skip("no GPU: the CUDA backend tests need one", allow_module_level=True)
+
+import te_jax  # noqa: E402
+from te_jax._cuda_test_configs import DECODE_CASES  # noqa: E402
+from te_jax.reference import attention_reference  # noqa: E402
+
+# The CUDA tests' inputs, runner and reference check, shared so both files hold every case to the same bounds.
+from test_cuda_attention import TOL, _check_against_reference, _inputs, _rel, _run  # noqa: E402
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_matches_reference_and_paths_agree(case):
+  q, k, v, kwargs, dout, dlse = _inputs(case, seed=zlib.crc32(case[0].encode()))
+  kwargs.update(engine="te")
+  with te_jax.custom_call_path("ffi"):
+    ffi = _run(q, k, v, kwargs, dout, dlse, _GPUS[0])
+  errors = _check_against_reference(case, ffi, q, k, v, kwargs, dout, dlse)
+  with te_jax.custom_call_path("legacy"):
+    legacy = _run(q, k, v, kwargs, dout, dlse, _GPUS[0])
+  te_jax.raise_legacy_failures()
+  for name, a, b in zip(("out", "lse"), ffi, legacy):
+    assert a.tobytes() == b.tobytes(), f"FFI and legacy {name} differ"
+  print(f"{case[0]}: " + " ".join(f"{key}={val:.2e}" for key, val in errors.items()))
+
+
+def test_decode_is_bitwise_reproducible():
+  """20 back-to-back decode steps over many splits give the same bits (the combine's order is fixed)."""
+  case = DECODE_CASES[-1]
+  q, k, v, _, _, _ = _inputs(case, seed=3)
+  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal_bottom_right", return_lse=True,
+                                                engine="te"))
+  first = [np.asarray(x) for x in f(q, k, v)]
+  for _ in range(19):
+    for a, b in zip(first, f(q, k, v)):
+      assert np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+# One non-finite value: (id, tensor, index). b 2, Sq 16, Skv 700, h 8 / kv 2, bottom-right causal: the last 15 keys are
+# seen by the later positions only, so their tile straddles the rows' range edges; 700 keys make several splits.
+DECODE_NONFINITE = [
+    ("nan_v_seen_by_later_positions", "v", (0, 690, 1, 4), np.nan),
+    ("inf_v_seen_by_later_positions", "v", (1, 695, 0, 0), np.inf),
+    ("nan_k_seen_by_later_positions", "k", (0, 699, 1, 3), np.nan),
+    ("nan_v_early_split", "v", (1, 10, 1, 7), np.nan),
+    ("nan_q", "q", (0, 5, 3, 2), np.nan),
+]
+
+
+@pytest.mark.parametrize("name,tensor,index,value", DECODE_NONFINITE, ids=[c[0] for c in DECODE_NONFINITE])
+def test_decode_nonfinite_inputs_follow_the_formula(name, tensor, index, value):
+  rng = np.random.default_rng(2)
+  shapes = dict(q=(2, 16, 8, 128), k=(2, 700, 2, 128), v=(2, 700, 2, 128))
+  x = {n: np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)).astype(np.float32) for n, s in shapes.items()}
+  x[tensor][index] = value
+  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal_bottom_right", return_lse=True,
+                                                engine="te"))
+  with te_jax.custom_call_path("ffi"):
+    out, lse = (np.asarray(t, np.float32) for t in f(q, k, v))
+  with te_jax.custom_call_path("legacy"):
+    out_l, lse_l = (np.asarray(t, np.float32) for t in f(q, k, v))
+  te_jax.raise_legacy_failures()
+  assert out.tobytes() == out_l.tobytes() and lse.tobytes() == lse_l.tobytes()
+  ref = attention_reference(x["q"], x["k"], x["v"], mask_type="causal_bottom_right")
+  bad = ~np.isfinite(ref["out"])
+  assert bad.any() and not bad.all()
+  assert np.array_equal(np.isnan(lse), np.isnan(ref["lse"]))
+  assert np.array_equal(~np.isfinite(out), bad), "non-finite outputs differ from the formula's"
+  assert _rel(out[~bad], ref["out"][~bad]) < TOL["bfloat16"]["out"]
+
+
+def test_decode_invalid_runtime_seqlens_give_nan():
+  """Traced lengths outside [0, S] give NaN in every output of their batch entry, with one split and with many."""
+  rng = np.random.default_rng(4)
+  for skv in (64, 5000):
+    q = jnp.asarray(rng.standard_normal((3, 2, 4, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((3, skv, 1, 64)), jnp.bfloat16) for _ in range(2))
+    qs = jnp.asarray([2, 3, 1], jnp.int32)
+    ks = jnp.asarray([skv, 7, skv + 1], jnp.int32)
+    f = jax.jit(lambda q, k, v, qs, ks: te_jax.fused_attn(q, k, v, mask_type="padding_causal_bottom_right",
+                                                          q_seqlens=qs, kv_seqlens=ks, return_lse=True, engine="te"))
+    out, lse = (np.asarray(t, np.float32) for t in f(q, k, v, qs, ks))
+    for name, x in (("out", out), ("lse", lse)):
+      assert np.isnan(x[1]).all() and np.isnan(x[2]).all(), f"{name} of the invalid batches is not all NaN"
+      assert not np.isnan(x[0]).any(), f"{name} of the valid batch has NaN"
