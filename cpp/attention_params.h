@@ -21,6 +21,11 @@ namespace te_jax {
 //   [1, 1, 1, 1] placeholders (bias_broadcast kBroadcastAll).
 //   dropout uint32 [6]: the PRNG key's two words, then the global (b, h, i, j) of this call's element [0, 0, 0, 0]
 //   (read only when dropout_threshold > 0; cpp/philox.h). Zeros without dropout.
+//   page_table int32 [B, max_pages_per_seq] (read only when page_size > 0; an int32 [B, 1] zero placeholder without
+//   paging). With page_size > 0 (a paged KV cache, issue 17) k is the page pool [num_pages, page_size, Hkv, D] and v
+//   [num_pages, page_size, Hkv, Dv], seqlen_kv is the logical capacity max_pages_per_seq * page_size, and key j of
+//   batch entry b lives at pool row page_table[b][j / page_size] * page_size + j % page_size (cpp/kv_rows.h). Only the
+//   pages holding keys below kv_seqlens[b] are read; their ids must lie in [0, num_pages) (ValidatePageTable).
 // q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv. The
 // segment ids and positions are always passed too, so every layer (lowering, batching, sharding) sees one operand list
 // of one shape: without the flag the Python layer passes zeros of the same shape, which XLA materialises as a
@@ -50,6 +55,10 @@ struct AttentionParams {
   // Attention dropout (issue 12), CPU backend only so far: a probability is dropped when its Philox word (cpp/philox.h)
   // is below this threshold (round(rate * 2^32)) and the kept ones are scaled by 2^32 / (2^32 - threshold); 0: none.
   uint32_t dropout_threshold = 0;
+  // Paged KV cache (issue 17), forward only: 0, k and v are contiguous [B, Skv, ...]; else the keys per page (a
+  // multiple of 8 in [8, 256]) and k, v are pools of num_pages pages read through the page table (layout above).
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
   // Backward only. false: the CUDA backward sums dq over key blocks with float atomics in one pass (fast; the order
   // of the additions, and so dq's last bits, can differ between runs). true: a second pass recomputes each dq row in
   // a fixed order (bitwise reproducible, ~1.4x the backward's work). The CPU backward likewise sums dq in an order that
@@ -71,6 +80,7 @@ struct ForwardBuffers {
   const int32_t* kv_positions = nullptr;
   const void* bias = nullptr;
   const uint32_t* dropout = nullptr;
+  const int32_t* page_table = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
   // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
@@ -98,6 +108,8 @@ struct BackwardBuffers {
   const int32_t* kv_positions = nullptr;
   const void* bias = nullptr;
   const uint32_t* dropout = nullptr;
+  // The backward refuses paging (ValidateBackwardParams): present so both directions share one operand list.
+  const int32_t* page_table = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

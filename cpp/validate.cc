@@ -1,9 +1,9 @@
 #include "cpp/validate.h"
 
 #include <cmath>
+#include <string>
 
 #include "cpp/bias.h"
-#include <string>
 
 namespace te_jax {
 namespace {
@@ -14,6 +14,54 @@ Status CheckHeadDim(const char* name, int64_t d) {
   if (d <= 0 || d % 8 != 0 || d > kMaxHeadDim) {
     return Status::InvalidArgument(std::string(name) + " must be a multiple of 8 in [8, " + Str(kMaxHeadDim) +
                                    "], got " + Str(d));
+  }
+  return Status::Ok();
+}
+
+const char* MaskName(MaskType m) {
+  static const char* const kNames[kNumMaskTypes] = {"no_mask", "causal", "causal_bottom_right", "padding",
+                                                    "padding_causal", "padding_causal_bottom_right"};
+  return kNames[static_cast<int>(m)];
+}
+
+// A paged KV cache (page_size > 0) serves decoding and chunked prefill over a cache: queries at the end of their
+// sequence over its first kv_seqlens[b] keys, nothing that indexes keys by their position in k (ids, positions, bias)
+// or that needs the backward (dropout).
+Status CheckPaging(const AttentionParams& p, Backend backend) {
+  if (p.page_size == 0) {
+    if (p.num_pages != 0) {
+      return Status::InvalidArgument("num_pages must be 0 without a paged KV cache (page_size 0), got " +
+                                     Str(p.num_pages));
+    }
+    return Status::Ok();
+  }
+  if (p.page_size < 0 || p.page_size % 8 != 0 || p.page_size > kMaxPageSize) {
+    return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of 8 in [8, " +
+                                   Str(kMaxPageSize) + "], got " + Str(p.page_size));
+  }
+  if (p.num_pages < 0 || p.seqlen_kv % p.page_size != 0) {
+    return Status::InvalidArgument("a paged KV cache needs num_pages >= 0 and seqlen_kv (max_pages_per_seq x "
+                                   "page_size) a multiple of page_size " + Str(p.page_size) + ", got num_pages=" +
+                                   Str(p.num_pages) + " seqlen_kv=" + Str(p.seqlen_kv));
+  }
+  if (p.mask_type != MaskType::kPadding && p.mask_type != MaskType::kPaddingCausalBottomRight) {
+    return Status::InvalidArgument(std::string("a paged KV cache (page_size > 0) goes with mask_type padding or "
+                                               "padding_causal_bottom_right (queries at the end of their sequence), "
+                                               "got ") + MaskName(p.mask_type));
+  }
+  if (p.has_segment_ids || p.has_positions) {
+    return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no segment ids or positions "
+                                   "(has_segment_ids and has_positions must be false)");
+  }
+  if (p.has_bias) {
+    return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no bias (has_bias must be false)");
+  }
+  if (p.dropout_threshold > 0) {
+    return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no dropout (dropout_threshold must be 0)");
+  }
+  if (!BackendServesPagesInPlace(backend)) {
+    return Status::InvalidArgument("the CUDA backend does not read a paged KV cache in place yet (page_size must be "
+                                   "0): on the GPU te_jax.paged_attention gathers the pages into contiguous k and v");
   }
   return Status::Ok();
 }
@@ -53,6 +101,7 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   if (!(std::isfinite(p.softcap) && p.softcap >= 0.0f)) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
+  TE_JAX_RETURN_IF_ERROR(CheckPaging(p, backend));
   const bool packed = p.has_segment_ids || p.has_positions;
   if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
     return Status::InvalidArgument(
@@ -98,6 +147,15 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   return Status::Ok();
 }
 
+Status ValidateBackwardParams(const AttentionParams& p) {
+  if (p.page_size != 0) {
+    return Status::InvalidArgument("the backward takes no paged KV cache (page_size must be 0, got " +
+                                   Str(p.page_size) + "): te_jax.paged_attention differentiates through the gathered "
+                                   "pages");
+  }
+  return Status::Ok();
+}
+
 Status ValidateSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
   for (int64_t b = 0; b < p.batch; ++b) {
     if (q_seqlens[b] < 0 || q_seqlens[b] > p.seqlen_q) {
@@ -107,6 +165,23 @@ Status ValidateSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const
     if (kv_seqlens[b] < 0 || kv_seqlens[b] > p.seqlen_kv) {
       return Status::InvalidArgument("kv_seqlens[" + Str(b) + "] = " + Str(kv_seqlens[b]) + " is outside [0, " +
                                      Str(p.seqlen_kv) + "]");
+    }
+  }
+  return Status::Ok();
+}
+
+Status ValidatePageTable(const AttentionParams& p, const int32_t* page_table, const int32_t* kv_seqlens) {
+  if (p.page_size == 0) return Status::Ok();
+  const int64_t pages_per_seq = p.seqlen_kv / p.page_size;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t used = (kv_seqlens[b] + p.page_size - 1) / p.page_size;
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t page = page_table[b * pages_per_seq + j];
+      if (page < 0 || page >= p.num_pages) {
+        return Status::InvalidArgument("page_table[" + Str(b) + ", " + Str(j) + "] = " + Str(page) +
+                                       " is not a page of the pool [0, " + Str(p.num_pages) + "), and sequence " +
+                                       Str(b) + " (kv_seqlens[" + Str(b) + "] = " + Str(kv_seqlens[b]) + ") uses it");
+      }
     }
   }
   return Status::Ok();

@@ -17,10 +17,24 @@ inline constexpr int64_t kMaxHeadDim = 256;
 inline constexpr int64_t kMaxWindow = (int64_t{1} << 31) - 1;
 // Batch and heads are CUDA grid dimensions (y and z are at most 65535).
 inline constexpr int64_t kMaxCudaGridDim = 65535;
+// A paged KV cache's page size: a multiple of 8 up to this (cpp/attention_params.h: page_size).
+inline constexpr int64_t kMaxPageSize = 256;
+
+// Whether a backend's kernels read a paged KV cache in place (cpp/kv_rows.h). The one switch to flip when a backend
+// learns it: te_jax.paged_attention gathers the pages into contiguous K/V on the platforms whose backend does not.
+inline constexpr bool BackendServesPagesInPlace(Backend backend) { return backend == Backend::kCpu; }
 
 Status ValidateAttentionParams(const AttentionParams& params, Backend backend);
 
+// What only the backward refuses (on top of ValidateAttentionParams): a paged KV cache, whose gradient
+// te_jax.paged_attention takes through the gathered pages instead.
+Status ValidateBackwardParams(const AttentionParams& params);
+
 // Runtime check of the per-batch lengths (they are data, so only a handler that can read them can check them).
 Status ValidateSeqlens(const AttentionParams& params, const int32_t* q_seqlens, const int32_t* kv_seqlens);
+
+// Runtime check of a paged call's page table (data too): the ids of the pages each sequence uses (those holding its
+// first kv_seqlens[b] keys) must lie in [0, num_pages). Run after ValidateSeqlens; nothing without paging.
+Status ValidatePageTable(const AttentionParams& params, const int32_t* page_table, const int32_t* kv_seqlens);
 
 }  // namespace te_jax

@@ -6,6 +6,9 @@
 // follows the thread scheduling; with params.deterministic one item per (batch, KV head, chunk of KV tiles) and one
 // buffer per chunk, so the order is a function of the problem alone (see Backward).
 //
+// K and V rows are read through KvRows (cpp/kv_rows.h): contiguous [B, Skv, Hkv, D] or, in the forward, the pool of
+// a paged KV cache read in place through the page table.
+//
 // Score tiles are key-major (scores[key][row]) so query rows are vector lanes (see online_softmax.h), and scores are
 // kept in log2 units: for the plain scaled dot, scale * log2(e) is folded into the packed Q^T.
 #include "cpp/cpu/attention_cpu.h"
@@ -27,6 +30,7 @@
 #include "cpp/cpu/tile_key_ranges.h"
 #include "cpp/cpu/tile_token_bounds.h"
 #include "cpp/cpu/worker_loop.h"
+#include "cpp/kv_rows.h"
 #include "cpp/validate.h"
 #include "cpp/variants.h"
 #include "cpp/token_mask.h"
@@ -91,6 +95,14 @@ HeadRows<T> Head(T* tensor, int64_t seqlen, int64_t heads, int64_t dim, int64_t 
   return {tensor + (b * seqlen * heads + h) * dim, heads * dim};
 }
 
+// rows x dim elements starting at `first` (row stride `stride`) copied as float32 into out [rows, dim].
+template <typename T>
+void CopyRowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t d = 0; d < dim; ++d) out[i * dim + d] = ToFloat(first[i * stride + d]);
+  }
+}
+
 // rows x dim elements starting at `first` (row stride `stride`) as float32 rows: float inputs are used in place,
 // the 16-bit types are converted once into `scratch`.
 template <typename T>
@@ -98,11 +110,28 @@ MatrixB RowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, f
   if constexpr (std::is_same_v<T, float>) {
     return {first, stride};
   } else {
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t d = 0; d < dim; ++d) scratch[i * dim + d] = ToFloat(first[i * stride + d]);
-    }
+    CopyRowsAsFloat(first, stride, rows, dim, scratch);
     return {scratch, dim};
   }
+}
+
+// Keys key0 .. key0 + keys - 1 of k or v (batch b, kv head h) as float32 rows, wherever `rows` says they live
+// (cpp/kv_rows.h). Contiguous rows go through RowsAsFloat (float32 in place); a paged call's rows are copied into
+// `scratch` one run of consecutive rows (the rest of a page) at a time: the same values in the same order, so the
+// products over them give the bits of the same call on the gathered pages.
+template <typename T>
+MatrixB KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b, int64_t h, int64_t key0, int64_t keys,
+                       float* scratch) {
+  if (!rows.paged()) {
+    return RowsAsFloat(tensor + rows.Offset(b, key0, h), rows.row_stride, keys, rows.head_dim, scratch);
+  }
+  for (int64_t c = 0; c < keys;) {
+    const int64_t run = std::min(keys - c, rows.ContiguousKeys(key0 + c));
+    CopyRowsAsFloat(tensor + rows.Offset(b, key0 + c, h), rows.row_stride, run, rows.head_dim,
+                    scratch + c * rows.head_dim);
+    c += run;
+  }
+  return {scratch, rows.head_dim};
 }
 
 // out[d][r] = factor * rows[r][d], zero in the lanes past `rows`: the B operand of the key-major score products.
@@ -226,6 +255,7 @@ struct ForwardArgs {
   const T* q;
   const T* k;
   const T* v;
+  KvRows k_rows, v_rows;  // where k's and v's rows live (contiguous or paged)
   T* out;
   float* lse;
   const int32_t* q_seqlens;
@@ -260,8 +290,6 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
   const int64_t lanes = RoundUpToLanes(rows);
   const int64_t kv_head = h / (p.num_heads / p.num_kv_heads);
   const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
-  const HeadRows<const T> k = Head(args.k, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
-  const HeadRows<const T> v = Head(args.v, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
   const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
   const TokenMask tokens = BatchTokens(p, args.tokens, b);
   const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
@@ -288,7 +316,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
       if (key0 == key_end) continue;
     }
     const int64_t keys = key_end - key0;
-    const MatrixB k_tile = RowsAsFloat(k.Row(key0), k.stride, keys, d, s.k.data());
+    const MatrixB k_tile = KeyRowsAsFloat(args.k, args.k_rows, b, kv_head, key0, keys, s.k.data());
     TileGemm(keys, lanes, d, {k_tile.data, k_tile.row_stride, 1}, {s.q_t.data(), kTileQ}, {scores, kTileQ},
              Accumulate::kNo);
     if constexpr (!kIsLinear<Variant>) {
@@ -306,7 +334,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < dv; ++j) s.out[r * dv + j] *= s.rescale[r];
     }
-    const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
+    const MatrixB v_tile = KeyRowsAsFloat(args.v, args.v_rows, b, kv_head, key0, keys, s.v.data());
     if (!all_see && !AllFinite(v_tile, keys, dv)) {
       AddVisibleProducts(s.ranges, scores, v_tile, key0, keys, rows, dv, s.out.data());
     } else {
@@ -368,6 +396,7 @@ struct BackwardArgs {
   const T* q;
   const T* k;
   const T* v;
+  KvRows k_rows, v_rows;  // contiguous: the backward refuses paging (ValidateBackwardParams)
   const T* out;
   const float* lse;
   const T* dout;
@@ -490,8 +519,6 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
   const int64_t keys = std::min(kTileKV, p.seqlen_kv - key0);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
-  const HeadRows<const T> k = Head(args.k, p.seqlen_kv, p.num_kv_heads, d, b, kv_head);
-  const HeadRows<const T> v = Head(args.v, p.seqlen_kv, p.num_kv_heads, dv, b, kv_head);
   const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
   const TokenMask tokens = BatchTokens(p, args.tokens, b);
   const KeyTokenBounds key_tokens =
@@ -500,8 +527,8 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
 
   std::fill(s.dk.begin(), s.dk.begin() + keys * d, 0.0f);
   std::fill(s.dv.begin(), s.dv.begin() + keys * dv, 0.0f);
-  const MatrixB k_tile = RowsAsFloat(k.Row(key0), k.stride, keys, d, s.k.data());
-  const MatrixB v_tile = RowsAsFloat(v.Row(key0), v.stride, keys, dv, s.v.data());
+  const MatrixB k_tile = KeyRowsAsFloat(args.k, args.k_rows, b, kv_head, key0, keys, s.k.data());
+  const MatrixB v_tile = KeyRowsAsFloat(args.v, args.v_rows, b, kv_head, key0, keys, s.v.data());
   for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     for (int64_t t = 0; t < q_tiles; ++t) {
       if (!Meets(p, q_tile_reach[b * q_tiles + t], args.kv_tile_tokens, b, item.tile)) continue;
@@ -645,6 +672,7 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
 Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buffers, TaskScheduler* scheduler) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
+  TE_JAX_RETURN_IF_ERROR(ValidatePageTable(params, buffers.page_table, buffers.kv_seqlens));
   const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);
   DispatchDType(params.dtype, [&](auto dtype_tag) {
@@ -653,6 +681,8 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
                               static_cast<const T*>(buffers.q),
                               static_cast<const T*>(buffers.k),
                               static_cast<const T*>(buffers.v),
+                              MakeKvRows(params, buffers.page_table, params.head_dim),
+                              MakeKvRows(params, buffers.page_table, params.head_dim_v),
                               static_cast<T*>(buffers.out),
                               buffers.lse,
                               buffers.q_seqlens,
@@ -671,6 +701,7 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
 
 Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, TaskScheduler* scheduler) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
+  TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(params));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
   const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);
@@ -680,6 +711,8 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
                                static_cast<const T*>(buffers.q),
                                static_cast<const T*>(buffers.k),
                                static_cast<const T*>(buffers.v),
+                               MakeKvRows(params, nullptr, params.head_dim),
+                               MakeKvRows(params, nullptr, params.head_dim_v),
                                static_cast<const T*>(buffers.out),
                                buffers.lse,
                                static_cast<const T*>(buffers.dout),
