@@ -22,9 +22,15 @@ nb::capsule EncapsulateFunction(T* fn) {
 }
 
 inline void DefineCoreFunctions(nb::module_& m) {
-  m.def("validate", [](const nb::dict& fields, int backend) {
-    ThrowIfError(ValidateAttentionParams(ParamsFromDict(fields), BackendFromInt(backend)));
-  });
+  // direction "backward" adds what only the backward refuses (ValidateBackwardParams).
+  m.def(
+      "validate",
+      [](const nb::dict& fields, int backend, const std::string& direction) {
+        const AttentionParams params = ParamsFromDict(fields);
+        ThrowIfError(ValidateAttentionParams(params, BackendFromInt(backend)));
+        if (!IsForward(direction)) ThrowIfError(ValidateBackwardParams(params));
+      },
+      nb::arg("fields"), nb::arg("backend"), nb::arg("direction") = "forward");
   m.def("pack_descriptor", [](const nb::dict& fields) {
     const std::string bytes = legacy::PackDescriptor(ParamsFromDict(fields));
     return nb::bytes(bytes.data(), bytes.size());

@@ -75,6 +75,9 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   if (d.contains("bias_dtype")) p.bias_dtype = static_cast<DType>(Field<uint8_t>(d, "bias_dtype"));
   if (d.contains("bias_broadcast")) p.bias_broadcast = Field<uint8_t>(d, "bias_broadcast");
   if (d.contains("dropout_threshold")) p.dropout_threshold = Field<uint32_t>(d, "dropout_threshold");
+  // Absent too in older callers' parameters: contiguous k and v.
+  if (d.contains("page_size")) p.page_size = i64("page_size");
+  if (d.contains("num_pages")) p.num_pages = i64("num_pages");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
   p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
   return p;
@@ -104,6 +107,8 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["bias_dtype"] = static_cast<int>(p.bias_dtype);
   d["bias_broadcast"] = static_cast<int>(p.bias_broadcast);
   d["dropout_threshold"] = p.dropout_threshold;
+  d["page_size"] = p.page_size;
+  d["num_pages"] = p.num_pages;
   return d;
 }
 

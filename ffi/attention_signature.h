@@ -9,26 +9,32 @@
   .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
       "scale").Attr<float>("softcap").Attr<bool>("has_alibi").Attr<bool>("deterministic").Attr<int64_t>("engine")      \
       .Attr<bool>("has_segment_ids").Attr<bool>("has_positions").Attr<bool>("has_bias")                   \
-      .Attr<int64_t>("dropout_threshold")
+      .Attr<int64_t>("dropout_threshold").Attr<int64_t>("page_size")
 
 // The packed-sequence operands that follow alibi_slopes in both directions: q_segment_ids, kv_segment_ids,
 // q_positions, kv_positions (int32 [B, Sq] / [B, Skv], zeros when the has_ flags are false).
 #define TE_JAX_FFI_TOKEN_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
 
-// q, k, v, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions, kv_positions, bias,
-// dropout -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
+// The operands after the tokens in both directions: page_table (int32 [B, max_pages_per_seq]; an int32 [B, 1]
+// placeholder when the attribute page_size is 0), bias, dropout.
+#define TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS \
+  .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
+
+// q, k, v, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+// page_table, bias, dropout -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
 #define TE_JAX_FFI_FORWARD_SIGNATURE                                                                            \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
-      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS.Arg<xla::ffi::AnyBuffer>()     \
-      .Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()   \
-          TE_JAX_FFI_ATTENTION_ATTRS
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS                                \
+          TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()          \
+      .Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
 
 // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions,
-// kv_positions, bias, dropout -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's BackwardWorkspaceBytes)
+// kv_positions, page_table, bias, dropout -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's
+// BackwardWorkspaceBytes)
 #define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
-      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS.Arg<xla::ffi::AnyBuffer>()     \
-      .Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()   \
-      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS                                \
+          TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()          \
+      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS

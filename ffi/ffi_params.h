@@ -26,6 +26,7 @@ struct AttentionAttrs {
   bool has_positions;
   bool has_bias;
   int64_t dropout_threshold;  // cpp/attention_params.h; 0: no dropout
+  int64_t page_size;          // cpp/attention_params.h; 0: k and v contiguous, the page table a placeholder
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -84,29 +85,57 @@ inline Status ExpectDbiasLikeBias(const xla::ffi::AnyBuffer& bias, const xla::ff
   return Status::Ok();
 }
 
+// The keys' layout from k and the page table (cpp/attention_params.h): without paging k is [B, Skv, Hkv, D] and the
+// page table an int32 [B, 1] placeholder; with page_size > 0 k is the pool [num_pages, page_size, Hkv, D] and the
+// page table int32 [B, max_pages_per_seq], which gives the capacity seqlen_kv = max_pages_per_seq * page_size.
+inline Status KeyLayoutFromFfi(const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& page_table, int64_t page_size,
+                               AttentionParams* p) {
+  const auto table = page_table.dimensions();
+  if (table.size() != 2 || table[0] != p->batch || page_table.element_type() != xla::ffi::DataType::S32) {
+    return Status::InvalidArgument("page_table must be int32 [B, max_pages_per_seq] with B = " +
+                                   std::to_string(p->batch) + " (int32 [B, 1] zeros without paging)");
+  }
+  if (page_size < 0) {
+    return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of 8 in [8, 256], got " +
+                                   std::to_string(page_size));
+  }
+  if (page_size == 0) {
+    p->seqlen_kv = k.dimensions()[1];
+    return ExpectShape("page_table", page_table, {p->batch, 1});
+  }
+  p->page_size = page_size;
+  p->num_pages = k.dimensions()[0];
+  p->seqlen_kv = table[1] * page_size;
+  return Status::Ok();
+}
+
 // Decodes params from q, k, v and checks that every other buffer of the call has the shape and type they imply.
 inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
                             const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                            const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
-                            const AttentionAttrs& attrs, AttentionParams* params) {
+                            const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
+                            const xla::ffi::AnyBuffer& dropout, const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
-    return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim])");
+    return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim]; k and v "
+                                   "[num_pages, page_size, heads, head_dim] when paged)");
   }
   AttentionParams p;
   p.batch = q.dimensions()[0];
   p.seqlen_q = q.dimensions()[1];
   p.num_heads = q.dimensions()[2];
   p.head_dim = q.dimensions()[3];
-  p.seqlen_kv = k.dimensions()[1];
   p.num_kv_heads = k.dimensions()[2];
   p.head_dim_v = v.dimensions()[3];
   TE_JAX_RETURN_IF_ERROR(DTypeFromFfi(q.element_type(), &p.dtype));
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
     return Status::InvalidArgument("q, k and v must have the same dtype");
   }
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("k", k, {p.batch, p.seqlen_kv, p.num_kv_heads, p.head_dim}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("v", v, {p.batch, p.seqlen_kv, p.num_kv_heads, p.head_dim_v}));
+  TE_JAX_RETURN_IF_ERROR(KeyLayoutFromFfi(k, page_table, attrs.page_size, &p));
+  // k's and v's leading dims: [B, Skv] or, paged, [num_pages, page_size].
+  const int64_t rows0 = p.page_size > 0 ? p.num_pages : p.batch;
+  const int64_t rows1 = p.page_size > 0 ? p.page_size : p.seqlen_kv;
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("k", k, {rows0, rows1, p.num_kv_heads, p.head_dim}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("v", v, {rows0, rows1, p.num_kv_heads, p.head_dim_v}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("q_seqlens", q_seqlens, {p.batch}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_seqlens", kv_seqlens, {p.batch}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("alibi_slopes", alibi_slopes, {p.batch, p.num_heads}));
@@ -167,8 +196,8 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
                                             const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                             const xla::ffi::AnyBuffer& kv_seqlens,
                                             const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                            const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
-                                            xla::ffi::AnyBuffer& out,
+                                            const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
+                                            const xla::ffi::AnyBuffer& dropout, xla::ffi::AnyBuffer& out,
                                             xla::ffi::AnyBuffer& lse, xla::ffi::AnyBuffer& workspace) {
   ForwardBuffers b;
   b.q = q.untyped_data();
@@ -178,6 +207,7 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
   b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   SetTokenBuffers(tokens, &b);
+  b.page_table = static_cast<const int32_t*>(page_table.untyped_data());
   b.bias = bias.untyped_data();
   b.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
   b.out = out.untyped_data();
@@ -194,8 +224,8 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
                                               const xla::ffi::AnyBuffer& q_seqlens,
                                               const xla::ffi::AnyBuffer& kv_seqlens,
                                               const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                              const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
-                                              xla::ffi::AnyBuffer& dq,
+                                              const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
+                                              const xla::ffi::AnyBuffer& dropout, xla::ffi::AnyBuffer& dq,
                                               xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv,
                                               xla::ffi::AnyBuffer& dbias, xla::ffi::AnyBuffer& workspace) {
   BackwardBuffers b;
@@ -210,6 +240,7 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
   b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
   SetTokenBuffers(tokens, &b);
+  b.page_table = static_cast<const int32_t*>(page_table.untyped_data());
   b.bias = bias.untyped_data();
   b.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
   b.dq = dq.untyped_data();

@@ -69,7 +69,7 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint16_t>(kDescriptorVersion);
   w.Put<uint16_t>(static_cast<uint16_t>(kDescriptorSize));
   for (int64_t v : {p.batch, p.seqlen_q, p.seqlen_kv, p.num_heads, p.num_kv_heads, p.head_dim, p.head_dim_v,
-                    p.window_left, p.window_right}) {
+                    p.window_left, p.window_right, p.page_size, p.num_pages}) {
     w.Put<int64_t>(v);
   }
   w.Put<float>(p.scale);
@@ -111,8 +111,9 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   }
   Reader r(data + 8);
   AttentionParams out;
-  int64_t* dims[] = {&out.batch,        &out.seqlen_q,   &out.seqlen_kv,   &out.num_heads,   &out.num_kv_heads,
-                     &out.head_dim,     &out.head_dim_v, &out.window_left, &out.window_right};
+  int64_t* dims[] = {&out.batch,     &out.seqlen_q,     &out.seqlen_kv,    &out.num_heads, &out.num_kv_heads,
+                     &out.head_dim,  &out.head_dim_v,   &out.window_left,  &out.window_right,
+                     &out.page_size, &out.num_pages};
   for (int64_t* d : dims) *d = r.Get<int64_t>();
   out.scale = r.Get<float>();
   out.softcap = r.Get<float>();

@@ -12,14 +12,15 @@
 namespace te_jax::legacy {
 
 // Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
-// kv_positions (zeros when the descriptor's flags say they are absent), then bias (a placeholder without one), then
-// dropout (uint32 [6], key and offsets; zeros without dropout).
+// kv_positions (zeros when the descriptor's flags say they are absent), then page_table (int32 [B, max_pages_per_seq];
+// an int32 [B, 1] placeholder when page_size is 0), then bias (a placeholder without one), then dropout (uint32 [6],
+// key and offsets; zeros without dropout).
 inline constexpr int kTokenInputs = 4;
-inline constexpr int kForwardInputs = 8 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, bias,
-                                                          // dropout
-inline constexpr int kForwardOutputs = 3;                 // out, lse, workspace
-inline constexpr int kBackwardInputs = 12 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                           // alibi_slopes, tokens, bias, dropout
+inline constexpr int kForwardInputs = 9 + kTokenInputs;    // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens,
+                                                           // page_table, bias, dropout
+inline constexpr int kForwardOutputs = 3;                  // out, lse, workspace
+inline constexpr int kBackwardInputs = 13 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                           // alibi_slopes, tokens, page_table, bias, dropout
 inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
 // in[first], ... are q_segment_ids, kv_segment_ids, q_positions, kv_positions.
@@ -42,8 +43,9 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
   b.kv_seqlens = static_cast<const int32_t*>(in[4]);
   b.alibi_slopes = static_cast<const float*>(in[5]);
   SetTokenBuffers(in, 6, &b);
-  b.bias = in[6 + kTokenInputs];
-  b.dropout = static_cast<const uint32_t*>(in[7 + kTokenInputs]);
+  b.page_table = static_cast<const int32_t*>(in[6 + kTokenInputs]);
+  b.bias = in[7 + kTokenInputs];
+  b.dropout = static_cast<const uint32_t*>(in[8 + kTokenInputs]);
   b.out = out[0];
   b.lse = static_cast<float*>(out[1]);
   b.workspace = out[2];
@@ -64,8 +66,9 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
   b.kv_seqlens = static_cast<const int32_t*>(in[8]);
   b.alibi_slopes = static_cast<const float*>(in[9]);
   SetTokenBuffers(in, 10, &b);
-  b.bias = in[10 + kTokenInputs];
-  b.dropout = static_cast<const uint32_t*>(in[11 + kTokenInputs]);
+  b.page_table = static_cast<const int32_t*>(in[10 + kTokenInputs]);
+  b.bias = in[11 + kTokenInputs];
+  b.dropout = static_cast<const uint32_t*>(in[12 + kTokenInputs]);
   b.dq = out[0];
   b.dk = out[1];
   b.dv = out[2];
@@ -83,11 +86,14 @@ inline void ForwardOutputBytes(const AttentionParams& p, size_t bytes[kForwardOu
   bytes[2] = 0;
 }
 
+// dk and dv have k's and v's shapes: [B, Skv, ...], or the pool [num_pages, page_size, ...] of a paged call (which
+// the backward refuses, and so poisons).
 inline void BackwardOutputBytes(const AttentionParams& p, size_t bytes[kBackwardOutputs]) {
   const size_t elem = DTypeSize(p.dtype);
+  const int64_t key_rows = p.page_size > 0 ? p.num_pages * p.page_size : p.batch * p.seqlen_kv;
   bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim) * elem;
-  bytes[1] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim) * elem;
-  bytes[2] = static_cast<size_t>(p.batch * p.seqlen_kv * p.num_kv_heads * p.head_dim_v) * elem;
+  bytes[1] = static_cast<size_t>(key_rows * p.num_kv_heads * p.head_dim) * elem;
+  bytes[2] = static_cast<size_t>(key_rows * p.num_kv_heads * p.head_dim_v) * elem;
   bytes[3] = static_cast<size_t>(MakeBiasLayout(p).elements()) * DTypeSize(p.bias_dtype);
   bytes[4] = 0;
 }

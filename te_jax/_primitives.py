@@ -2,16 +2,20 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias, dropout   -> out, lse, workspace
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens, bias, dropout
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, page_table, bias, dropout   -> out, lse, workspace
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens, page_table, bias, dropout
             -> dq, dk, dv, dbias, workspace
 where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv]):
 always present, zeros when config.has_segment_ids / has_positions say they are absent (see no_tokens), so lowering,
-batching and sharding handle one operand list of one shape. bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32,
-bfloat16 or float16; its size-1 dims broadcast), a float32 [1, 1, 1, 1] placeholder without config.has_bias (see
-no_bias); dbias has its shape and dtype. dropout is uint32 [6]: the PRNG key's two words, then the global (b, h, i, j)
-of the call's element [0, 0, 0, 0] in the keep-mask of te_jax/dropout.py (nonzero for a batch or head shard); zeros,
-unread, without config.dropout_threshold (see no_dropout). It is one per call: vmap never batches it.
+batching and sharding handle one operand list of one shape. page_table is int32 [B, max_pages_per_seq] when
+config.page_size > 0 (a paged KV cache, forward only: k and v are then the pools [num_pages, page_size, Hkv, D(v)] and
+Skv, in the tokens' shapes too, is the capacity max_pages_per_seq * page_size), else an int32 [B, 1] zero placeholder
+(see no_page_table); the backward takes it too, for one operand list, and refuses paging.
+bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32, bfloat16 or float16; its size-1 dims broadcast), a float32
+[1, 1, 1, 1] placeholder without config.has_bias (see no_bias); dbias has its shape and dtype. dropout is uint32 [6]:
+the PRNG key's two words, then the global (b, h, i, j) of the call's element [0, 0, 0, 0] in the keep-mask of
+te_jax/dropout.py (nonzero for a batch or head shard); zeros, unread, without config.dropout_threshold (see
+no_dropout). It is one per call: vmap never batches it.
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -44,6 +48,11 @@ def no_tokens(batch: int, seqlen_q: int, seqlen_kv: int):
   """The token operands of a call without segment ids and positions: zeros the kernels do not read."""
   zq, zkv = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
   return zq, zkv, zq, zkv
+
+
+def no_page_table(batch: int):
+  """The page table operand of a call whose k and v are contiguous: zeros the kernels do not read."""
+  return jnp.zeros((batch, 1), jnp.int32)
 
 
 def no_bias():
@@ -80,11 +89,11 @@ def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
   backend = backend_for(platform)
   q_aval, k_aval, v_aval = ctx.avals_in[:3]
-  bias_aval = ctx.avals_in[-2]
+  page_table_aval, bias_aval = ctx.avals_in[-3:-1]
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
-                              bias_dtype=bias_aval.dtype)
+                              bias_dtype=bias_aval.dtype, page_table_shape=page_table_aval.shape)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
-  backend.extension.validate(params, backend.code)
+  backend.extension.validate(params, backend.code, direction)
   choice = backend.choose_engine(params, direction, config)
   params["engine"] = ENGINE_CODES[choice.engine]
   backend.ensure_registered()
@@ -108,14 +117,41 @@ def register_lowering(platform: str) -> None:
     mlir.register_lowering(prim, partial(_lowering, direction=direction, platform=platform), platform=platform)
 
 
-def _fold_into_batch(args, dims, size):
+def _fold_into_batch(args, dims, size, keep=()):
   """vmap: operands [B, ...] mapped over N -> [B * N, ...], batch-major, so a sharded batch stays sharded (folding
-  the mapped axis in front would split the batch's shards, and XLA would all-gather them)."""
+  the mapped axis in front would split the batch's shards, and XLA would all-gather them). The operands at the indices
+  in `keep` are not batch-major and pass as they are."""
   folded = []
-  for x, d in zip(args, dims):
+  for i, (x, d) in enumerate(zip(args, dims)):
+    if i in keep:
+      folded.append(x)
+      continue
     x = jnp.broadcast_to(x[:, None], (x.shape[0], size) + x.shape[1:]) if d is None else jnp.moveaxis(x, d, 1)
     folded.append(x.reshape((x.shape[0] * size,) + x.shape[2:]))
   return folded
+
+
+_POOLS = (1, 2)  # k and v: the page pools of a paged call
+
+
+def _stack_pools(args, dims, size):
+  """vmap of a paged call (`args` without the dropout operand): k and v are page pools, not batch-major, and the page
+  table (second from the end, before the bias) indexes them. Pools every example shares stay one pool (the folded page
+  table indexes it). Per-example pools are stacked, example-major, into one pool of N * num_pages pages, and example
+  n's page ids move into its part: an id outside its own pool becomes -1, still outside the pool, so it stays an error
+  instead of reading another example's pages."""
+  if dims[1] is None and dims[2] is None:
+    return args, dims
+  stacked = lambda x, d: jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+  k, v, table = (stacked(args[i], dims[i]) for i in (1, 2, -2))
+  num_pages = k.shape[1]
+  first = (jnp.arange(size, dtype=jnp.int32) * num_pages)[:, None, None]
+  table = jnp.where((table >= 0) & (table < num_pages), table + first, -1)
+  args, dims = list(args), list(dims)
+  args[1], args[2] = (x.reshape((size * num_pages,) + x.shape[2:]) for x in (k, v))
+  args[-2], dims[-2] = table, 0
+  dims[1] = dims[2] = None
+  return args, dims
 
 
 def _bias_with_full_batch(bias, bias_dim, batch: int):
@@ -130,24 +166,30 @@ def _bias_with_full_batch(bias, bias_dim, batch: int):
 
 
 def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
-  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last two
-  operands being the bias and the dropout operand and, with returns_dbias, the last result the bias's gradient.
-  Without a bias its placeholder (and its zero gradient) stays as it is: unbatched, one element. The dropout operand
-  stays one per call: example n of batch entry b becomes batch entry b * N + n of the folded call, so it gets that
-  entry's part of the one key's mask."""
+  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last three
+  operands being the page table, the bias and the dropout operand and, with returns_dbias, the last result the bias's
+  gradient. Without a bias its placeholder (and its zero gradient) stays as it is: unbatched, one element. The dropout
+  operand stays one per call: example n of batch entry b becomes batch entry b * N + n of the folded call, so it gets
+  that entry's part of the one key's mask. A paged call's pools are the exception to batch-major k and v
+  (_stack_pools); its page table folds like q_seqlens."""
   *args, dropout = args
   *dims, dropout_dim = dims
   if dropout_dim is not None:
     raise ValueError("fused_attn under vmap: dropout_rng must be one key for the whole vmapped call (each example "
                      "gets its own part of its mask), not mapped")
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  has_bias = params["config"].has_bias
+  config = params["config"]
+  keep = ()
+  if config.page_size:
+    args, dims = _stack_pools(args, dims, size)
+    keep = _POOLS
+  has_bias = config.has_bias
   if has_bias:
     q, q_dim = args[0], dims[0]
     bias, expanded = _bias_with_full_batch(args[-1], dims[-1], q.shape[1 if q_dim == 0 else 0])
-    operands = _fold_into_batch([*args[:-1], bias], dims, size)
+    operands = _fold_into_batch([*args[:-1], bias], dims, size, keep)
   else:
-    operands = [*_fold_into_batch(args[:-1], dims[:-1], size), args[-1]]
+    operands = [*_fold_into_batch(args[:-1], dims[:-1], size, keep), args[-1]]
   outs = prim.bind(*operands, dropout, **params)
   batched = len(outs) - (returns_dbias and not has_bias)
   outs = [o.reshape((o.shape[0] // size, size) + o.shape[1:]) if i < batched else o for i, o in enumerate(outs)]

@@ -34,6 +34,10 @@ class AttentionConfig:
   # Attention dropout (issue 12): a probability is dropped when its Philox word is below this (te_jax/dropout.py:
   # drop_threshold); 0: no dropout, the dropout operand is a placeholder.
   dropout_threshold: int = 0
+  # Paged KV cache (issue 17; te_jax.paged_attention, forward only): 0, k and v are [B, Skv, Hkv, D(v)] and the page
+  # table operand a placeholder; else k and v are pools [num_pages, page_size, Hkv, D(v)] read through the page table
+  # int32 [B, max_pages_per_seq], and Skv is the capacity max_pages_per_seq * page_size.
+  page_size: int = 0
 
   def ffi_attributes(self, engine_code: int) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering
@@ -43,15 +47,20 @@ class AttentionConfig:
                 softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
                 deterministic=bool(self.deterministic), engine=np.int64(engine_code),
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
-                has_bias=bool(self.has_bias), dropout_threshold=np.int64(self.dropout_threshold))
+                has_bias=bool(self.has_bias), dropout_threshold=np.int64(self.dropout_threshold),
+                page_size=np.int64(self.page_size))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
-                  bias_dtype=np.float32) -> dict:
+                  bias_dtype=np.float32, page_table_shape=None) -> dict:
     """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them);
     engine_code 0 is te_jax's own kernels. bias_shape / bias_dtype: the bias operand's (the placeholder's by
-    default); its size-1 dims are the broadcast bits of cpp/bias.h."""
+    default); its size-1 dims are the broadcast bits of cpp/bias.h. page_table_shape: [B, max_pages_per_seq], needed
+    when paged (Skv is then the capacity it gives, and k's leading dim the number of pages)."""
     batch, seqlen_q, num_heads, head_dim = q_shape
-    return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=k_shape[1], num_heads=num_heads, num_kv_heads=k_shape[2],
+    seqlen_kv, num_pages = k_shape[1], 0
+    if self.page_size:
+      seqlen_kv, num_pages = page_table_shape[1] * self.page_size, k_shape[0]
+    return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, num_heads=num_heads, num_kv_heads=k_shape[2],
                 head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
                 mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
                 scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi),
@@ -59,4 +68,4 @@ class AttentionConfig:
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
                 has_bias=bool(self.has_bias), bias_dtype=DTYPE_CODES[np.dtype(bias_dtype)],
                 bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1),
-                dropout_threshold=int(self.dropout_threshold))
+                dropout_threshold=int(self.dropout_threshold), page_size=int(self.page_size), num_pages=int(num_pages))

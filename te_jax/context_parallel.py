@@ -77,6 +77,9 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if config.dropout_threshold:
     raise ValueError(f"{where}: dropout_rate > 0 is not supported with context parallelism yet; shard the batch or "
                      "the heads instead, or pass dropout_rate=0")
+  if config.page_size:
+    raise ValueError(f"{where}: a paged KV cache (page_size {config.page_size}) is not supported with context "
+                     "parallelism; shard the batch (the page table) or the kv heads instead")
   mask = config.mask_type
   # With segment ids or positions every block carries its tokens' positions, and windows need no shifted diagonal.
   has_window = (config.window_left >= 0 or config.window_right >= 0) and not uses_tokens(config)
@@ -142,7 +145,8 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
 def _block_forward(config, kind, q, k, v, blk: _Block, alibi):
   full, causal = _kernel_configs(config)
   out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_tokens(q, k),
-                                                  _primitives.no_bias(), _primitives.no_dropout(),
+                                                  _primitives.no_page_table(q.shape[0]), _primitives.no_bias(),
+                                                  _primitives.no_dropout(),
                                                   config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
@@ -154,14 +158,14 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
-                                                        *_no_tokens(q, k), _primitives.no_bias(),
-                                                        _primitives.no_dropout(),
+                                                        *_no_tokens(q, k), _primitives.no_page_table(q.shape[0]),
+                                                        _primitives.no_bias(), _primitives.no_dropout(),
                                                         config=full if kind == "full" else causal)
   return dq, dk, dv
 
 
 def _no_tokens(q, k):
-  """Blocks of calls without segment ids and positions run without them (and without bias and dropout, which
+  """Blocks of calls without segment ids and positions run without them (and without paging, bias and dropout, which
   check_supported refuses with context parallelism)."""
   return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
 
@@ -227,7 +231,7 @@ def _check_axis_size(cp: ContextParallel):
 
 def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig, cp: ContextParallel):
   """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `tokens`: the local segment
-  ids and positions (placeholders when the call has none), then the bias and dropout placeholders."""
+  ids and positions (placeholders when the call has none), then the page table, bias and dropout placeholders."""
   if uses_tokens(config):
     return _packed_forward(q, k, v, alibi, tokens[:4], config, cp)
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
@@ -308,7 +312,7 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
 def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
-  so its softmax is exact). `placeholders`: the tokens (see local_forward), bias and dropout operands."""
+  so its softmax is exact). `placeholders`: the tokens (see local_forward), page table, bias and dropout operands."""
   no_dbias = jnp.zeros_like(placeholders[-2])
   if uses_tokens(config):
     return (*_packed_backward(q, k, v, out, lse, dout, dlse, alibi, placeholders[:4], config, cp), no_dbias)
@@ -422,10 +426,12 @@ def _packed_config(config):
 
 
 def _packed_operands(q, k, alibi, q_side, kv_side):
-  """The lengths (the whole blocks: ids and positions say the rest), alibi, tokens, bias and dropout of one block."""
+  """The lengths (the whole blocks: ids and positions say the rest), alibi, tokens, page table, bias and dropout of
+  one block."""
   batch = q.shape[0]
   return (jnp.full((batch,), q.shape[1], jnp.int32), jnp.full((batch,), k.shape[1], jnp.int32), alibi, q_side[0],
-          kv_side[0], q_side[1], kv_side[1], _primitives.no_bias(), _primitives.no_dropout())
+          kv_side[0], q_side[1], kv_side[1], _primitives.no_page_table(batch), _primitives.no_bias(),
+          _primitives.no_dropout())
 
 
 def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side):

@@ -22,6 +22,7 @@ The vmap rule folds mapped axes into the batch dimension, as for the kernel prim
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from functools import partial
 
@@ -56,15 +57,18 @@ sharded_backward_p.multiple_results = True
 # gradient is summed over the shards of the dims where it broadcasts (context parallelism refuses a bias).
 # `dropout` (key and offsets, te_jax/_primitives.py) is replicated; each batch or head shard adds its global offsets, so
 # a sharded call drops exactly what the unsharded call drops (context parallelism refuses dropout).
-def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout):
-  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, bias, dropout, config=config,
-                                      cp=cp))
+# `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
+# hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
+# contiguous k and v (context parallelism refuses paging).
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, page_table, bias, dropout):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, page_table, bias, dropout,
+                                      config=config, cp=cp))
 
 
-def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens, bias,
-             dropout):
-  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, bias,
-                                       dropout, config=config, cp=cp))
+def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens,
+             page_table, bias, dropout):
+  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens,
+                                       page_table, bias, dropout, config=config, cp=cp))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -132,9 +136,10 @@ class _Plan:
     if cp is not None and (mesh.shape.get(cp.axis) != cp.size):
       raise ValueError(f"context_parallel_axis {cp.axis!r} has size {mesh.shape.get(cp.axis)} in the mesh the call "
                        f"is partitioned on, but fused_attn was traced for size {cp.size}")
+    self.paged = config.page_size > 0
     self.targets = {
         "q": (b_axes, self.s_axes, h_axes, ()),
-        "kv": (b_axes, self.s_axes, kv_axes, ()),
+        "kv": ((), (), kv_axes, ()) if self.paged else (b_axes, self.s_axes, kv_axes, ()),
     }
     if emit_warnings:
       for name, x, dims, target in (("q", q, qd, self.targets["q"]), ("k", k, kd, self.targets["kv"]),
@@ -144,7 +149,8 @@ class _Plan:
         warnings.warn(f"te_jax.fused_attn: {note}.", ReshardWarning, stacklevel=2)
 
   def _note_reshard(self, name, x, dims, target, cp):
-    dim_names = ("batch", "sequence", "head", "head-dim")
+    dim_names = ("page", "page-row", "head", "head-dim") if self.paged and name != "q" else (
+        "batch", "sequence", "head", "head-dim")
     for dim, (have, want) in enumerate(zip(dims, target)):
       if have == tuple(want) or not have or set(have) <= set(want) and tuple(want[:len(have)]) == have:
         continue  # already right, or replicated / a prefix of the target (the partitioner slices locally: free)
@@ -167,17 +173,19 @@ class _Plan:
     return NamedSharding(self.mesh, P(*[d if d else None for d in dims]))
 
   def forward_shardings(self):
-    b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
-    args = (self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, s, kv, ()), self.named(b),
-            self.named(b), self.named(b, h)) + self.token_shardings() + (self.bias_sharding(), self.named())
+    b, s, h = self.b_axes, self.s_axes, self.h_axes
+    kvs = self.named(*self.targets["kv"])
+    args = (self.named(b, s, h, ()), kvs, kvs, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
+    args += (self.named(b), self.bias_sharding(), self.named())  # page table, bias, dropout
     results = (self.named(b, s, h, ()), self.named(b, h, s))
     return args, results
 
   def backward_shardings(self):
-    b, s, h, kv = self.b_axes, self.s_axes, self.h_axes, self.kv_axes
-    qs, kvs, lses = self.named(b, s, h, ()), self.named(b, s, kv, ()), self.named(b, h, s)
+    b, s, h = self.b_axes, self.s_axes, self.h_axes
+    qs, kvs, lses = self.named(b, s, h, ()), self.named(*self.targets["kv"]), self.named(b, h, s)
     args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
-    return args + (self.bias_sharding(), self.named()), (qs, kvs, kvs, self.bias_sharding())
+    args += (self.named(b), self.bias_sharding(), self.named())  # page table, bias, dropout
+    return args, (qs, kvs, kvs, self.bias_sharding())
 
   def token_shardings(self):
     """q_segment_ids, kv_segment_ids, q_positions, kv_positions: [B, S] like their sequence."""
@@ -216,16 +224,16 @@ def _is_shape(x):
 # --------------------------------------------------------------------------------------------------------------------
 # custom_partitioning of the forward.
 
-def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias, dropout, config,
-                           cp):
-  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, bias,
-                                     dropout, config=config, cp=cp)
+def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, page_table, bias,
+                           dropout, config, cp):
+  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, page_table,
+                                     bias, dropout, config=config, cp=cp)
 
 
 def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
-                            bias, dropout, config, cp):
+                            page_table, bias, dropout, config, cp):
   return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids,
-                                      q_pos, kv_pos, bias, dropout, config=config, cp=cp)
+                                      q_pos, kv_pos, page_table, bias, dropout, config=config, cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -324,32 +332,47 @@ def _bias_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str, .
   return " ".join(factors), tuple(f for f in factors if f.startswith("bias"))
 
 
-def _rule_factors(cp, value_types):
-  """What both rules share: the heads factor, the two sequence factors, the bias's factors, and the options (factor
-  sizes, the factors that need replication)."""
+def _rule_factors(config, cp, value_types):
+  """What both rules share: the heads factor, the two sequence factors, k's and v's leading factors (a paged call's
+  pools have their own, replicated), the bias's factors, and the options (factor sizes, the factors that need
+  replication)."""
   h, sizes = _heads_rule(value_types)
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
+  kv_rows = "pages psize" if config.page_size else f"b {skv}"
   bias, bias_factors = _bias_rule(value_types, h, s, skv)
-  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + bias_factors + ("rng",)
-  return h, s, skv, bias, dict(need_replication_factors=need, **sizes)
+  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + bias_factors + ("pt", "rng")
+  if config.page_size:
+    need += ("pages", "psize")
+  return h, s, skv, kv_rows, bias, dict(need_replication_factors=need, **sizes)
+
+
+def _with_ordered_replication(rule: str, options: dict):
+  """Shardy wants the factors that need replication in the order they first appear in the rule."""
+  first = {}
+  for i, name in enumerate(re.findall(r"\w+", rule)):
+    first.setdefault(name, i)
+  need = sorted(options["need_replication_factors"], key=lambda f: first[f])
+  return rule, dict(options, need_replication_factors=tuple(need))
 
 
 def _forward_rule(config, cp, mesh, value_types, result_types):
-  h, s, skv, bias, options = _rule_factors(cp, value_types)
-  return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b, b, b {h}, {_token_rule(s, skv)}, {bias}, rng -> b {s} {h} "
-          f"dv, b {h} {s}"), options
+  h, s, skv, kv, bias, options = _rule_factors(config, cp, value_types)
+  return _with_ordered_replication(
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b, b, b {h}, {_token_rule(s, skv)}, b pt, {bias}, rng -> "
+      f"b {s} {h} dv, b {h} {s}", options)
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
-  h, s, skv, bias, options = _rule_factors(cp, value_types)
-  return (f"b {s} {h} d, b {skv} hk d, b {skv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
-          f"{_token_rule(s, skv)}, {bias}, rng -> b {s} {h} d, b {skv} hk d, b {skv} hk dv, {bias}"), options
+  h, s, skv, kv, bias, options = _rule_factors(config, cp, value_types)
+  return _with_ordered_replication(
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
+      f"{_token_rule(s, skv)}, b pt, {bias}, rng -> b {s} {h} d, {kv} hk d, {kv} hk dv, {bias}", options)
 
 
-_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(12, 13))
+_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(13, 14))
 _partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
                                    sharding_rule=_forward_rule)
-_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(16, 17))
+_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(17, 18))
 _partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
                                     sharding_rule=_backward_rule)
 

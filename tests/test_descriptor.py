@@ -1,7 +1,8 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (6) | u16 size | 9 x i64 | 2 x f32 | u8 dtype |
+Wire format, little-endian: u32 magic "TEJD" | u16 version (7) | u16 size | 11 x i64 (dims, window, page_size,
+num_pages) | 2 x f32 | u8 dtype |
 u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
 bit 2: has_positions, bit 3: has_bias) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 dropout_threshold |
 u32 FNV-1a.
@@ -17,15 +18,21 @@ import pytest
 # A plain import: a core extension that fails to import must fail the run, not skip these tests.
 from te_jax import _te_jax_cpu as te_jax_cpu
 
-FORMAT = "<4sHH9q2f7BII"
+FORMAT = "<4sHH11q2f7BII"
 SIZE = struct.calcsize(FORMAT)
 I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "window_left",
-              "window_right")
+              "window_right", "page_size", "num_pages")
 
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
               deterministic=True, engine=0, has_segment_ids=False, has_positions=False, has_bias=True, bias_dtype=2,
-              bias_broadcast=0b0101, dropout_threshold=0x9ABCDEF0)
+              bias_broadcast=0b0101, dropout_threshold=0x9ABCDEF0, page_size=16, num_pages=40)
+# PARAMS exercises every descriptor field; a paged call takes no bias or dropout, so validation starts from contiguous
+# k and v.
+CONTIGUOUS = dict(PARAMS, page_size=0, num_pages=0)
+# A valid paged forward: k and v are pools of num_pages pages, seqlen_kv the capacity (4 pages of 16 per sequence).
+PAGED = dict(CONTIGUOUS, seqlen_kv=64, page_size=16, num_pages=40, has_bias=False, bias_dtype=0, bias_broadcast=15,
+             dropout_threshold=0)
 
 
 def fnv1a(data: bytes) -> int:
@@ -36,7 +43,7 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=6, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=7, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
@@ -55,15 +62,15 @@ def packed() -> bytes:
 
 
 def test_size_and_layout(packed):
-  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 103
+  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 119
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 6 and fields[2] == SIZE
-  assert fields[3:12] == tuple(PARAMS[n] for n in I64_FIELDS)
-  assert fields[12:14] == (PARAMS["scale"], PARAMS["softcap"])
-  assert fields[14:21] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8, PARAMS["engine"], PARAMS["bias_dtype"],
+  assert fields[0] == b"TEJD" and fields[1] == 7 and fields[2] == SIZE
+  assert fields[3:14] == tuple(PARAMS[n] for n in I64_FIELDS)
+  assert fields[14:16] == (PARAMS["scale"], PARAMS["softcap"])
+  assert fields[16:23] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8, PARAMS["engine"], PARAMS["bias_dtype"],
                            PARAMS["bias_broadcast"])
-  assert fields[21] == PARAMS["dropout_threshold"]
-  assert fields[22] == fnv1a(packed[:-4])
+  assert fields[23] == PARAMS["dropout_threshold"]
+  assert fields[24] == fnv1a(packed[:-4])
   # The Python encoder here agrees with the C++ one byte for byte.
   assert craft() == packed
 
@@ -72,7 +79,8 @@ def test_size_and_layout(packed):
     PARAMS,
     dict(PARAMS, dtype=0, mask_type=0, has_alibi=False, window_left=-1, softcap=0.0, deterministic=False),
     dict(PARAMS, dtype=2, mask_type=2, batch=0, seqlen_q=0, window_left=0, window_right=0),
-    dict(PARAMS, batch=2**40, seqlen_kv=2**62, window_right=2**31, scale=np.float32(1e-3).item()),
+    dict(PARAMS, batch=2**40, seqlen_kv=2**62, window_right=2**31, scale=np.float32(1e-3).item(), page_size=2**33,
+         num_pages=2**50),
 ], ids=["typical", "defaults", "zeros", "large"])
 def test_round_trip(params):
   data = te_jax_cpu.pack_descriptor(params)
@@ -117,7 +125,7 @@ def test_consistent_but_wrong_declared_size_raises(declared):
 
 
 def test_every_single_byte_corruption_raises(packed):
-  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 97 * 255 corruptions."""
+  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 119 * 255 corruptions."""
   buf = bytearray(packed)
   failures = []
   for i in range(len(buf)):
@@ -146,7 +154,7 @@ def test_corruption_messages(packed):
     te_jax_cpu.unpack_descriptor(corrupt(4))
   with pytest.raises(ValueError, match="size"):
     te_jax_cpu.unpack_descriptor(corrupt(6))
-  for i in (8, 50, 80, 91, 92, 95):
+  for i in (8, 50, 80, 88, 96, 107, 108, 111):
     with pytest.raises(ValueError, match="checksum"):
       te_jax_cpu.unpack_descriptor(corrupt(i))
 
@@ -163,7 +171,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 6, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 7, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -193,24 +201,25 @@ def test_fuzz_random_fields_with_valid_checksum():
 
 
 # 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
-# engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias; 5: before dropout.
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 0xFFFF])
+# engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias; 5: before dropout; 6: before
+# the page table.
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 6"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 7"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_deterministic_is_flags_bit_0(deterministic):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, deterministic=deterministic))
-  assert struct.unpack(FORMAT, data)[17] & 1 == int(deterministic)
+  assert struct.unpack(FORMAT, data)[19] & 1 == int(deterministic)
   assert te_jax_cpu.unpack_descriptor(data)["deterministic"] is deterministic
 
 
 @pytest.mark.parametrize("segment_ids,positions", [(False, False), (True, False), (False, True), (True, True)])
 def test_packed_sequence_flags_are_bits_1_and_2(segment_ids, positions):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_segment_ids=segment_ids, has_positions=positions))
-  assert struct.unpack(FORMAT, data)[17] == 1 | int(segment_ids) << 1 | int(positions) << 2 | 8
+  assert struct.unpack(FORMAT, data)[19] == 1 | int(segment_ids) << 1 | int(positions) << 2 | 8
   back = te_jax_cpu.unpack_descriptor(data)
   assert (back["has_segment_ids"], back["has_positions"]) == (segment_ids, positions)
 
@@ -219,7 +228,7 @@ def test_packed_sequence_flags_are_bits_1_and_2(segment_ids, positions):
 def test_bias_is_flags_bit_3_then_its_dtype_and_broadcast_bytes(has_bias, dtype, broadcast):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_bias=has_bias, bias_dtype=dtype, bias_broadcast=broadcast))
   fields = struct.unpack(FORMAT, data)
-  assert (fields[17] >> 3, fields[19], fields[20]) == (int(has_bias), dtype, broadcast)
+  assert (fields[19] >> 3, fields[21], fields[22]) == (int(has_bias), dtype, broadcast)
   back = te_jax_cpu.unpack_descriptor(data)
   assert (back["has_bias"], back["bias_dtype"], back["bias_broadcast"]) == (has_bias, dtype, broadcast)
 
@@ -227,7 +236,7 @@ def test_bias_is_flags_bit_3_then_its_dtype_and_broadcast_bytes(has_bias, dtype,
 @pytest.mark.parametrize("threshold", [0, 1, 2**31, 2**32 - 1])
 def test_dropout_threshold_is_a_u32_after_the_bias_bytes(threshold):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, dropout_threshold=threshold))
-  assert struct.unpack(FORMAT, data)[21] == threshold
+  assert struct.unpack(FORMAT, data)[23] == threshold
   assert te_jax_cpu.unpack_descriptor(data)["dropout_threshold"] == threshold
 
 
@@ -259,7 +268,7 @@ def test_enum_out_of_range_with_valid_checksum_raises(field, value):
 @pytest.mark.parametrize("field,value", [("dtype", 3), ("mask_type", 6)])
 def test_validate_refuses_enum_out_of_range(field, value):
   with pytest.raises(ValueError, match=field):
-    te_jax_cpu.validate(dict(PARAMS, **{field: value}), 0)
+    te_jax_cpu.validate(dict(CONTIGUOUS, **{field: value}), 0)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -271,10 +280,11 @@ def test_validate_refuses_enum_out_of_range(field, value):
 ])
 def test_validate_refuses_bad_values(overrides, match):
   with pytest.raises(ValueError, match=match):
-    te_jax_cpu.validate(dict(PARAMS, **overrides), 0)
+    te_jax_cpu.validate(dict(CONTIGUOUS, **overrides), 0)
 
 
 def test_validate_accepts_and_backend_rules():
+  PARAMS = CONTIGUOUS  # noqa: N806 (the rules below are about contiguous k and v)
   te_jax_cpu.validate(PARAMS, 0)
   no_bias = dict(PARAMS, has_bias=False, bias_dtype=0, bias_broadcast=15)
   te_jax_cpu.validate(dict(no_bias, dropout_threshold=0), 1)  # bf16 on CUDA is fine
@@ -291,6 +301,42 @@ def test_validate_accepts_and_backend_rules():
   for backend in (-1, 2, 99):
     with pytest.raises(ValueError, match="backend"):
       te_jax_cpu.validate(PARAMS, backend)
+
+
+def test_validate_paging():
+  te_jax_cpu.validate(PAGED, 0)
+  te_jax_cpu.validate(dict(PAGED, mask_type=3, num_pages=0), 0)  # padding; an empty pool (every length must be 0)
+  for page_size in (8, 24, 256):
+    te_jax_cpu.validate(dict(PAGED, page_size=page_size, seqlen_kv=3 * page_size), 0)
+  with pytest.raises(ValueError, match="the CUDA backend does not read a paged KV cache in place yet"):
+    te_jax_cpu.validate(PAGED, 1)
+  with pytest.raises(ValueError, match="the backward takes no paged KV cache"):
+    te_jax_cpu.validate(PAGED, 0, "backward")
+  te_jax_cpu.validate(CONTIGUOUS, 0, "backward")
+  with pytest.raises(ValueError, match="direction must be 'forward' or 'backward'"):
+    te_jax_cpu.validate(PAGED, 0, "sideways")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(page_size=12, seqlen_kv=48), r"page_size must be 0 \(contiguous k and v\) or a multiple of 8 in \[8, 256\], "
+     "got 12"),
+    (dict(page_size=264, seqlen_kv=264), "page_size must be 0 .* got 264"),
+    (dict(page_size=-8), "page_size must be 0 .* got -8"),
+    (dict(page_size=0, num_pages=3), "num_pages must be 0 without a paged KV cache"),
+    (dict(num_pages=-1), "num_pages >= 0"),
+    (dict(seqlen_kv=40), "seqlen_kv .* a multiple of page_size 16"),
+    (dict(mask_type=0), "padding or padding_causal_bottom_right .* got no_mask"),
+    (dict(mask_type=1), "got causal"),
+    (dict(mask_type=2), "got causal_bottom_right"),
+    (dict(mask_type=4), "got padding_causal$"),
+    (dict(has_segment_ids=True), "takes no segment ids or positions"),
+    (dict(has_positions=True), "takes no segment ids or positions"),
+    (dict(has_bias=True, bias_broadcast=0), r"takes no bias \(has_bias must be false\)"),
+    (dict(dropout_threshold=5), r"takes no dropout \(dropout_threshold must be 0\)"),
+])
+def test_validate_refuses_bad_paging(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    te_jax_cpu.validate(dict(PAGED, **overrides), 0)
 
 
 def test_values_unpack_accepts_but_validate_refuses():
@@ -342,8 +388,9 @@ def _bad_descriptor_call(descriptor: bytes):
   tokens = (jnp.zeros((1, 4), jnp.int32),) * 4  # q/kv segment ids and positions, unread (flags 0)
   bias = jnp.zeros((1, 1, 1, 1), jnp.float32)  # the no-bias placeholder
   dropout = jnp.zeros((6,), jnp.uint32)  # the no-dropout placeholder
+  page_table = jnp.zeros((1, 1), jnp.int32)  # the contiguous k and v placeholder
   return jax.block_until_ready(jax.jit(lambda q, k: prim.bind(q, k, k, lens, lens, jnp.zeros((1, 2)), *tokens,
-                                                              bias, dropout))(q, k))
+                                                              page_table, bias, dropout))(q, k))
 
 
 MATCHING = dict(batch=1, seqlen_q=4, seqlen_kv=4, num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, dtype=0,
