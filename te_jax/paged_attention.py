@@ -1,22 +1,31 @@
 """Attention over a paged KV cache: each sequence's keys and values live in fixed-size pages of a shared pool, listed in
 order by its row of the page table (vLLM's and FlashInfer's layout).
 
-Today the pages a call needs are gathered into contiguous K/V with one XLA gather, then fused_attn runs with the
-sequence lengths as kv_seqlens. The gather costs one extra read and write of the gathered K/V per call (the kernels
-reading pages in place are the next step, docs/ARCHITECTURE.md); the API stays when they come."""
+Where the backend's kernels read pages in place (the CPU backend: cpp/kv_rows.h), the forward binds the attention
+primitive with the pool and the page table, and nothing is gathered (_attend_in_place). Elsewhere (the GPU, until its
+kernels take pages) the pages a call needs are gathered into contiguous K/V with one XLA gather and fused_attn runs on
+them (_attend_gathered), which costs one extra read and write of the gathered K/V per call. The choice is made per
+platform at lowering (jax.lax.platform_dependent), so one program serves both. Gradients always differentiate the
+gather formulation (see _attend)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.attention import fused_attn
+from te_jax import _primitives
+from te_jax import sharding as _sharding
+from te_jax.attention import _alibi_operand, _check_qkv, _check_scale, _check_softcap, _check_window, fused_attn
+from te_jax.attention_config import AttentionConfig
+from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
 
 # Queries sit at the end of their sequence: "causal_bottom_right" lets query i of Sq see the keys up to position
 # kv_length - Sq + i; "no_mask" lets every query see all kv_length keys. Each maps to the padding variant of fused_attn.
-_MASKS = {MaskType.CAUSAL_BOTTOM_RIGHT: "padding_causal_bottom_right", MaskType.NO_MASK: "padding"}
+_MASKS = {MaskType.CAUSAL_BOTTOM_RIGHT: MaskType.PADDING_CAUSAL_BOTTOM_RIGHT, MaskType.NO_MASK: MaskType.PADDING}
 
 
 def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="causal_bottom_right",
@@ -70,20 +79,78 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
     _raise_if_out_of_range(np.asarray(bad_page), np.asarray(bad_length), np.asarray(page_table),
                            np.asarray(kv_lengths), num_pages, capacity)
-  # Clamped, so the gather never leaves the pool; the entries that needed clamping are poisoned below.
+  # Clamped, so no page id leaves the pool; the entries that needed clamping are poisoned below.
   pages = jnp.clip(page_table, 0, max(num_pages - 1, 0))
-  gather = lambda pool: pool[pages].reshape(batch, capacity, *pool.shape[2:])
-  result = fused_attn(q, gather(k_pages), gather(v_pages), mask_type=_MASKS[mask],
-                      q_seqlens=jnp.full((batch,), q.shape[1], jnp.int32),
-                      kv_seqlens=jnp.clip(kv_lengths, 0, capacity), window_size=window_size, scale=scale,
-                      softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse, engine=engine)
+  lengths = jnp.clip(kv_lengths, 0, capacity)
   bad = jnp.any(bad_page, axis=1) | bad_length  # [B]
+  window_left, window_right = _check_window(window_size)
+  if not isinstance(return_lse, (bool, np.bool_)):
+    raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+  _check_qkv(q, *(jax.ShapeDtypeStruct((batch, capacity) + pool.shape[2:], pool.dtype) for pool in (k_pages, v_pages)))
+  config = AttentionConfig(mask_type=_MASKS[mask], window_left=window_left, window_right=window_right,
+                           scale=_check_scale(scale, q.shape[3]), softcap=_check_softcap(softcap),
+                           has_alibi=alibi_slopes is not None, engine=requested_engine(engine),
+                           lse_cotangent=bool(return_lse), page_size=page_size)
+  alibi = _alibi_operand(alibi_slopes, batch, q.shape[2])
+  # A poisoned entry's kernel reads no key at all (its outputs are NaN whatever it computes).
+  read_lengths = jnp.where(bad, 0, lengths)
+  result = _attend(config, bool(return_lse), q, k_pages, v_pages, pages, lengths, read_lengths, alibi)
   # A factor, not a select: the gradients of a poisoned entry are NaN too.
   poison = lambda x, shape: x * jnp.where(bad, jnp.nan, 1.0).astype(x.dtype).reshape(shape)
   if return_lse:
     out, lse = result
     return poison(out, (batch, 1, 1, 1)), poison(lse, (batch, 1, 1))
   return poison(result, (batch, 1, 1, 1))
+
+
+# config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table clamped into the pool;
+# `lengths`: the sequences' lengths clamped to the capacity; `read_lengths`: the same, 0 for a poisoned entry (the
+# keys the forward reads); alibi: float32 [B, H] (zeros without ALiBi). The backward recomputes the forward of the
+# gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes its
+# VJP with the clamped lengths, so a poisoned entry's gradients come out NaN as its outputs do.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):
+  del lengths
+  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, read_lengths, alibi,
+                                    cpu=partial(_attend_in_place, config, return_lse),
+                                    default=partial(_attend_gathered, config, return_lse))
+
+
+def _attend_fwd(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):
+  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi)
+  return result, (q, k_pages, v_pages, pages, lengths, alibi)
+
+
+def _attend_bwd(config, return_lse, residuals, cotangent):
+  q, k_pages, v_pages, pages, lengths, alibi = residuals
+  _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, lengths, alibi),
+                   q, k_pages, v_pages)
+  # The page table and lengths are integers; ALiBi's slopes get no gradient (as in fused_attn).
+  return (*vjp(cotangent), None, None, None, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
+  """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/validate.h)."""
+  batch, seqlen_q = q.shape[:2]
+  capacity = pages.shape[1] * config.page_size
+  out, lse = _sharding.forward(config, None, q, k_pages, v_pages, jnp.full((batch,), seqlen_q, jnp.int32), kv_lengths,
+                               alibi, _primitives.no_tokens(batch, seqlen_q, capacity), pages, _primitives.no_bias(),
+                               _primitives.no_dropout())
+  return (out, lse) if return_lse else out
+
+
+def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
+  """Each sequence's pages gathered into contiguous K/V (one XLA gather), then fused_attn."""
+  batch, capacity = q.shape[0], pages.shape[1] * config.page_size
+  gather = lambda pool: pool[pages].reshape(batch, capacity, *pool.shape[2:])
+  return fused_attn(q, gather(k_pages), gather(v_pages), mask_type=config.mask_type,
+                    q_seqlens=jnp.full((batch,), q.shape[1], jnp.int32), kv_seqlens=kv_lengths,
+                    window_size=(config.window_left, config.window_right), scale=config.scale,
+                    softcap=config.softcap, alibi_slopes=alibi if config.has_alibi else None,
+                    return_lse=return_lse, engine=config.engine)
 
 
 def _int32_operand(x, name: str, ndim: int):

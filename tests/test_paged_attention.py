@@ -1,8 +1,13 @@
-"""te_jax.paged_attention against the float64 reference over the gathered pages: random page tables with shuffled and
-shared pages, GQA ratios, Sq 1-16, ragged lengths including 0, page sizes, variants; bad inputs are clear errors,
-out-of-range traced values poison their batch entry only; jit, vmap, grad; both custom-call paths bitwise equal."""
+"""te_jax.paged_attention: the CPU kernels read the pages in place (no gather in the program) and give the bits of
+fused_attn over the gathered pages; against the float64 reference over the gathered pages: random page tables with
+shuffled and shared pages, GQA ratios 1-8, Sq 1-16, ragged lengths including 0, page sizes 8-256 (24 too), masks,
+windows, soft-cap, ALiBi, lse; bad inputs are clear errors (in Python, and in the kernel for a page table the Python
+layer cannot see), out-of-range traced values poison their batch entry only; jit, vmap, grad (equal to the gather
+formulation's); both custom-call paths bitwise equal."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +15,14 @@ import numpy as np
 import pytest
 
 import te_jax
+from te_jax import _primitives
+from te_jax import context_parallel
+from te_jax.attention_config import AttentionConfig
+from te_jax.legacy_failures import LegacyCustomCallError
+from te_jax.mask_type import MaskType
 from te_jax.reference import attention_reference
+
+_PADDING_MASK = {"causal_bottom_right": "padding_causal_bottom_right", "no_mask": "padding"}
 
 
 def _cache(rng, *, b, sq, h, hkv, d, dv, page_size, max_pages, num_pages, dtype=np.float32):
@@ -34,8 +46,16 @@ def _reference(q, k_pages, v_pages, table, lengths, mask_type, **kwargs):
   b, capacity = table.shape[0], table.shape[1] * k_pages.shape[1]
   k = k_pages[table].reshape(b, capacity, *k_pages.shape[2:])
   v = v_pages[table].reshape(b, capacity, *v_pages.shape[2:])
-  mask = {"causal_bottom_right": "padding_causal_bottom_right", "no_mask": "padding"}[mask_type]
-  return attention_reference(q, k, v, mask_type=mask, q_seqlens=np.full(b, q.shape[1]), kv_seqlens=lengths, **kwargs)
+  return attention_reference(q, k, v, mask_type=_PADDING_MASK[mask_type], q_seqlens=np.full(b, q.shape[1]),
+                             kv_seqlens=lengths, **kwargs)
+
+
+def _gathered(q, k_pages, v_pages, table, lengths, mask_type, **kwargs):
+  """fused_attn over the pages gathered into contiguous K/V (out, lse): what the in-place kernels must reproduce."""
+  b, capacity = table.shape[0], table.shape[1] * k_pages.shape[1]
+  gather = lambda pool: jnp.asarray(pool)[table].reshape(b, capacity, *pool.shape[2:])
+  return te_jax.fused_attn(q, gather(k_pages), gather(v_pages), mask_type=_PADDING_MASK[mask_type],
+                           q_seqlens=np.full(b, q.shape[1], np.int32), kv_seqlens=lengths, return_lse=True, **kwargs)
 
 
 CASES = [
@@ -46,6 +66,8 @@ CASES = [
     ("decode_gqa2_softcap_window", 4, 2, 4, 2, 32, 32, 16, 4, "causal_bottom_right",
      dict(softcap=5.0, window_size=(20, 0))),
     ("sq4_alibi", 4, 4, 4, 4, 16, 16, 8, 4, "causal_bottom_right", dict(alibi=True)),
+    ("sq5_gqa3_p24", 4, 5, 6, 2, 16, 16, 24, 6, "causal_bottom_right", {}),
+    ("decode_gqa4_p256", 3, 1, 4, 1, 32, 32, 256, 2, "no_mask", dict(softcap=3.0)),
 ]
 
 
@@ -123,6 +145,209 @@ def test_out_of_range_values_under_jit_poison_their_entry_only():
   assert np.isfinite(out[0]).all()
 
 
+# The in-place kernel against fused_attn over the gathered pages: the same kernel arithmetic on the same Skv (the
+# capacity), so the same key tiles, the same float32 rows (copied from the pages instead of read in place) and the same
+# products: bitwise equal, out and lse, on either custom-call path.
+IN_PLACE = [
+    # id, b, sq, h, hkv, d, dv, page_size, max_pages, mask, extra, dtype
+    ("p8_mha_decode", 4, 1, 2, 2, 16, 16, 8, 20, "causal_bottom_right", {}, "float32"),
+    ("p8_gqa2_sq7_window", 4, 7, 4, 2, 16, 16, 8, 12, "causal_bottom_right", dict(window_size=(30, 0)), "float32"),
+    ("p16_gqa8_sq16_bf16", 4, 16, 8, 1, 32, 32, 16, 11, "causal_bottom_right", {}, "bfloat16"),
+    ("p24_gqa3_sq5_nomask_dv", 4, 5, 6, 2, 16, 24, 24, 7, "no_mask", {}, "float32"),
+    ("p24_gqa4_sq3_alibi_f16", 4, 3, 8, 2, 16, 16, 24, 9, "causal_bottom_right", dict(alibi=True), "float16"),
+    ("p64_gqa4_sq2_softcap_window", 4, 2, 4, 1, 32, 32, 64, 4, "causal_bottom_right",
+     dict(softcap=4.0, window_size=(70, 0)), "bfloat16"),
+    ("p64_gqa1_sq16_nomask_window", 3, 16, 2, 2, 8, 8, 64, 3, "no_mask", dict(window_size=(5, 3)), "float32"),
+    ("p256_gqa2_sq4_alibi_softcap", 3, 4, 4, 2, 16, 16, 256, 2, "causal_bottom_right",
+     dict(alibi=True, softcap=2.0), "float32"),
+]
+
+
+def _in_place_inputs(case):
+  _, b, sq, h, hkv, d, dv, page_size, max_pages, mask, extra, dtype = case
+  rng = np.random.default_rng(len(case[0]) + page_size)
+  q, k_pages, v_pages, table, lengths = _cache(rng, b=b, sq=sq, h=h, hkv=hkv, d=d, dv=dv, page_size=page_size,
+                                               max_pages=max_pages, num_pages=b * max_pages + 5)
+  q, k_pages, v_pages = (jnp.asarray(x, dtype) for x in (q, k_pages, v_pages))
+  kwargs = {key: val for key, val in extra.items() if key != "alibi"}
+  if extra.get("alibi"):
+    kwargs["alibi_slopes"] = rng.uniform(0.01, 0.3, size=(h,)).astype(np.float32)
+  return (q, k_pages, v_pages, table, lengths), mask, kwargs
+
+
+@pytest.mark.parametrize("case", IN_PLACE, ids=[c[0] for c in IN_PLACE])
+def test_in_place_is_bitwise_the_gathered_fused_attn(case, path):
+  args, mask, kwargs = _in_place_inputs(case)
+  with te_jax.custom_call_path(path):
+    paged = jax.jit(lambda *a: te_jax.paged_attention(*a, mask_type=mask, return_lse=True, **kwargs))
+    out, lse = (np.asarray(x) for x in paged(*args))
+    want_out, want_lse = (np.asarray(x) for x in jax.jit(lambda *a: _gathered(*a, mask, **kwargs))(*args))
+  te_jax.raise_legacy_failures()
+  assert out.tobytes() == want_out.tobytes()
+  assert lse.tobytes() == want_lse.tobytes()
+  # And against the float64 reference, to the dtype's rounding.
+  ref = _reference(*(np.asarray(x, np.float64) for x in args[:3]), *args[3:], mask, **kwargs)
+  tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}[case[-1]]
+  np.testing.assert_allclose(out.astype(np.float64), ref["out"], rtol=tol, atol=tol)
+  finite = np.isfinite(ref["lse"])
+  assert np.array_equal(np.isfinite(lse), finite)
+  np.testing.assert_allclose(lse[finite], ref["lse"][finite], rtol=tol, atol=tol)
+
+
+def test_cpu_program_reads_the_pages_in_place():
+  """No gather in the CPU program: the custom call takes the pools and the page table themselves."""
+  args, mask, kwargs = _in_place_inputs(IN_PLACE[1])
+  for path in ("ffi", "legacy"):
+    with te_jax.custom_call_path(path):
+      text = jax.jit(lambda *a: te_jax.paged_attention(*a, mask_type=mask, **kwargs)).lower(*args).as_text()
+    assert "gather" not in text
+    assert "tensor<4x12xi32>" in text  # the page table, an operand of the custom call
+    assert "tensor<53x8x2x16xf32>" in text  # the k pool, unchanged
+
+
+def test_paths_agree_bitwise_on_the_in_place_forward():
+  args, mask, kwargs = _in_place_inputs(IN_PLACE[4])
+  results = {}
+  for path in ("ffi", "legacy"):
+    with te_jax.custom_call_path(path):
+      f = jax.jit(lambda *a: te_jax.paged_attention(*a, mask_type=mask, return_lse=True, **kwargs))
+      results[path] = [np.asarray(x) for x in f(*args)]
+  te_jax.raise_legacy_failures()
+  for a, b in zip(results["ffi"], results["legacy"]):
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("case", [IN_PLACE[1], IN_PLACE[6], IN_PLACE[7]], ids=lambda c: c[0])
+def test_gradients_equal_the_gather_formulation(case):
+  """The VJP differentiates the gather formulation: the same gradients as fused_attn over gathered pages (dq to its
+  float32 summation order, which follows the CPU backward's thread scheduling; dk, dv and the pages' sums exactly
+  the same additions), with a cotangent for lse too."""
+  args, mask, kwargs = _in_place_inputs(case)
+  q, k_pages, v_pages, table, lengths = args
+  rng = np.random.default_rng(3)
+  dout = rng.standard_normal(q.shape[:3] + (v_pages.shape[3],)).astype(np.float32)
+  dlse = rng.standard_normal((q.shape[0], q.shape[2], q.shape[1])).astype(np.float32)
+
+  def loss(attend):
+    def f(q, kp, vp):
+      out, lse = attend(q, kp, vp)
+      lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(lse * dlse)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  paged = loss(lambda q, kp, vp: te_jax.paged_attention(q, kp, vp, table, lengths, mask_type=mask, return_lse=True,
+                                                        **kwargs))
+  gathered = loss(lambda q, kp, vp: _gathered(q, kp, vp, table, lengths, mask, **kwargs))
+  for name, got, want in zip(("dq", "dk_pages", "dv_pages"), paged(q, k_pages, v_pages),
+                             gathered(q, k_pages, v_pages)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6,
+                               err_msg=name)
+
+
+def test_vmap_shares_one_pool():
+  """vmap over the page tables, lengths and queries with one pool for every example: no pool is copied per example,
+  and each example gives the bits of its own call."""
+  rng = np.random.default_rng(12)
+  q, k_pages, v_pages, table, lengths = _cache(rng, b=2, sq=3, h=4, hkv=2, d=16, dv=16, page_size=8, max_pages=4,
+                                               num_pages=20)
+  qs = rng.standard_normal((3,) + q.shape).astype(np.float32)
+  tables = np.stack([np.roll(table, i, axis=1) for i in range(3)])
+  lens = np.stack([lengths, lengths // 2, np.full_like(lengths, 32)])
+  f = jax.vmap(lambda q, t, n: te_jax.paged_attention(q, k_pages, v_pages, t, n, return_lse=True))
+  out, lse = jax.jit(f)(qs, tables, lens)
+  for i in range(3):
+    want = te_jax.paged_attention(qs[i], k_pages, v_pages, tables[i], lens[i], return_lse=True)
+    assert np.asarray(out[i]).tobytes() == np.asarray(want[0]).tobytes()
+    assert np.asarray(lse[i]).tobytes() == np.asarray(want[1]).tobytes()
+
+
+def _paged_primitive(page_size, mask=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT):
+  """The kernel primitive bound directly with a paged config (what paged_attention binds), under jit."""
+  config = AttentionConfig(mask_type=mask, window_left=-1, window_right=-1, scale=0.25, softcap=0.0, has_alibi=False,
+                           page_size=page_size)
+
+  def call(q, k_pages, v_pages, table, lengths):
+    b, sq = q.shape[:2]
+    return _primitives.attention_forward_p.bind(
+        q, k_pages, v_pages, jnp.full((b,), sq, jnp.int32), lengths, jnp.zeros((b, q.shape[2]), jnp.float32),
+        *_primitives.no_tokens(b, sq, table.shape[1] * page_size), table, _primitives.no_bias(),
+        _primitives.no_dropout(), config=config)
+  return jax.jit(call)
+
+
+def _bad_table_inputs():
+  rng = np.random.default_rng(13)
+  q, k_pages, v_pages, table, lengths = _cache(rng, b=3, sq=2, h=2, hkv=1, d=8, dv=8, page_size=8, max_pages=3,
+                                               num_pages=10)
+  lengths[:] = [24, 9, 17]
+  table[1, 1] = 10  # used by sequence 1 (keys 8 .. 15), one past the pool
+  table[2, 2] = -3  # used by sequence 2 (key 16)
+  return q, k_pages, v_pages, table, lengths
+
+
+def test_kernel_refuses_a_traced_page_id_outside_the_pool_ffi(no_pending_legacy_failures):
+  """A page table the Python layer cannot see (bound directly, traced): the CPU kernel checks the used ids, as it
+  checks lengths, and never reads outside the pool."""
+  q, k_pages, v_pages, table, lengths = _bad_table_inputs()
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"INVALID_ARGUMENT: page_table\[1, 1\] = 10 is not a page of "
+                                                       r"the pool \[0, 10\), and sequence 1 \(kv_seqlens\[1\] = 9\) "
+                                                       r"uses it"):
+    jax.block_until_ready(_paged_primitive(8)(q, k_pages, v_pages, table, lengths))
+  table[1, 1] = 4
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"page_table\[2, 2\] = -3 is not a page of the pool"):
+    jax.block_until_ready(_paged_primitive(8)(q, k_pages, v_pages, table, lengths))
+  lengths[2] = 16  # the bad id is now past the sequence's last page: never read, no error
+  out, lse = _paged_primitive(8)(q, k_pages, v_pages, table, lengths)
+  assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+def test_kernel_refuses_a_traced_page_id_outside_the_pool_legacy(no_pending_legacy_failures):
+  q, k_pages, v_pages, table, lengths = _bad_table_inputs()
+  with te_jax.custom_call_path("legacy"):
+    out, lse = (np.asarray(x) for x in _paged_primitive(8)(q, k_pages, v_pages, table, lengths))
+  assert np.isnan(out).all() and np.isnan(lse).all()
+  with pytest.raises(LegacyCustomCallError, match=r"te_jax_attention_forward_cpu_legacy: page_table\[1, 1\] = 10 is "
+                                                  r"not a page of the pool \[0, 10\)"):
+    te_jax.raise_legacy_failures()
+
+
+@pytest.mark.parametrize("mask, page_size, message", [
+    (MaskType.PADDING_CAUSAL, 8, "a paged KV cache .* goes with mask_type padding or padding_causal_bottom_right"),
+    (MaskType.CAUSAL_BOTTOM_RIGHT, 8, "got causal_bottom_right"),
+])
+def test_paged_primitive_refuses_other_masks_at_lowering(mask, page_size, message):
+  q, k_pages, v_pages, table, lengths = _bad_table_inputs()
+  with pytest.raises(ValueError, match=message):
+    _paged_primitive(page_size, mask).lower(q, k_pages, v_pages, table, lengths)
+
+
+def test_paged_backward_is_refused_at_lowering():
+  """The backward takes no pages: paged_attention's VJP differentiates the gather formulation instead."""
+  config = AttentionConfig(mask_type=MaskType.PADDING, window_left=-1, window_right=-1, scale=0.25, softcap=0.0,
+                           has_alibi=False, page_size=8)
+  q, k_pages, v_pages, table, lengths = _bad_table_inputs()
+  b, sq, h = q.shape[:3]
+
+  def backward(q, k_pages, v_pages):
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.zeros((b, h, sq), jnp.float32)
+    return _primitives.attention_backward_p.bind(
+        q, k_pages, v_pages, out, lse, out, lse, jnp.full((b,), sq, jnp.int32), jnp.asarray(lengths),
+        jnp.zeros((b, h), jnp.float32), *_primitives.no_tokens(b, sq, 24), jnp.asarray(table), _primitives.no_bias(),
+        _primitives.no_dropout(), config=config)
+  with pytest.raises(ValueError, match=r"the backward takes no paged KV cache \(page_size must be 0, got 8\)"):
+    jax.jit(backward).lower(q, k_pages, v_pages)
+
+
+def test_context_parallelism_refuses_paging():
+  config = AttentionConfig(mask_type=MaskType.PADDING, window_left=-1, window_right=-1, scale=0.25, softcap=0.0,
+                           has_alibi=False, page_size=16)
+  cp = context_parallel.ContextParallel(axis="cp", strategy="ring", load_balanced=False, size=2)
+  with pytest.raises(ValueError, match=r"a paged KV cache \(page_size 16\) is not supported with context parallelism"):
+    context_parallel.check_supported(config, cp, (2, 64, 4, 8), (2, 64, 2, 8))
+  context_parallel.check_supported(dataclasses.replace(config, page_size=0), cp, (2, 64, 4, 8), (2, 64, 2, 8))
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(mask_type="causal"), ValueError, "must be 'causal_bottom_right' or 'no_mask'"),
     (dict(k_pages=np.zeros((6, 12, 2, 8), np.float32), v_pages=np.zeros((6, 12, 2, 8), np.float32)), ValueError,
@@ -132,12 +357,20 @@ def test_out_of_range_values_under_jit_poison_their_entry_only():
     (dict(page_table=np.zeros((3, 3), np.int32)), ValueError, "B = 2"),
     (dict(kv_lengths=np.asarray([4, 30], np.int32)), ValueError, r"kv_lengths must lie in \[0, 24\]"),
     (dict(page_table=np.asarray([[0, 1, 2], [3, 6, 0]], np.int32)), ValueError, r"page_table\[1, 1\] = 6"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size left must be -1"),
+    (dict(scale=0.0), ValueError, "scale must be a finite positive number"),
+    (dict(softcap=-1.0), ValueError, "softcap must be 0"),
+    (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+    (dict(alibi_slopes=np.zeros(3, np.float32)), ValueError, "alibi_slopes must have shape"),
+    (dict(engine="nope"), ValueError, "engine must be one of"),
+    (dict(q=np.zeros((2, 1, 4, 16), np.float32)), ValueError, "q and k must have the same head dim"),
+    (dict(q=np.zeros((2, 1, 3, 8), np.float32)), ValueError, r"number of q heads \(3\) must be a positive multiple"),
+    (dict(q=np.zeros((2, 1, 4, 8), np.float16)), TypeError, "q, k and v must share one dtype"),
 ])
 def test_bad_inputs_are_clear_errors(change, error, message):
   args = dict(q=np.zeros((2, 1, 4, 8), np.float32), k_pages=np.zeros((6, 8, 2, 8), np.float32),
               v_pages=np.zeros((6, 8, 2, 8), np.float32), page_table=np.asarray([[0, 1, 2], [3, 4, 0]], np.int32),
               kv_lengths=np.asarray([20, 12], np.int32))
   args.update(change)
-  mask = args.pop("mask_type", "causal_bottom_right")
   with pytest.raises(error, match=message):
-    te_jax.paged_attention(**args, mask_type=mask)
+    te_jax.paged_attention(**args)

@@ -261,6 +261,46 @@ def test_dropout_shards_give_the_unsharded_mask(spec):
   check_against_reference(results, q, k, v, dout, mask_type="causal", keep_mask=mask, dropout_rate=0.4)
 
 
+@in_process
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa2", "mqa"])
+def test_paged_attention_shards_with_its_batch(kv_heads):
+  """te_jax.paged_attention with q, the page table and the lengths sharded over the batch and the pools over the kv
+  heads (replicated over the batch: every sequence may use any page): the in-place forward is local, no collective,
+  and gives the unsharded call's bits; the gradients (through the gathered pages) equal the unsharded ones."""
+  rng = np.random.default_rng(4)
+  b, sq, heads, d, page_size, max_pages, num_pages = 8, 3, 4, 16, 8, 4, 40
+  q = rng.standard_normal((b, sq, heads, d)).astype(np.float32)
+  k_pages, v_pages = (rng.standard_normal((num_pages, page_size, kv_heads, d)).astype(np.float32) for _ in range(2))
+  table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+  table[1, 0] = table[0, 0]  # a shared page
+  lens = rng.integers(0, max_pages * page_size + 1, b).astype(np.int32)
+  dout = rng.standard_normal(q.shape).astype(np.float32)
+  mesh = make_mesh((2, 2, 2))
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  batch = ("dp", "cp")
+  pool_spec = P(None, None, "tp") if kv_heads > 1 else P()
+  args = (shard(q, P(batch, None, "tp")), shard(k_pages, pool_spec), shard(v_pages, pool_spec),
+          shard(table, P(batch)), shard(lens, P(batch)))
+  forward = lambda q, kp, vp, t, n: te_jax.paged_attention(q, kp, vp, t, n, return_lse=True)
+
+  def grads(q, kp, vp, t, n):
+    _, vjp = jax.vjp(lambda q, kp, vp: te_jax.paged_attention(q, kp, vp, t, n), q, kp, vp)
+    return vjp(dout)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(forward).lower(*args).compile()
+      out, lse = (np.asarray(x) for x in compiled(*args))
+      sharded_grads = [np.asarray(g) for g in jax.jit(grads)(*args)]
+  assert collectives(compiled.as_text()) == set(), collectives(compiled.as_text())
+  want_out, want_lse = (np.asarray(x) for x in jax.jit(forward)(q, k_pages, v_pages, table, lens))
+  assert out.tobytes() == want_out.tobytes() and lse.tobytes() == want_lse.tobytes()
+  for name, got, want in zip(("dq", "dk_pages", "dv_pages"), sharded_grads,
+                             jax.jit(grads)(q, k_pages, v_pages, table, lens)):
+    np.testing.assert_allclose(got, np.asarray(want), err_msg=name, **TOL)
+
+
 def run_forward(mesh, spec, kv_spec, q, k, v, **kwargs):
   shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec))
