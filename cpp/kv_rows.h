@@ -34,9 +34,12 @@ struct KvRows {
   // The row of key j of batch entry b in the [B * seqlen_kv] or [num_pages * page_size] row axis.
   TE_JAX_HOST_DEVICE int64_t Row(int64_t b, int64_t j) const {
     if (page_size == 0) return b * seqlen_kv + j;
-    int64_t page = page_table[b * pages_per_seq + j / page_size];
+    // A key and a page size are int32 (keys below an int32 kv length, pages of at most 256), so the page of a key is a
+    // 32-bit division: on the GPU a short instruction sequence, not the 64-bit division routine, for every copied row.
+    const int32_t key = static_cast<int32_t>(j), size = static_cast<int32_t>(page_size);
+    int64_t page = page_table[b * pages_per_seq + key / size];
     page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
-    return page * page_size + j % page_size;
+    return page * page_size + key % size;
   }
 
   // The element offset of key j of batch entry b, kv head h (the first of its dim elements).

@@ -99,9 +99,9 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                                      CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, device);
   }
   if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's multiprocessors: " + driver->ErrorString(r));
-  // Both kernels' slots are counted with the 16-row kernel's shared memory; the 64-row kernel's differs by its q tile.
+  const int kernel = DecodeKernelFor(p);
   const DecodeGeometry g =
-      DecodeGeometryFor(p, DecodeSlots(multiprocessors, smem_per_multiprocessor, module->smem_bytes[0]));
+      DecodeGeometryFor(p, DecodeSlots(multiprocessors, smem_per_multiprocessor, module->smem_bytes[kernel]));
   const int64_t partial_rows = g.splits * p.batch * p.seqlen_q * p.num_heads;
   if (g.splits > 1) {
     TE_JAX_RETURN_IF_ERROR(
@@ -109,9 +109,18 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                        "forward"));
   }
   float* partial_out = static_cast<float*>(b.workspace);
-  DecodeArgs decode{args,         g.heads_per_block, g.positions_per_block, g.head_blocks, g.row_blocks,
-                    g.splits,     g.tiles_per_split, partial_out,
-                    partial_out == nullptr ? nullptr : partial_out + partial_rows * p.head_dim_v};
+  DecodeArgs decode{args,
+                    g.heads_per_block,
+                    g.positions_per_block,
+                    g.head_blocks,
+                    g.row_blocks,
+                    g.splits,
+                    g.tiles_per_split,
+                    partial_out,
+                    partial_out == nullptr ? nullptr : partial_out + partial_rows * p.head_dim_v,
+                    b.page_table,
+                    p.page_size,
+                    p.num_pages};
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[g.kernel], "attention decode", static_cast<unsigned>(g.splits),
                                 static_cast<unsigned>(p.num_kv_heads * g.row_blocks), static_cast<unsigned>(p.batch),
                                 decode::kThreads, module->smem_bytes[g.kernel], stream, &decode));

@@ -16,10 +16,14 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool UsesDecodeKernels(const AttentionParams& p) { return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ; }
 
+int DecodeKernelFor(const AttentionParams& p) {
+  return p.num_heads / p.num_kv_heads * p.seqlen_q <= decode::RowsOfTile(decode::RowTilesOfKernel(0)) ? 0 : 1;
+}
+
 DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots) {
   DecodeGeometry g;
   const int64_t group = p.num_heads / p.num_kv_heads;
-  g.kernel = group * p.seqlen_q <= decode::RowsOfTile(1) ? 0 : 1;
+  g.kernel = DecodeKernelFor(p);
   const int64_t rows = decode::RowsOfTile(decode::RowTilesOfKernel(g.kernel));
   g.heads_per_block = static_cast<int>(std::min(group, rows));
   g.positions_per_block = static_cast<int>(std::min(p.seqlen_q, rows / g.heads_per_block));

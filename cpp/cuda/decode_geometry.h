@@ -23,7 +23,11 @@ struct DecodeGeometry {
   int64_t ctas_per_split = 0;  // batch x K/V heads x row blocks
 };
 
-// `slots`: how many decode CTAs the GPU runs at once (SMs x CTAs per SM); splits fill them once.
+// The decode module's entry point a call takes: 0 (one 16-row tile) when a K/V head's query heads x positions fit in
+// 16 rows, else 1 (four).
+int DecodeKernelFor(const AttentionParams& p);
+
+// `slots`: how many CTAs of the call's decode kernel the GPU runs at once (SMs x CTAs per SM); splits fill them once.
 DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots);
 
 // The split partials' workspace (float out and lse per split), for the most slots any GPU has (so it follows from the

@@ -51,6 +51,10 @@ struct DecodeArgs {
   int32_t tiles_per_split;
   float* partial_out;  // [splits][B][Sq][H][Dv]
   float* partial_lse;  // [splits][B][H][Sq]
+  // A paged KV cache (page_size > 0; cpp/kv_rows.h): k and v are pools of num_pages pages, read through page_table.
+  const int32_t* page_table;
+  int64_t page_size;
+  int64_t num_pages;
 };
 
 // A CUtensorMap (cuda.h), opaque: 128 bytes, 128-byte aligned. Kernels built by NVRTC see no cuda.h, so they take it as

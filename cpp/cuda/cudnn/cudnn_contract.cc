@@ -25,6 +25,9 @@ Status CheckCudnnContract(const AttentionParams& p) {
     // repack the rows, which is not done yet (issue 11).
     return Status::InvalidArgument("the cuDNN engine does not take segment ids or positions (issue 11)");
   }
+  if (p.page_size > 0) {
+    return Status::InvalidArgument("the cuDNN engine does not read a paged KV cache (te_jax's decode kernels do)");
+  }
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return Status::InvalidArgument("cuDNN's graphs need non-empty tensors (batch, seqlen_q and seqlen_kv >= 1)");
   }

@@ -18,8 +18,32 @@
 #include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
+#include "cpp/kv_rows.h"
 
 namespace te_jax::cuda::decode {
+
+// Asynchronously copies the rows of keys [n0, n0 + kRows) of one K/V head into a tile, each key's row found through
+// `rows` (contiguous or paged, cpp/kv_rows.h; the same arithmetic either way, so a paged call gives the contiguous
+// call's bits); keys at or past `valid_keys` and columns past `cols` are zero-filled. Every thread of the CTA calls it.
+template <int kThreads, int kRows, int kCols>
+__device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>& tile, const uint16_t* base,
+                                              const KvRows& rows, int b, int kv_head, int n0, int valid_keys,
+                                              int cols, int tid) {
+  constexpr int kChunksPerRow = kCols / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  // tid through an empty asm: the compiler cannot see that the chunks' row offsets repeat from tile to tile, so it
+  // computes them here instead of keeping one 64-bit offset per chunk live through the main loop (which spilled).
+  asm volatile("" : "+r"(tid));
+  // A fixed trip count (tid < kThreads), so the loop unrolls completely.
+#pragma unroll
+  for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    if (kChunks % kThreads != 0 && c >= kChunks) break;
+    const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
+    const bool valid = n0 + r < valid_keys && col < cols;
+    sm80::CpAsync16(tile.Address(r, col), valid ? base + rows.Offset(b, n0 + r, kv_head) + col : base, valid);
+  }
+}
 
 // The query rows of a CTA: heads [head0, head0 + heads) of its K/V head's group at positions [pos0, pos0 + positions),
 // row r being head r % heads_per_block at position r / heads_per_block. Rows outside that rectangle are padding.
@@ -137,16 +161,17 @@ struct DecodeKernel {
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
     const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
 
-    const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
-    const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
-    const uint16_t* k =
-        static_cast<const uint16_t*>(args.k) + static_cast<int64_t>(rb.b) * s.seqlen_kv * k_stride + rb.kv_head * kD;
-    const uint16_t* v =
-        static_cast<const uint16_t*>(args.v) + static_cast<int64_t>(rb.b) * s.seqlen_kv * v_stride + rb.kv_head * kDv;
+    const int64_t pages_per_seq = a.page_size > 0 ? s.seqlen_kv / a.page_size : 0;
+    const KvRows k_rows{s.seqlen_kv, static_cast<int64_t>(s.num_kv_heads) * kD, kD, a.page_size, a.num_pages,
+                        pages_per_seq, a.page_table};
+    const KvRows v_rows{s.seqlen_kv, static_cast<int64_t>(s.num_kv_heads) * kDv, kDv, a.page_size, a.num_pages,
+                        pages_per_seq, a.page_table};
+    const uint16_t* k = static_cast<const uint16_t*>(args.k);
+    const uint16_t* v = static_cast<const uint16_t*>(args.v);
     auto load = [&](int i) {  // the pass's i-th tile into its stage
       const int stage = i % kStages, n0 = (tile_begin + i) * kBlockN;
-      sm.K(stage).template AsyncLoad<kThreads>(k, k_stride, n0, len.kv_len, kD, tid);
-      sm.V(stage).template AsyncLoad<kThreads>(v, v_stride, n0, len.kv_len, kDv, tid);
+      AsyncLoadKeys<kThreads>(sm.K(stage), k, k_rows, rb.b, rb.kv_head, n0, len.kv_len, kD, tid);
+      AsyncLoadKeys<kThreads>(sm.V(stage), v, v_rows, rb.b, rb.kv_head, n0, len.kv_len, kDv, tid);
     };
 
     Variant variant;  // its slope is set per row (the row's head)
