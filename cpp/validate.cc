@@ -39,10 +39,12 @@ Status CheckPaging(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of 8 in [8, " +
                                    Str(kMaxPageSize) + "], got " + Str(p.page_size));
   }
-  if (p.num_pages < 0 || p.seqlen_kv % p.page_size != 0) {
+  // KvRows divides keys by the page size in 32 bits, so the capacity is bounded like a window.
+  if (p.num_pages < 0 || p.seqlen_kv % p.page_size != 0 || p.seqlen_kv > kMaxWindow) {
     return Status::InvalidArgument("a paged KV cache needs num_pages >= 0 and seqlen_kv (max_pages_per_seq x "
-                                   "page_size) a multiple of page_size " + Str(p.page_size) + ", got num_pages=" +
-                                   Str(p.num_pages) + " seqlen_kv=" + Str(p.seqlen_kv));
+                                   "page_size) a multiple of page_size " + Str(p.page_size) + " up to " +
+                                   Str(kMaxWindow) + ", got num_pages=" + Str(p.num_pages) + " seqlen_kv=" +
+                                   Str(p.seqlen_kv));
   }
   if (p.mask_type != MaskType::kPadding && p.mask_type != MaskType::kPaddingCausalBottomRight) {
     return Status::InvalidArgument(std::string("a paged KV cache (page_size > 0) goes with mask_type padding or "

@@ -205,6 +205,31 @@ def test_cpu_program_reads_the_pages_in_place():
     assert "tensor<53x8x2x16xf32>" in text  # the k pool, unchanged
 
 
+def test_both_paths_describe_the_same_paged_call():
+  """The FFI attributes and the legacy descriptor carry page_size; the descriptor also num_pages and the capacity as
+  seqlen_kv, which the FFI handler takes from the pool's and the page table's shapes."""
+  from te_jax import _te_jax_cpu
+  args, mask, kwargs = _in_place_inputs(IN_PLACE[1])  # 53 pages of 8, tables of 12 pages
+  f = jax.jit(lambda *a: te_jax.paged_attention(*a, mask_type=mask, **kwargs))
+  assert "page_size = 8 : i64" in f.lower(*args).as_text()
+  with te_jax.custom_call_path("legacy"):
+    module = f.lower(*args).compiler_ir("stablehlo")
+  calls = []
+
+  def walk(op):  # the call sits inside platform_dependent's case op
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          if inner.name == "stablehlo.custom_call":
+            calls.append(inner)
+          walk(inner.operation)
+
+  walk(module.operation)
+  (call,) = calls
+  params = _te_jax_cpu.unpack_descriptor(call.attributes["backend_config"].value_bytes)
+  assert (params["page_size"], params["num_pages"], params["seqlen_kv"], params["batch"]) == (8, 53, 96, 4)
+
+
 def test_paths_agree_bitwise_on_the_in_place_forward():
   args, mask, kwargs = _in_place_inputs(IN_PLACE[4])
   results = {}
