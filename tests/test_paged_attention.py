@@ -117,12 +117,14 @@ def test_gradients_reach_the_pages_and_paths_agree():
 
 
 def test_vmap_over_a_leading_axis():
+  """Each example its own pool: the in-place call stacks the pools into one and moves each example's page ids into
+  its part; every example gives the bits of its own call."""
   rng = np.random.default_rng(8)
   caches = [_cache(rng, b=2, sq=1, h=2, hkv=1, d=8, dv=8, page_size=8, max_pages=2, num_pages=5) for _ in range(3)]
   stacked = [np.stack(x) for x in zip(*caches)]
   out = jax.vmap(lambda *a: te_jax.paged_attention(*a))(*stacked)
   for i, cache in enumerate(caches):
-    np.testing.assert_allclose(np.asarray(out[i]), np.asarray(te_jax.paged_attention(*cache)), rtol=1e-6, atol=1e-6)
+    assert np.asarray(out[i]).tobytes() == np.asarray(te_jax.paged_attention(*cache)).tobytes()
 
 
 def test_out_of_range_values_under_jit_poison_their_entry_only():
@@ -287,7 +289,9 @@ def test_vmap_shares_one_pool():
 
 
 def _paged_primitive(page_size, mask=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT):
-  """The kernel primitive bound directly with a paged config (what paged_attention binds), under jit."""
+  """The kernel primitive bound directly with a paged config (what paged_attention binds), under jit. A fresh jitted
+  function per call that should fail: jax raises a run-time error of a cached executable's fast path as ValueError
+  rather than JaxRuntimeError."""
   config = AttentionConfig(mask_type=mask, window_left=-1, window_right=-1, scale=0.25, softcap=0.0, has_alibi=False,
                            page_size=page_size)
 
@@ -324,6 +328,23 @@ def test_kernel_refuses_a_traced_page_id_outside_the_pool_ffi(no_pending_legacy_
   lengths[2] = 16  # the bad id is now past the sequence's last page: never read, no error
   out, lse = _paged_primitive(8)(q, k_pages, v_pages, table, lengths)
   assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+def test_vmap_keeps_an_example_inside_its_own_pool(no_pending_legacy_failures):
+  """Per-example pools are stacked into one under vmap: an id one past example 0's pool (a page of example 1's part
+  of the stacked pool) is still refused, not read."""
+  rng = np.random.default_rng(14)
+  caches = [_cache(rng, b=2, sq=1, h=2, hkv=1, d=8, dv=8, page_size=8, max_pages=2, num_pages=5) for _ in range(2)]
+  q, k_pages, v_pages, table, lengths = (np.stack(x) for x in zip(*caches))
+  lengths[:] = 16
+  f = lambda *a: jax.jit(jax.vmap(_paged_primitive(8)))(*a)  # fresh each call: see _paged_primitive
+  out, _ = f(q, k_pages, v_pages, table, lengths)
+  for i in range(2):  # the stacked call computes each example as its own call would
+    want, _ = _paged_primitive(8)(q[i], k_pages[i], v_pages[i], table[i], lengths[i])
+    assert np.asarray(out[i]).tobytes() == np.asarray(want).tobytes()
+  table[0, 1, 1] = 5  # folded batch entry 1 * 2 + 0 = 2
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"page_table\[2, 1\] = -1 is not a page of the pool \[0, 10\)"):
+    jax.block_until_ready(f(q, k_pages, v_pages, table, lengths))
 
 
 def test_kernel_refuses_a_traced_page_id_outside_the_pool_legacy(no_pending_legacy_failures):
