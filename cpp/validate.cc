@@ -61,9 +61,11 @@ Status CheckPaging(const AttentionParams& p, Backend backend) {
   if (p.dropout_threshold > 0) {
     return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no dropout (dropout_threshold must be 0)");
   }
-  if (!BackendServesPagesInPlace(backend)) {
-    return Status::InvalidArgument("the CUDA backend does not read a paged KV cache in place yet (page_size must be "
-                                   "0): on the GPU te_jax.paged_attention gathers the pages into contiguous k and v");
+  if (!BackendServesPagesInPlace(backend, p.seqlen_q)) {
+    return Status::InvalidArgument("the CUDA backend reads a paged KV cache in place for at most " +
+                                   Str(cuda::decode::kMaxSeqlenQ) + " query positions (its decode kernels), got "
+                                   "seqlen_q=" + Str(p.seqlen_q) + "; te_jax.paged_attention gathers the pages into "
+                                   "contiguous k and v for longer queries");
   }
   return Status::Ok();
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cpp/attention_params.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/status.h"
 
 namespace te_jax {
@@ -20,9 +21,12 @@ inline constexpr int64_t kMaxCudaGridDim = 65535;
 // A paged KV cache's page size: a multiple of 8 up to this (cpp/attention_params.h: page_size).
 inline constexpr int64_t kMaxPageSize = 256;
 
-// Whether a backend's kernels read a paged KV cache in place (cpp/kv_rows.h). The one switch to flip when a backend
-// learns it: te_jax.paged_attention gathers the pages into contiguous K/V on the platforms whose backend does not.
-inline constexpr bool BackendServesPagesInPlace(Backend backend) { return backend == Backend::kCpu; }
+// Whether a backend's kernels read a paged KV cache in place (cpp/kv_rows.h) for a call of seqlen_q query positions:
+// the CPU backend's always, the CUDA backend's in its decode kernels (at most decode::kMaxSeqlenQ positions). For the
+// other calls te_jax.paged_attention gathers the pages into contiguous K/V (its _IN_PLACE_MAX_SEQLEN_Q).
+inline constexpr bool BackendServesPagesInPlace(Backend backend, int64_t seqlen_q) {
+  return backend == Backend::kCpu || seqlen_q <= cuda::decode::kMaxSeqlenQ;
+}
 
 Status ValidateAttentionParams(const AttentionParams& params, Backend backend);
 

@@ -1,12 +1,12 @@
 """Attention over a paged KV cache: each sequence's keys and values live in fixed-size pages of a shared pool, listed in
 order by its row of the page table (vLLM's and FlashInfer's layout).
 
-Where the backend's kernels read pages in place (the CPU backend: cpp/kv_rows.h), the forward binds the attention
-primitive with the pool and the page table, and nothing is gathered (_attend_in_place). Elsewhere (the GPU, until its
-kernels take pages) the pages a call needs are gathered into contiguous K/V with one XLA gather and fused_attn runs on
-them (_attend_gathered), which costs one extra read and write of the gathered K/V per call. The choice is made per
-platform at lowering (jax.lax.platform_dependent), so one program serves both. Gradients always differentiate the
-gather formulation (see _attend)."""
+Where the backend's kernels read pages in place (the CPU backend's always, the CUDA backend's decode kernels for at
+most 16 query positions: cpp/kv_rows.h), the forward binds the attention primitive with the pool and the page table,
+and nothing is gathered (_attend_in_place). Otherwise (longer queries on the GPU) the pages a call needs are gathered
+into contiguous K/V with one XLA gather and fused_attn runs on them (_attend_gathered), which costs one extra read and
+write of the gathered K/V per call. The choice is made per platform at lowering (jax.lax.platform_dependent), so one
+program serves both. Gradients always differentiate the gather formulation (see _attend)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,11 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   return poison(result, (batch, 1, 1, 1))
 
 
+# The CUDA backend reads pages in place in its decode kernels, for at most this many query positions
+# (BackendServesPagesInPlace, cpp/validate.h; tests/test_paged_attention.py checks the two agree).
+_CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
+
+
 # config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table clamped into the pool;
 # `lengths`: the sequences' lengths clamped to the capacity; `read_lengths`: the same, 0 for a poisoned entry (the
 # keys the forward reads); alibi: float32 [B, H] (zeros without ALiBi). The backward recomputes the forward of the
@@ -111,9 +116,10 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):
   del lengths
-  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, read_lengths, alibi,
-                                    cpu=partial(_attend_in_place, config, return_lse),
-                                    default=partial(_attend_gathered, config, return_lse))
+  in_place, gathered = partial(_attend_in_place, config, return_lse), partial(_attend_gathered, config, return_lse)
+  cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else gathered
+  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, read_lengths, alibi, cpu=in_place, cuda=cuda,
+                                    default=gathered)
 
 
 def _attend_fwd(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):

@@ -103,3 +103,42 @@ def test_decode_invalid_runtime_seqlens_give_nan():
     for name, x in (("out", out), ("lse", lse)):
       assert np.isnan(x[1]).all() and np.isnan(x[2]).all(), f"{name} of the invalid batches is not all NaN"
       assert not np.isnan(x[0]).any(), f"{name} of the valid batch has NaN"
+
+
+# Paged KV caches read in place by the decode kernels: (page_size, b, sq, h, hkv, d, mask).
+PAGED = [
+    (16, 3, 1, 8, 2, 128, "causal_bottom_right"),
+    (64, 2, 16, 8, 2, 128, "causal_bottom_right"),
+    (24, 2, 3, 4, 4, 64, "no_mask"),
+    (256, 1, 1, 16, 1, 64, "causal_bottom_right"),
+]
+
+
+@pytest.mark.parametrize("case", PAGED, ids=[f"page{c[0]}_sq{c[2]}_g{c[3] // c[4]}" for c in PAGED])
+@pytest.mark.parametrize("path", ["ffi", "legacy"])
+def test_paged_in_place_is_bitwise_the_contiguous_decode(case, path):
+  """The decode kernels read a shuffled pool with shared pages through the page table (no gather in the GPU program)
+  and give the bits of the same call on the gathered contiguous K/V, ragged lengths (one of them 0) included."""
+  page_size, b, sq, h, hkv, d, mask = case
+  rng = np.random.default_rng(page_size + sq)
+  max_pages = 3000 // page_size + 1
+  num_pages = b * max_pages
+  table = rng.permutation(num_pages).reshape(b, max_pages).astype(np.int32)
+  table[-1, : max_pages // 2] = table[0, : max_pages // 2]  # two sequences share a prefix's pages
+  lengths = rng.integers(sq, max_pages * page_size + 1, size=b).astype(np.int32)
+  lengths[0] = 0 if mask == "no_mask" else lengths[0]
+  q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
+  k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page_size, hkv, d)), jnp.bfloat16) for _ in range(2))
+  paged = jax.jit(lambda q, kp, vp, t, n: te_jax.paged_attention(q, kp, vp, t, n, mask_type=mask, return_lse=True))
+  with te_jax.custom_call_path(path):
+    assert "gather" not in paged.lower(q, k_pages, v_pages, table, lengths).as_text()
+    out, lse = (np.asarray(x) for x in paged(q, k_pages, v_pages, table, lengths))
+    capacity = max_pages * page_size
+    gather = lambda pool: pool[jnp.asarray(table)].reshape(b, capacity, hkv, d)
+    contiguous = jax.jit(lambda q, k, v, n: te_jax.fused_attn(
+        q, k, v, mask_type="padding" if mask == "no_mask" else "padding_causal_bottom_right",
+        q_seqlens=jnp.full((b,), sq, jnp.int32), kv_seqlens=n, return_lse=True, engine="te"))
+    ref_out, ref_lse = (np.asarray(x) for x in contiguous(q, gather(k_pages), gather(v_pages), lengths))
+  te_jax.raise_legacy_failures()
+  assert out.tobytes() == ref_out.tobytes() and lse.tobytes() == ref_lse.tobytes()
+  assert np.isfinite(out.astype(np.float32)).all()
