@@ -308,7 +308,10 @@ def test_validate_paging():
   te_jax_cpu.validate(dict(PAGED, mask_type=3, num_pages=0), 0)  # padding; an empty pool (every length must be 0)
   for page_size in (8, 24, 256):
     te_jax_cpu.validate(dict(PAGED, page_size=page_size, seqlen_kv=3 * page_size), 0)
-  with pytest.raises(ValueError, match="the CUDA backend does not read a paged KV cache in place yet"):
+  # The CUDA backend reads pages in its decode kernels: up to 16 query positions (PAGED has 37).
+  te_jax_cpu.validate(dict(PAGED, seqlen_q=16), 1)
+  with pytest.raises(ValueError, match="the CUDA backend reads a paged KV cache in place for at most 16 query "
+                                       "positions .* got seqlen_q=37"):
     te_jax_cpu.validate(PAGED, 1)
   with pytest.raises(ValueError, match="the backward takes no paged KV cache"):
     te_jax_cpu.validate(PAGED, 0, "backward")
