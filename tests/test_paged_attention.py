@@ -385,6 +385,20 @@ def test_paged_backward_is_refused_at_lowering():
     jax.jit(backward).lower(q, k_pages, v_pages)
 
 
+def test_cuda_in_place_limit_matches_the_core():
+  """paged_attention lowers the in-place call on cuda exactly where the core's validation lets the CUDA backend read
+  pages (BackendServesPagesInPlace: its decode kernels' query positions); beyond, it gathers."""
+  from te_jax import _te_jax_cpu
+  from te_jax.paged_attention import _CUDA_IN_PLACE_MAX_SEQLEN_Q as limit
+  config = AttentionConfig(mask_type=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT, window_left=-1, window_right=-1,
+                           scale=0.125, softcap=0.0, has_alibi=False, page_size=16)
+  params = lambda sq: config.core_params((2, sq, 8, 64), (30, 16, 2, 64), (30, 16, 2, 64), jnp.bfloat16,
+                                         page_table_shape=(2, 4))
+  _te_jax_cpu.validate(params(limit), 1)
+  with pytest.raises(ValueError, match=f"at most {limit} query positions"):
+    _te_jax_cpu.validate(params(limit + 1), 1)
+
+
 def test_context_parallelism_refuses_paging():
   config = AttentionConfig(mask_type=MaskType.PADDING, window_left=-1, window_right=-1, scale=0.25, softcap=0.0,
                            has_alibi=False, page_size=16)
