@@ -41,7 +41,21 @@ __device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>
     if (kChunks % kThreads != 0 && c >= kChunks) break;
     const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
     const bool valid = n0 + r < valid_keys && col < cols;
-    sm80::CpAsync16(tile.Address(r, col), valid ? base + rows.Offset(b, n0 + r, kv_head) + col : base, valid);
+    sm80::CpAsync16FetchL2Block(tile.Address(r, col), valid ? base + rows.Offset(b, n0 + r, kv_head) + col : base,
+                                valid);
+  }
+}
+
+// Asks the L2 for the rows of keys [n0, n0 + kRows) of one K/V head (cols elements each) without copying them: the
+// reads of tiles beyond the shared-memory ring start early, so more of the memory's latency is covered than the ring
+// alone could hold. Every thread of the CTA calls it.
+template <int kThreads, int kRows>
+__device__ __forceinline__ void PrefetchKeys(const uint16_t* base, const KvRows& rows, int b, int kv_head, int n0,
+                                             int valid_keys, int cols, int tid) {
+  const int lines_per_row = (cols * 2 + 127) / 128;
+  for (int c = tid; c < kRows * lines_per_row; c += kThreads) {
+    const int r = c / lines_per_row;
+    if (n0 + r < valid_keys) sm80::PrefetchL2(base + rows.Offset(b, n0 + r, kv_head) + c % lines_per_row * 64);
   }
 }
 
@@ -94,6 +108,7 @@ struct DecodeKernel {
   static constexpr int kRowsOffset = kRingOffset + kStages * kStageBytes;
   static constexpr int kSmemBytes = kRowsOffset + kRows * 16;
   static constexpr int kPitch = EpiloguePitch(kDv);
+  static constexpr int kPrefetchTiles = PrefetchTiles();
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
   static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles), "tile_size.h and the kernel disagree on shared memory");
   static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,
@@ -168,10 +183,16 @@ struct DecodeKernel {
                         pages_per_seq, a.page_table};
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
-    auto load = [&](int i) {  // the pass's i-th tile into its stage
+    // The pass's i-th tile into its stage, and the L2 asked for the tile kPrefetchTiles further on.
+    auto load = [&](int i) {
       const int stage = i % kStages, n0 = (tile_begin + i) * kBlockN;
       AsyncLoadKeys<kThreads>(sm.K(stage), k, k_rows, rb.b, rb.kv_head, n0, len.kv_len, kD, tid);
       AsyncLoadKeys<kThreads>(sm.V(stage), v, v_rows, rb.b, rb.kv_head, n0, len.kv_len, kDv, tid);
+      if (i + kPrefetchTiles < tiles) {
+        const int ahead = n0 + kPrefetchTiles * kBlockN;
+        PrefetchKeys<kThreads, kBlockN>(k, k_rows, rb.b, rb.kv_head, ahead, len.kv_len, kD, tid);
+        PrefetchKeys<kThreads, kBlockN>(v, v_rows, rb.b, rb.kv_head, ahead, len.kv_len, kDv, tid);
+      }
     };
 
     Variant variant;  // its slope is set per row (the row's head)

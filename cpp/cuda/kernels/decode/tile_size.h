@@ -27,6 +27,10 @@ TE_JAX_HOST_DEVICE constexpr int Stages(int d, int dv) {
   return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
 }
 
+// How far ahead of the tile a stage is loaded with the L2 is asked for a tile (prefetch.global.L2), so that the reads
+// in flight are not bounded by the ring's shared memory (H200: docs/BENCHMARKS.md).
+TE_JAX_HOST_DEVICE constexpr int PrefetchTiles() { return 4; }
+
 // A CTA's warps split its tile as row_tiles 16-row tiles x (kWarps / row_tiles) key slices of each stage: one row tile
 // (16 rows: a single position of up to 16 heads, the common decode step) gives each warp 16 of the 64 keys; four row
 // tiles (64 rows, e.g. 4 heads x 16 positions) give each warp 16 rows and all 64 keys.
