@@ -99,6 +99,12 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                                      CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, device);
   }
   if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's multiprocessors: " + driver->ErrorString(r));
+  // The kernels keep a key's row (in the batch's K/V or in the page pool) as a 32-bit index.
+  const int64_t rows = p.page_size > 0 ? p.num_pages * p.page_size : p.batch * p.seqlen_kv;
+  if (rows > INT32_MAX) {
+    return Status::InvalidArgument("the decode kernels address at most 2^31 - 1 key rows, this call's K/V hold " +
+                                   std::to_string(rows));
+  }
   const int kernel = DecodeKernelFor(p);
   const DecodeGeometry g =
       DecodeGeometryFor(p, DecodeSlots(multiprocessors, smem_per_multiprocessor, module->smem_bytes[kernel]));

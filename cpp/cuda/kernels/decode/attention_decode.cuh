@@ -22,40 +22,37 @@
 
 namespace te_jax::cuda::decode {
 
-// Asynchronously copies the rows of keys [n0, n0 + kRows) of one K/V head into a tile, each key's row found through
-// `rows` (contiguous or paged, cpp/kv_rows.h; the same arithmetic either way, so a paged call gives the contiguous
-// call's bits); keys at or past `valid_keys` and columns past `cols` are zero-filled. Every thread of the CTA calls it.
+// Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
+// tile's kRows keys into a tile; key_rows[r] is key r's row (cpp/kv_rows.h: contiguous or in a page of the pool, so a
+// paged call gives the contiguous call's bits), -1 for a key past the length (zero-filled, as are columns past cols).
 template <int kThreads, int kRows, int kCols>
 __device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>& tile, const uint16_t* base,
-                                              const KvRows& rows, int b, int kv_head, int n0, int valid_keys,
-                                              int cols, int tid) {
+                                              const int* key_rows, int64_t row_stride, int head_offset, int cols,
+                                              int tid) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
-  // tid through an empty asm: the compiler cannot see that the chunks' row offsets repeat from tile to tile, so it
-  // computes them here instead of keeping one 64-bit offset per chunk live through the main loop (which spilled).
-  asm volatile("" : "+r"(tid));
   // A fixed trip count (tid < kThreads), so the loop unrolls completely.
 #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
     const int c = tid + i * kThreads;
     if (kChunks % kThreads != 0 && c >= kChunks) break;
     const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
-    const bool valid = n0 + r < valid_keys && col < cols;
-    sm80::CpAsync16FetchL2Block(tile.Address(r, col), valid ? base + rows.Offset(b, n0 + r, kv_head) + col : base,
+    const int row = key_rows[r];
+    const bool valid = row >= 0 && col < cols;
+    sm80::CpAsync16FetchL2Block(tile.Address(r, col), valid ? base + row * row_stride + head_offset + col : base,
                                 valid);
   }
 }
 
-// Asks the L2 for the rows of keys [n0, n0 + kRows) of one K/V head (cols elements each) without copying them: the
-// reads of tiles beyond the shared-memory ring start early, so more of the memory's latency is covered than the ring
-// alone could hold. Every thread of the CTA calls it.
+// Asks the L2 for the same rows without copying them: the reads of tiles beyond the shared-memory ring start early,
+// so more of the memory's latency is covered than the ring alone could hold. Every thread of the CTA calls it.
 template <int kThreads, int kRows>
-__device__ __forceinline__ void PrefetchKeys(const uint16_t* base, const KvRows& rows, int b, int kv_head, int n0,
-                                             int valid_keys, int cols, int tid) {
+__device__ __forceinline__ void PrefetchKeys(const uint16_t* base, const int* key_rows, int64_t row_stride,
+                                             int head_offset, int cols, int tid) {
   const int lines_per_row = (cols * 2 + 127) / 128;
   for (int c = tid; c < kRows * lines_per_row; c += kThreads) {
-    const int r = c / lines_per_row;
-    if (n0 + r < valid_keys) sm80::PrefetchL2(base + rows.Offset(b, n0 + r, kv_head) + c % lines_per_row * 64);
+    const int row = key_rows[c / lines_per_row];
+    if (row >= 0) sm80::PrefetchL2(base + row * row_stride + head_offset + c % lines_per_row * 64);
   }
 }
 
@@ -106,7 +103,9 @@ struct DecodeKernel {
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
   static constexpr int kRingOffset = QTile::kBytes;
   static constexpr int kRowsOffset = kRingOffset + kStages * kStageBytes;
-  static constexpr int kSmemBytes = kRowsOffset + kRows * 16;
+  static constexpr int kKeyRowsOffset = kRowsOffset + kRows * 16;
+  static constexpr int kKeyRowSlots = KeyRowSlots(kD, kDv);
+  static constexpr int kSmemBytes = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
   static constexpr int kPitch = EpiloguePitch(kDv);
   static constexpr int kPrefetchTiles = PrefetchTiles();
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
@@ -127,6 +126,10 @@ struct DecodeKernel {
     __device__ __forceinline__ int2* Ranges() const { return reinterpret_cast<int2*>(base + kRowsOffset); }
     __device__ __forceinline__ int* Positions() const { return reinterpret_cast<int*>(Ranges() + kRows); }
     __device__ __forceinline__ float* Slopes() const { return reinterpret_cast<float*>(Positions() + kRows); }
+    // The ring of key-row tables: the pass's i-th tile's in slot i % kKeyRowSlots.
+    __device__ __forceinline__ int* KeyRows(int i) const {
+      return reinterpret_cast<int*>(base + kKeyRowsOffset) + i % kKeyRowSlots * kBlockN;
+    }
     // The epilogue, over the rings: each warp's 16 x dv partial output, then each warp's row maxima and sums, then per
     // CTA row the warps' weights, 1 / sum and lse.
     __device__ __forceinline__ float* PartialOut(int warp) const {
@@ -176,24 +179,31 @@ struct DecodeKernel {
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
     const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
 
-    const int64_t pages_per_seq = a.page_size > 0 ? s.seqlen_kv / a.page_size : 0;
-    const KvRows k_rows{s.seqlen_kv, static_cast<int64_t>(s.num_kv_heads) * kD, kD, a.page_size, a.num_pages,
-                        pages_per_seq, a.page_table};
-    const KvRows v_rows{s.seqlen_kv, static_cast<int64_t>(s.num_kv_heads) * kDv, kDv, a.page_size, a.num_pages,
-                        pages_per_seq, a.page_table};
+    // Where the keys' rows are (the row index is the same in k and v, whose rows differ in length).
+    const KvRows key_rows{s.seqlen_kv, 0, 0, a.page_size, a.num_pages,
+                          a.page_size > 0 ? s.seqlen_kv / a.page_size : 0, a.page_table};
+    const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
+    const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
+    // The key-row table of the pass's i-th tile: one thread per key (call with tid < kBlockN).
+    auto look_up_rows = [&](int i, int key_in_tile) {
+      const int key = (tile_begin + i) * kBlockN + key_in_tile;
+      sm.KeyRows(i)[key_in_tile] = key < len.kv_len ? static_cast<int>(key_rows.Row(rb.b, key)) : -1;
+    };
     // The pass's i-th tile into its stage, and the L2 asked for the tile kPrefetchTiles further on.
     auto load = [&](int i) {
-      const int stage = i % kStages, n0 = (tile_begin + i) * kBlockN;
-      AsyncLoadKeys<kThreads>(sm.K(stage), k, k_rows, rb.b, rb.kv_head, n0, len.kv_len, kD, tid);
-      AsyncLoadKeys<kThreads>(sm.V(stage), v, v_rows, rb.b, rb.kv_head, n0, len.kv_len, kDv, tid);
+      const int stage = i % kStages;
+      AsyncLoadKeys<kThreads>(sm.K(stage), k, sm.KeyRows(i), k_stride, rb.kv_head * kD, kD, tid);
+      AsyncLoadKeys<kThreads>(sm.V(stage), v, sm.KeyRows(i), v_stride, rb.kv_head * kDv, kDv, tid);
       if (i + kPrefetchTiles < tiles) {
-        const int ahead = n0 + kPrefetchTiles * kBlockN;
-        PrefetchKeys<kThreads, kBlockN>(k, k_rows, rb.b, rb.kv_head, ahead, len.kv_len, kD, tid);
-        PrefetchKeys<kThreads, kBlockN>(v, v_rows, rb.b, rb.kv_head, ahead, len.kv_len, kDv, tid);
+        PrefetchKeys<kThreads, kBlockN>(k, sm.KeyRows(i + kPrefetchTiles), k_stride, rb.kv_head * kD, kD, tid);
+        PrefetchKeys<kThreads, kBlockN>(v, sm.KeyRows(i + kPrefetchTiles), v_stride, rb.kv_head * kDv, kDv, tid);
       }
     };
+    // A tile's table is written kRowsLead tiles before the tile is multiplied: the prefetch of that tile, the first
+    // to read it, comes a barrier later.
+    constexpr int kRowsLead = kKeyRowSlots - 1;
 
     Variant variant;  // its slope is set per row (the row's head)
     variant.scale = s.scale;
@@ -212,6 +222,10 @@ struct DecodeKernel {
       constexpr bool kCareful = decltype(careful)::kValue;
       softmax.Reset();
       sm80::ZeroFragments(o);
+      for (int c = tid; c < kRowsLead * kBlockN; c += kThreads) {
+        if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
+      }
+      __syncthreads();
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < tiles) load(i);
@@ -223,6 +237,7 @@ struct DecodeKernel {
         __syncthreads();  // tile i landed for everyone, and everyone is done with the stage the next load overwrites
         if (i + kStages - 1 < tiles) load(i + kStages - 1);
         sm80::CpAsyncCommit();
+        if (tid < kBlockN && i + kRowsLead < tiles) look_up_rows(i + kRowsLead, tid);
         const int tile = tile_begin + i, n0 = tile * kBlockN, key0 = n0 + slice * kSliceN;
         const bool interior = tile >= full_begin && tile < full_end;
         if constexpr (kCareful) {

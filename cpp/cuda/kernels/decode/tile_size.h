@@ -31,6 +31,11 @@ TE_JAX_HOST_DEVICE constexpr int Stages(int d, int dv) {
 // in flight are not bounded by the ring's shared memory (H200: docs/BENCHMARKS.md).
 TE_JAX_HOST_DEVICE constexpr int PrefetchTiles() { return 4; }
 
+// The rows of each tile's keys (cpp/kv_rows.h) are looked up once, by one thread per key, into a ring of tables in
+// shared memory, far enough ahead that the copies and prefetches of a tile read them without waiting on the page table:
+// from kPrefetchTiles + stages tiles ahead of the tile being multiplied, so that many tables and one being written.
+TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int d, int dv) { return PrefetchTiles() + Stages(d, dv) + 1; }
+
 // A CTA's warps split its tile as row_tiles 16-row tiles x (kWarps / row_tiles) key slices of each stage: one row tile
 // (16 rows: a single position of up to 16 heads, the common decode step) gives each warp 16 of the 64 keys; four row
 // tiles (64 rows, e.g. 4 heads x 16 positions) give each warp 16 rows and all 64 keys.
@@ -41,7 +46,8 @@ TE_JAX_HOST_DEVICE constexpr int RowsOfTile(int row_tiles) { return 16 * row_til
 TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles) {
   const int rows = RowsOfTile(row_tiles);
   return TileBytes(rows, PadHeadDim(d)) +
-         Stages(d, dv) * (TileBytes(kBlockN, PadHeadDim(d)) + TileBytes(kBlockN, PadHeadDim(dv))) + rows * (8 + 4 + 4);
+         Stages(d, dv) * (TileBytes(kBlockN, PadHeadDim(d)) + TileBytes(kBlockN, PadHeadDim(dv))) + rows * (8 + 4 + 4) +
+         KeyRowSlots(d, dv) * kBlockN * 4;
 }
 
 // The epilogue's float rows of each warp's partial output, padded by 4 floats so a fragment store's 8 rows spread over
