@@ -31,6 +31,9 @@ __device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>
                                               int tid) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
+  // tid through an empty asm: the compiler cannot see that the chunks' offsets repeat from tile to tile, so it
+  // computes them here instead of keeping them live through the main loop (which spilled at d = 256).
+  asm volatile("" : "+r"(tid));
   // A fixed trip count (tid < kThreads), so the loop unrolls completely.
 #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
@@ -39,20 +42,7 @@ __device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>
     const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
     const int row = key_rows[r];
     const bool valid = row >= 0 && col < cols;
-    sm80::CpAsync16FetchL2Block(tile.Address(r, col), valid ? base + row * row_stride + head_offset + col : base,
-                                valid);
-  }
-}
-
-// Asks the L2 for the same rows without copying them: the reads of tiles beyond the shared-memory ring start early,
-// so more of the memory's latency is covered than the ring alone could hold. Every thread of the CTA calls it.
-template <int kThreads, int kRows>
-__device__ __forceinline__ void PrefetchKeys(const uint16_t* base, const int* key_rows, int64_t row_stride,
-                                             int head_offset, int cols, int tid) {
-  const int lines_per_row = (cols * 2 + 127) / 128;
-  for (int c = tid; c < kRows * lines_per_row; c += kThreads) {
-    const int row = key_rows[c / lines_per_row];
-    if (row >= 0) sm80::PrefetchL2(base + row * row_stride + head_offset + c % lines_per_row * 64);
+    sm80::CpAsync16(tile.Address(r, col), valid ? base + row * row_stride + head_offset + col : base, valid);
   }
 }
 
@@ -107,7 +97,6 @@ struct DecodeKernel {
   static constexpr int kKeyRowSlots = KeyRowSlots(kD, kDv);
   static constexpr int kSmemBytes = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
   static constexpr int kPitch = EpiloguePitch(kDv);
-  static constexpr int kPrefetchTiles = PrefetchTiles();
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
   static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles), "tile_size.h and the kernel disagree on shared memory");
   static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,
@@ -191,18 +180,14 @@ struct DecodeKernel {
       const int key = (tile_begin + i) * kBlockN + key_in_tile;
       sm.KeyRows(i)[key_in_tile] = key < len.kv_len ? static_cast<int>(key_rows.Row(rb.b, key)) : -1;
     };
-    // The pass's i-th tile into its stage, and the L2 asked for the tile kPrefetchTiles further on.
+    // The pass's i-th tile into its stage.
     auto load = [&](int i) {
       const int stage = i % kStages;
       AsyncLoadKeys<kThreads>(sm.K(stage), k, sm.KeyRows(i), k_stride, rb.kv_head * kD, kD, tid);
       AsyncLoadKeys<kThreads>(sm.V(stage), v, sm.KeyRows(i), v_stride, rb.kv_head * kDv, kDv, tid);
-      if (i + kPrefetchTiles < tiles) {
-        PrefetchKeys<kThreads, kBlockN>(k, sm.KeyRows(i + kPrefetchTiles), k_stride, rb.kv_head * kD, kD, tid);
-        PrefetchKeys<kThreads, kBlockN>(v, sm.KeyRows(i + kPrefetchTiles), v_stride, rb.kv_head * kDv, kDv, tid);
-      }
     };
-    // A tile's table is written kRowsLead tiles before the tile is multiplied: the prefetch of that tile, the first
-    // to read it, comes a barrier later.
+    // A tile's table is written kRowsLead tiles before the tile is multiplied: its copies, the first to read it, are
+    // issued a barrier later.
     constexpr int kRowsLead = kKeyRowSlots - 1;
 
     Variant variant;  // its slope is set per row (the row's head)

@@ -27,14 +27,12 @@ TE_JAX_HOST_DEVICE constexpr int Stages(int d, int dv) {
   return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
 }
 
-// How far ahead of the tile a stage is loaded with the L2 is asked for a tile (prefetch.global.L2), so that the reads
-// in flight are not bounded by the ring's shared memory (H200: docs/BENCHMARKS.md).
-TE_JAX_HOST_DEVICE constexpr int PrefetchTiles() { return 4; }
-
 // The rows of each tile's keys (cpp/kv_rows.h) are looked up once, by one thread per key, into a ring of tables in
-// shared memory, far enough ahead that the copies and prefetches of a tile read them without waiting on the page table:
-// from kPrefetchTiles + stages tiles ahead of the tile being multiplied, so that many tables and one being written.
-TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int d, int dv) { return PrefetchTiles() + Stages(d, dv) + 1; }
+// shared memory an iteration before the tile's copies are issued, so no copy waits on a page-table read (that wait
+// made paged calls 1.7x slower than contiguous ones on an H200; with the tables they are within 2%, docs/BENCHMARKS.md).
+// (Asking the L2 for tiles beyond the ring with prefetch.global.L2 measured 10-25% slower there, and fetching 256-byte
+// L2 blocks per copy ~8% slower.)
+TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int d, int dv) { return Stages(d, dv) + 1; }
 
 // A CTA's warps split its tile as row_tiles 16-row tiles x (kWarps / row_tiles) key slices of each stage: one row tile
 // (16 rows: a single position of up to 16 heads, the common decode step) gives each warp 16 of the 64 keys; four row
