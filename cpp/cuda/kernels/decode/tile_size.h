@@ -9,8 +9,10 @@
 
 namespace te_jax::cuda::decode {
 
-// Up to this many query positions a call takes the decode kernels (the row-packed tile loses to the forward kernels'
-// 128-row tiles once the positions of one (batch, head) fill a tile; H200 measurements in docs/BENCHMARKS.md).
+// Up to this many query positions a call takes the decode kernels. H200, bf16, b 8, h 32 / kv 8, d 128, 8k keys:
+// 16 positions take 167-207 us here against 252 us for 17 positions on the sm90 forward (which reads each K/V head
+// once per query head) and 256 us for 32; 32 positions here would be two 64-row tiles per K/V head, each reading the
+// K/V again (~330 us). docs/BENCHMARKS.md, run 19.
 inline constexpr int kMaxSeqlenQ = 16;
 
 inline constexpr int kWarps = 4;
