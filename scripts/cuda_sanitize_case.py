@@ -1,7 +1,8 @@
 """A tiny forward + backward run for compute-sanitizer (memcheck / racecheck): ragged padding + causal + window + GQA +
 softcap + ALiBi, and a D != Dv causal case, each with both backwards (atomic dq and deterministic), on te_jax's
 kernels; then a causal forward whose v holds a NaN at a key the first rows do not see (the forward's rare path for
-non-finite values in a straddling tile). Exit status 1 on unexpected results."""
+non-finite values in a straddling tile); then a paged decode call with a page id outside the pool. Exit status 1 on
+unexpected results."""
 import sys
 
 import jax
@@ -39,5 +40,18 @@ out = np.asarray(jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="c
 expected = np.zeros(out.shape, bool)
 expected[0, 100:, 2:, 3] = True
 ok &= bool(np.array_equal(~np.isfinite(out), expected))
+# The decode kernels (Sq <= 16): a split-KV call over a shuffled page pool, GQA 4, ragged lengths, with a traced page
+# id outside the pool in the last sequence (clamped in the kernel: nothing is read outside the pool; that entry is NaN,
+# the others finite).
+rng = np.random.default_rng(2)
+pages, page_size, max_pages = 48, 16, 16
+q = jnp.asarray(rng.standard_normal((3, 2, 8, 128)), jnp.bfloat16)
+k_pages, v_pages = (jnp.asarray(rng.standard_normal((pages, page_size, 2, 128)), jnp.bfloat16) for _ in range(2))
+table = rng.permutation(pages)[: 3 * max_pages].reshape(3, max_pages).astype(np.int32)
+table[2, 3] = pages + 7
+lengths = np.asarray([256, 37, 100], np.int32)
+out = np.asarray(jax.jit(te_jax.paged_attention)(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths)),
+                 np.float32)
+ok &= bool(np.isfinite(out[:2]).all() and np.isnan(out[2]).all())
 print("sanitize cases as expected:", ok)
 sys.exit(0 if ok else 1)
