@@ -1,5 +1,7 @@
 // Flash-style attention on the CPU. Forward: one work item per (batch, head, Q tile) runs the online softmax over the
-// K/V tiles its rows can see. Backward: a KV tile's work owns that tile's dK and dV and walks the Q tiles of its head
+// K/V tiles its rows can see; for decode shapes (few query positions, GQA) one per (batch, K/V head, packed tile),
+// whose rows are the query heads of the group times the positions, so each K/V tile is read once per group (see
+// PacksHeads). Backward: a KV tile's work owns that tile's dK and dV and walks the Q tiles of its head
 // group that see it; dQ, which every KV tile adds to, goes to float32 partial buffers summed once at the end, so no
 // write is shared and the five products are computed once each. Which KV tiles share a partial buffer fixes the order
 // of dQ's additions: by default one work item per (batch, KV head, KV tile) and one buffer per worker, so the order
@@ -24,6 +26,7 @@
 #include "cpp/cpu/dropout_tile.h"
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/online_softmax.h"
+#include "cpp/cpu/query_rows.h"
 #include "cpp/cpu/simd_f32x8.h"
 #include "cpp/cpu/softmax_backward.h"
 #include "cpp/cpu/tile_gemm.h"
@@ -134,27 +137,46 @@ MatrixB KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b, int64_t h
   return {scratch, rows.head_dim};
 }
 
-// out[d][r] = factor * rows[r][d], zero in the lanes past `rows`: the B operand of the key-major score products.
+// out[d][r] = factor * (tile row r of `tensor`, [B, Sq, H, dim])[d], zero in the lanes past the tile's rows: the B
+// operand of the key-major score products.
 template <typename T>
-void PackTransposed(const T* first, int64_t stride, int64_t rows, int64_t lanes, int64_t dim, float factor,
-                    float* out) {
-  for (int64_t d = 0; d < dim; ++d) {
-    for (int64_t r = 0; r < lanes; ++r) out[d * kTileQ + r] = r < rows ? factor * ToFloat(first[r * stride + d]) : 0.0f;
+void PackTransposed(const T* tensor, const QueryRows<kTileQ>& tile, const AttentionParams& p, int64_t dim,
+                    int64_t lanes, float factor, float* out) {
+  for (int64_t r = 0; r < lanes; ++r) {
+    const T* row = r < tile.rows ? tensor + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dim : nullptr;
+    for (int64_t d = 0; d < dim; ++d) out[d * kTileQ + r] = row != nullptr ? factor * ToFloat(row[d]) : 0.0f;
   }
 }
 
-// scores[key][row] = Logit(dot) in log2 units, for the variants that are not linear in the dot. ALiBi reads the
-// positions: row r's is first_position + r and key c's first_key + c, or the tokens' positions when it has them.
+// What the logits of a score tile's lanes need besides the dot, for the variants that are not linear in it: the ALiBi
+// slope of the row's head (a packed tile's rows have several) and the position ALiBi measures the keys from, the
+// query's diagonal position or, with positions, its token position. Lanes past the rows get 0 and 0; their scores
+// are never read.
+struct RowLogitInputs {
+  float slope[kTileQ];
+  int64_t position[kTileQ];
+
+  void Compute(const AttentionParams& p, const float* alibi_slopes, const RowMask& mask, const TokenMask& tokens,
+               const QueryRows<kTileQ>& tile) {
+    for (int64_t r = 0; r < kTileQ; ++r) {
+      const bool row = r < tile.rows;
+      slope[r] = row && p.has_alibi ? alibi_slopes[tile.batch * p.num_heads + tile.head[r]] : 0.0f;
+      const int64_t i = row ? tile.position[r] : 0;
+      position[r] = !row ? 0 : tokens.has_positions() ? tokens.q_pos[i] : i + mask.diag_offset;
+    }
+  }
+};
+
+// scores[key][row] = Logit(dot) in log2 units, for the variants that are not linear in the dot. ALiBi reads key c's
+// position first_key + c, or its token position when the call has them.
 template <typename Variant>
-void ApplyLogits(const Variant& variant, const float* dots, float* scores, int64_t keys, int64_t lanes,
-                 int64_t first_position, int64_t first_key, const TokenMask& tokens, int64_t first_row,
-                 int64_t rows) {
+void ApplyLogits(Variant variant, const RowLogitInputs& rows, const float* dots, float* scores, int64_t keys,
+                 int64_t lanes, int64_t first_key, const TokenMask& tokens) {
   for (int64_t c = 0; c < keys; ++c) {
     const int64_t key_position = tokens.has_positions() ? tokens.kv_pos[first_key + c] : first_key + c;
     for (int64_t r = 0; r < lanes; ++r) {
-      const int64_t row_position =
-          tokens.has_positions() ? (r < rows ? tokens.q_pos[first_row + r] : 0) : first_position + r;
-      scores[c * kTileQ + r] = kLog2e * variant.Logit(dots[c * kTileQ + r], row_position, key_position);
+      variant.slope = rows.slope[r];
+      scores[c * kTileQ + r] = kLog2e * variant.Logit(dots[c * kTileQ + r], rows.position[r], key_position);
     }
   }
 }
@@ -277,39 +299,47 @@ struct ForwardScratch {
   std::vector<float> k, v;    // converted tiles of 16-bit inputs
   alignas(32) float rescale[kTileQ];
   TileKeyRanges<kTileQ> ranges;
+  RowLogitInputs logits;
   OnlineSoftmax<kTileQ> softmax;
 };
 
+// The online softmax of one tile's rows over the K/V tiles they see, and its out and lse rows.
 template <typename T, typename Variant>
-void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& item) {
+void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<kTileQ>& tile) {
   const AttentionParams& p = args.params;
-  const int64_t b = item.batch, h = item.head;
+  const int64_t b = tile.batch, kv_head = tile.kv_head, rows = tile.rows;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
-  const int64_t first_row = item.tile * kTileQ;
-  const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
   const int64_t lanes = RoundUpToLanes(rows);
-  const int64_t kv_head = h / (p.num_heads / p.num_kv_heads);
-  const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
+  // The bias and dropout address the rows as (h, first_row + r): only unpacked tiles have them (PacksHeads).
+  const int64_t h = tile.head[0], first_row = tile.position[0];
   const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
   const TokenMask tokens = BatchTokens(p, args.tokens, b);
   const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
 
-  s.ranges.Compute(mask, tokens, first_row, rows);
+  s.ranges.Compute(mask, tokens, tile.position, rows);
+  if constexpr (!kIsLinear<Variant>) s.logits.Compute(p, args.alibi_slopes, mask, tokens, tile);
   s.softmax.Reset();
   std::fill(s.out.begin(), s.out.begin() + rows * dv, 0.0f);
-  PackTransposed(q.Row(first_row), q.stride, rows, lanes, d, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f,
-                 s.q_t.data());
+  PackTransposed(args.q, tile, p, d, lanes, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f, s.q_t.data());
 
   float* scores = s.scores.data();
-  // With segment ids or positions the key tiles are the aligned ones, whose bounds KVTileTokens computed once; a tile
-  // whose ids or positions no row of this tile can see is skipped before anything of it is loaded.
-  const int64_t first_key = tokens.active() ? s.ranges.any.begin / kTileKV * kTileKV : s.ranges.any.begin;
+  // Key tiles start at the first key a row sees, or at a multiple of kTileKV: with segment ids or positions, whose
+  // bounds per aligned tile KVTileTokens computed once (a tile whose ids or positions no row of this tile can see is
+  // skipped before anything of it is loaded); and in a packed tile, so that where a row's key tiles are cut, and so
+  // its bits, never depend on which rows share its tile (the packed tile size follows the thread count: PlanForward).
+  // The products and the online softmax are otherwise per row (a key a row does not see adds exact zeros to its
+  // sums), so a packed row gets the bits the unpacked tiles give it wherever the two cut the keys alike: unless a left
+  // window starts the rows' keys inside a KV tile (the unpacked tiles then start at their first visible key).
+  const bool aligned = tokens.active() || tile.packed;
+  const int64_t first_key = aligned ? s.ranges.any.begin / kTileKV * kTileKV : s.ranges.any.begin;
   const KeyTokenBounds no_tokens;
   for (int64_t tile0 = first_key; tile0 < s.ranges.any.end; tile0 += kTileKV) {
     const KeyTokenBounds& key_tokens =
         tokens.active() ? args.kv_tile_tokens[b * CeilDiv(p.seqlen_kv, kTileKV) + tile0 / kTileKV] : no_tokens;
     if (!s.ranges.MayMeet(key_tokens)) continue;
-    int64_t key0 = tile0, key_end = std::min(tile0 + kTileKV, s.ranges.any.end);
+    // A packed tile's first tile starts at its first visible key (TrimKeys narrows the token mask's).
+    int64_t key0 = tokens.active() ? tile0 : std::max(tile0, s.ranges.any.begin);
+    int64_t key_end = std::min(tile0 + kTileKV, s.ranges.any.end);
     const bool all_see = s.ranges.AllSee(key0, key_end, key_tokens);
     if (!all_see && tokens.active()) {
       s.ranges.TrimKeys(&key0, &key_end);
@@ -319,9 +349,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
     const MatrixB k_tile = KeyRowsAsFloat(args.k, args.k_rows, b, kv_head, key0, keys, s.k.data());
     TileGemm(keys, lanes, d, {k_tile.data, k_tile.row_stride, 1}, {s.q_t.data(), kTileQ}, {scores, kTileQ},
              Accumulate::kNo);
-    if constexpr (!kIsLinear<Variant>) {
-      ApplyLogits(variant, scores, scores, keys, lanes, first_row + mask.diag_offset, key0, tokens, first_row, rows);
-    }
+    if constexpr (!kIsLinear<Variant>) ApplyLogits(variant, s.logits, scores, scores, keys, lanes, key0, tokens);
     if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
     if (!all_see) {
       s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
@@ -342,8 +370,6 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
     }
   }
 
-  const HeadRows<T> out = Head(args.out, p.seqlen_q, p.num_heads, dv, b, h);
-  float* lse = args.lse + (b * p.num_heads + h) * p.seqlen_q + first_row;
   for (int64_t r = 0; r < rows; ++r) {
     // A row that sees no key gives out = 0 and lse = -inf whatever its accumulator holds. A row that sees keys follows
     // the formula in IEEE arithmetic: a NaN anywhere in it, or a sum of 0 (all its logits -inf, from inf inputs),
@@ -352,38 +378,104 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const WorkItem& 
     const float sum = s.softmax.sum[r];
     const bool sees_keys = s.ranges.RowSeesKeys(r) && !(args.bias.active() && sum == 0.0f);
     const float inv_sum = 1.0f / sum;
-    T* out_row = out.Row(first_row + r);
+    T* out_row = args.out + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dv;
     for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(sees_keys ? s.out[r * dv + j] * inv_sum : 0.0f);
-    lse[r] = sees_keys ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
+    args.lse[tile.LseIndex(r, p.seqlen_q, p.num_heads)] =
+        sees_keys ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
   }
 }
 
-template <typename T, typename Variant>
-void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler* scheduler) {
-  const int64_t q_tiles = CeilDiv(p.seqlen_q, kTileQ);
+// Decode shapes (issue 17): when a head's queries leave lanes of its Q tile empty (Sq < kTileQ), the forward packs
+// the query heads of a K/V group times the positions into the rows of shared tiles, like the CUDA decode kernels: the
+// empty lanes cost as much as full ones, and each head of the group would read (convert, gather from pages) the same
+// K/V tiles again. Measured on 2 cores (h 32 / kv 8, D 128, 4096 keys, bottom-right causal; fp32 and bf16 alike):
+// 3.4x at Sq = 1, 2.5x at 4, 1.1-1.4x at 16, 1.25x at 32, 1.02-1.05x at 63; MQA (kv 1) 5.5-7x at Sq = 1. From Sq =
+// kTileQ on a head fills its tiles and packing would save nothing. Only for calls without segment ids, positions,
+// bias or dropout, whose operands address the rows of one head (and which decoding does not use); and only with more
+// than one head per group, as one head's rows already share their K/V tiles.
+bool PacksHeads(const AttentionParams& p) {
+  return p.num_heads > p.num_kv_heads && p.seqlen_q < kTileQ && !p.has_segment_ids && !p.has_positions &&
+         !p.has_bias && p.dropout_threshold == 0;
+}
+
+// How the forward cuts the query rows into work items (batch, unit, tile): a unit is a query head whose Sq rows take
+// tiles of kTileQ, or, packed, a K/V head whose group * Sq rows take tiles of tile_rows.
+struct ForwardTiling {
+  bool packed;
+  int64_t units;      // per batch entry
+  int64_t unit_rows;  // Sq or group * Sq
+  int64_t tile_rows;
+
+  int64_t tiles() const { return CeilDiv(unit_rows, tile_rows); }
+
+  QueryRows<kTileQ> Rows(const AttentionParams& p, int64_t b, int64_t unit, int64_t t) const {
+    const int64_t group = p.num_heads / p.num_kv_heads;
+    const int64_t first = t * tile_rows, rows = std::min(tile_rows, unit_rows - first);
+    return packed ? QueryRows<kTileQ>::Packed(b, unit, group, first, rows)
+                  : QueryRows<kTileQ>::OneHead(b, unit, unit / group, first, rows);
+  }
+};
+
+// A packed group's rows are cut into as many tiles as it takes to give each of `threads` threads an item (a single
+// K/V head of a single sequence, MQA, would otherwise run on one thread), but no tile narrower than a vector of rows,
+// which costs as much as a full vector. Each tile reads the K/V tiles again, so no more tiles than that.
+ForwardTiling PlanForward(const AttentionParams& p, int64_t threads) {
+  if (!PacksHeads(p)) return {false, p.num_heads, p.seqlen_q, kTileQ};
+  const int64_t group_rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
+  const int64_t tiles_wanted = CeilDiv(threads, std::max<int64_t>(1, p.batch * p.num_kv_heads));
+  const int64_t tile_rows = std::clamp(RoundUpToLanes(CeilDiv(group_rows, tiles_wanted)), kLanes, kTileQ);
+  return {true, p.num_kv_heads, group_rows, tile_rows};
+}
+
+// The estimated cost of every tile of every batch entry, [B, tiles]: the keys its rows may see.
+template <typename T>
+std::vector<int64_t> ForwardTileCosts(const AttentionParams& p, const ForwardArgs<T>& args,
+                                      const ForwardTiling& tiling) {
+  const int64_t tiles = tiling.tiles();
+  std::vector<int64_t> costs(p.batch * tiles);
+  if (tiling.packed) {  // no token operands; every K/V head's tiles see the same keys
+    TileKeyRanges<kTileQ> ranges;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const QueryRows<kTileQ> tile = tiling.Rows(p, b, 0, t);
+        ranges.Compute(mask, TokenMask{}, tile.position, tile.rows);
+        costs[b * tiles + t] = std::max<int64_t>(0, ranges.any.end - ranges.any.begin);
+      }
+    }
+    return costs;
+  }
   const std::vector<QTileReach> reach = QTileKeys(p, args.q_seqlens, args.kv_seqlens, args.tokens);
-  std::vector<int64_t> costs(p.batch * q_tiles);
-  for (int64_t i = 0; i < p.batch * q_tiles; ++i) {
+  for (int64_t i = 0; i < p.batch * tiles; ++i) {
     const KeyRange keys = reach[i].keys;
     costs[i] = std::max<int64_t>(0, keys.end - keys.begin);
     if (args.kv_tile_tokens == nullptr || costs[i] == 0) continue;
     costs[i] = 0;  // the keys of the tiles it may meet
     for (int64_t t = keys.begin / kTileKV; t * kTileKV < keys.end; ++t) {
-      if (Meets(p, reach[i], args.kv_tile_tokens, i / q_tiles, t)) costs[i] += kTileKV;
+      if (Meets(p, reach[i], args.kv_tile_tokens, i / tiles, t)) costs[i] += kTileKV;
     }
   }
+  return costs;
+}
+
+template <typename T, typename Variant>
+void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler* scheduler) {
+  const ForwardTiling tiling = PlanForward(p, scheduler != nullptr ? scheduler->NumThreads() : 1);
+  const int64_t tiles = tiling.tiles();
+  const std::vector<int64_t> costs = ForwardTileCosts(p, args, tiling);
   std::vector<WorkItem> items;
-  items.reserve(p.batch * p.num_heads * q_tiles);
+  items.reserve(p.batch * tiling.units * tiles);
   for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < p.num_heads; ++h) {
-      for (int64_t t = 0; t < q_tiles; ++t) items.push_back({b, h, t, costs[b * q_tiles + t]});
+    for (int64_t u = 0; u < tiling.units; ++u) {
+      for (int64_t t = 0; t < tiles; ++t) items.push_back({b, u, t, costs[b * tiles + t]});
     }
   }
   SortByCostDescending(&items);
   const int64_t workers = NumWorkers(scheduler, static_cast<int64_t>(items.size()));
   std::vector<ForwardScratch> scratch(workers, ForwardScratch(p));
   ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
-    ForwardTile<T, Variant>(args, scratch[worker], items[i]);
+    const WorkItem& item = items[i];
+    ForwardTile<T, Variant>(args, scratch[worker], tiling.Rows(p, item.batch, item.head, item.tile));
   });
 }
 
@@ -426,6 +518,7 @@ struct BackwardScratch {
   alignas(32) float lse2[kTileQ];           // lse in log2 units; +inf in the lanes past the tile so P = 0 there
   alignas(32) float delta[kTileQ];          // rowsum(dO * O) - dlse
   TileKeyRanges<kTileQ> ranges;
+  RowLogitInputs logits;
 };
 
 // dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is added to; dbias_copy: the float32 copy of
@@ -445,12 +538,13 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   const float* dlse = args.dlse + (b * p.num_heads + h) * p.seqlen_q + first_row;
   const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
 
+  const QueryRows<kTileQ> tile = QueryRows<kTileQ>::OneHead(b, h, h / (p.num_heads / p.num_kv_heads), first_row, rows);
   s.ranges.Compute(mask, tokens, first_row, rows);
+  if constexpr (!kIsLinear<Variant>) s.logits.Compute(p, args.alibi_slopes, mask, tokens, tile);
   const MatrixB q_rows = RowsAsFloat(q.Row(first_row), q.stride, rows, d, s.q.data());
   const MatrixB dout_rows = RowsAsFloat(dout.Row(first_row), dout.stride, rows, dv, s.dout.data());
-  PackTransposed(q.Row(first_row), q.stride, rows, lanes, d, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f,
-                 s.q_t.data());
-  PackTransposed(dout.Row(first_row), dout.stride, rows, lanes, dv, 1.0f, s.dout_t.data());
+  PackTransposed(args.q, tile, p, d, lanes, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f, s.q_t.data());
+  PackTransposed(args.dout, tile, p, dv, lanes, 1.0f, s.dout_t.data());
   for (int64_t r = 0; r < kTileQ; ++r) {
     s.lse2[r] = INFINITY;
     s.delta[r] = 0.0f;
@@ -471,7 +565,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
            Accumulate::kNo);
   float* scores = dots;
   if constexpr (!kIsLinear<Variant>) {
-    ApplyLogits(variant, dots, probs, keys, lanes, first_row + mask.diag_offset, key0, tokens, first_row, rows);
+    ApplyLogits(variant, s.logits, dots, probs, keys, lanes, key0, tokens);
     scores = probs;
   }
   if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);

@@ -31,19 +31,27 @@ struct TileKeyRanges {
 
   // Rows [first_row, first_row + rows) of `mask` and `token_mask`.
   void Compute(const RowMask& mask, const TokenMask& token_mask, int64_t first_row, int64_t rows) {
+    int32_t positions[kRows];
+    for (int64_t r = 0; r < rows; ++r) positions[r] = static_cast<int32_t>(first_row + r);
+    Compute(mask, token_mask, positions, rows);
+  }
+
+  // Rows that are queries positions[0 .. rows - 1] of `mask` and `token_mask` (a packed tile's rows: query_rows.h).
+  void Compute(const RowMask& mask, const TokenMask& token_mask, const int32_t* positions, int64_t rows) {
     tokens = token_mask;
     token_rows = RowTokenBounds{};
     any = {mask.kv_len, 0};
     all = {0, mask.kv_len};
     for (int64_t r = 0; r < kRows; ++r) {
-      const bool live = r < rows && tokens.RowLive(first_row + r);
-      KeyRange keys = live ? mask.Keys(first_row + r) : KeyRange{0, 0};
+      const int64_t i = r < rows ? positions[r] : 0;
+      const bool live = r < rows && tokens.RowLive(i);
+      KeyRange keys = live ? mask.Keys(i) : KeyRange{0, 0};
       if (keys.end <= keys.begin) keys = {0, 0};
       begin[r] = static_cast<int32_t>(keys.begin);
       end[r] = static_cast<int32_t>(keys.end);
       seen[r] = 0;
-      const PositionBounds bounds = r < rows ? tokens.Bounds(first_row + r) : PositionBounds{0, -1};
-      segment[r] = r < rows && tokens.has_ids() ? tokens.q_ids[first_row + r] : 0;
+      const PositionBounds bounds = r < rows ? tokens.Bounds(i) : PositionBounds{0, -1};
+      segment[r] = r < rows && tokens.has_ids() ? tokens.q_ids[i] : 0;
       pos_lo[r] = bounds.lo;
       pos_hi[r] = bounds.hi;
       if (r >= rows) continue;
