@@ -79,9 +79,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     dropout_rng: the JAX PRNG key that defines the keep-mask (jax.random.key, or a raw uint32[2] jax.random.PRNGKey);
       required when dropout_rate > 0. Element (b, h, i, j) of the [B, H, Sq, Skv] probabilities is kept as
       te_jax.dropout_keep_mask(dropout_rng, (B, H, Sq, Skv), dropout_rate) says, however the call is sharded over the
-      batch and heads (context parallelism refuses dropout). Under vmap over N examples the mapped axis joins the
-      batch: example n's batch entry b uses mask entry b * N + n, so each example gets its own mask from one key
-      (which must not be mapped).
+      batch, the heads and (context parallelism, either strategy, load balanced or not) the sequence; global (i, j)
+      are natural sequence positions. Under vmap over N examples the mapped axis joins the batch: example n's batch
+      entry b uses mask entry b * N + n, so each example gets its own mask from one key (which must not be mapped).
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.

@@ -26,6 +26,9 @@ Strategies:
 
 Calls with segment ids or positions (CPU backend) take a simpler path, at the end of this file: every token has a
 position, so each block pair is plain attention on the blocks' ids and positions (docs/SHARDING.md).
+
+Dropout: every block pair's kernel call gets the dropout operand with the natural positions of the block's first query
+row and first key added (_block_dropout), forward and backward, so the kept elements are the unsharded call's.
 """
 
 from __future__ import annotations
@@ -74,9 +77,6 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if config.has_bias:
     raise ValueError(f"{where}: bias is not supported with context parallelism yet; shard the batch or the heads "
                      "instead, or pass no bias")
-  if config.dropout_threshold:
-    raise ValueError(f"{where}: dropout_rate > 0 is not supported with context parallelism yet; shard the batch or "
-                     "the heads instead, or pass dropout_rate=0")
   if config.page_size:
     raise ValueError(f"{where}: a paged KV cache (page_size {config.page_size}) is not supported with context "
                      "parallelism; shard the batch (the page table) or the kv heads instead")
@@ -142,32 +142,43 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
   return _Block(sq.astype(jnp.int32), skv.astype(jnp.int32), shift)
 
 
-def _block_forward(config, kind, q, k, v, blk: _Block, alibi):
+def _block_forward(config, kind, q, k, v, blk: _Block, alibi, dropout):
   full, causal = _kernel_configs(config)
   out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_tokens(q, k),
                                                   _primitives.no_page_table(q.shape[0]), _primitives.no_bias(),
-                                                  _primitives.no_dropout(),
-                                                  config=full if kind == "full" else causal)
+                                                  dropout, config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
   return out, lse
 
 
-def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, alibi):
+def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, alibi, dropout):
   full, causal = _kernel_configs(config)
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
                                                         *_no_tokens(q, k), _primitives.no_page_table(q.shape[0]),
-                                                        _primitives.no_bias(), _primitives.no_dropout(),
+                                                        _primitives.no_bias(), dropout,
                                                         config=full if kind == "full" else causal)
   return dq, dk, dv
 
 
 def _no_tokens(q, k):
-  """Blocks of calls without segment ids and positions run without them (and without paging, bias and dropout, which
+  """Blocks of calls without segment ids and positions run without them (and without paging and bias, which
   check_supported refuses with context parallelism)."""
   return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
+
+
+def _block_dropout(config, dropout, qo, ko):
+  """The dropout operand of one (query block, key block) pair: the shard's operand (key, batch and head offsets)
+  with the global positions of the block's first query row (qo) and first key (ko) added, so that the block's kernel
+  call drops exactly the elements the unsharded call drops (te_jax/dropout.py). Each block must be a contiguous range
+  of global positions. Without dropout the operand is the placeholder, unread."""
+  if not config.dropout_threshold:
+    return dropout
+  shift = jnp.stack([jnp.uint32(0), jnp.uint32(0), jnp.uint32(0), jnp.uint32(0), jnp.asarray(qo, jnp.uint32),
+                     jnp.asarray(ko, jnp.uint32)])
+  return dropout + shift
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -231,9 +242,11 @@ def _check_axis_size(cp: ContextParallel):
 
 def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig, cp: ContextParallel):
   """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `tokens`: the local segment
-  ids and positions (placeholders when the call has none), then the page table, bias and dropout placeholders."""
+  ids and positions (placeholders when the call has none), then the page table and bias placeholders and the
+  dropout operand (the key, with this shard's batch and head offsets; each block adds its sequence offsets)."""
+  dropout = tokens[-1]
   if uses_tokens(config):
-    return _packed_forward(q, k, v, alibi, tokens[:4], config, cp)
+    return _packed_forward(q, k, v, alibi, tokens[:4], dropout, config, cp)
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -248,11 +261,13 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: Attent
     kind = "causal" if config.mask_type.is_causal else "full"
     for qc, qid in zip(q_chunks, q_ids):
       blk = _geometry(config, kind, qid * chunk, 0, chunk, k_all.shape[1], q_seqlens, kv_seqlens, alibi)
-      out, lse = _block_forward(config, kind, qc, k_all, v_all, blk, alibi)
+      out, lse = _block_forward(config, kind, qc, k_all, v_all, blk, alibi, _block_dropout(config, dropout,
+                                                                                            qid * chunk, 0))
       outs.append(out)
       lses.append(lse)
   else:
-    outs, lses = _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk)
+    outs, lses = _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank,
+                               chunk)
   out = jnp.concatenate(outs, axis=1) if n_local > 1 else outs[0]
   lse = jnp.concatenate(lses, axis=2) if n_local > 1 else lses[0]
   return _poison(bad, out.astype(q.dtype), lse)
@@ -269,7 +284,7 @@ def _ring_kind(config, qid, kid):
   return jnp.where(qid > kid, 1, jnp.where(qid == kid, 2, 0))
 
 
-def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk):
+def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk):
   n_local = len(q_chunks)
   outs, lses = (list(state) for state in zip(*(_empty_state(qc, v, jnp.float32) for qc in q_chunks)))
   k_cur, v_cur = k, v
@@ -280,7 +295,7 @@ def _ring_forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, config, c
     src = (rank - step) % cp.size
     for kc, vc, kid in zip(_split(k_cur, n_local, 1), _split(v_cur, n_local, 1), _chunk_ids(cp, src)):
       for t, (qc, qid) in enumerate(zip(q_chunks, q_ids)):
-        out, lse = _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi)
+        out, lse = _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout)
         outs[t], lses[t] = merge_partial(outs[t], lses[t], out, lse)
     if step < cp.size - 1:
       k_cur, v_cur = k_next, v_next
@@ -293,12 +308,13 @@ def _empty_state(q, v, dtype):
                                                                    jnp.float32))
 
 
-def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi):
+def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout):
   qo, ko = qid * chunk, kid * chunk
+  dropout = _block_dropout(config, dropout, qo, ko)
 
   def run(kind):
     blk = _geometry(config, kind, qo, ko, chunk, chunk, q_seqlens, kv_seqlens, alibi)
-    return _block_forward(config, kind, qc, kc, vc, blk, alibi)
+    return _block_forward(config, kind, qc, kc, vc, blk, alibi, dropout)
 
   def skip():
     return _empty_state(qc, vc, qc.dtype)
@@ -312,10 +328,13 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
 def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
-  so its softmax is exact). `placeholders`: the tokens (see local_forward), page table, bias and dropout operands."""
+  so its softmax is exact, and the same dropout operand as its forward, so its keep-mask is the forward's).
+  `placeholders`: the tokens, page table, bias and dropout operands (see local_forward)."""
   no_dbias = jnp.zeros_like(placeholders[-2])
+  dropout = placeholders[-1]
   if uses_tokens(config):
-    return (*_packed_backward(q, k, v, out, lse, dout, dlse, alibi, placeholders[:4], config, cp), no_dbias)
+    return (*_packed_backward(q, k, v, out, lse, dout, dlse, alibi, placeholders[:4], dropout, config, cp),
+            no_dbias)
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   _check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -331,19 +350,20 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
     dqs, dk_all, dv_all = [], None, None
     for qc, oc, lc, doc, dlc, qid in per_q:
       blk = _geometry(config, kind, qid * chunk, 0, chunk, k_all.shape[1], q_seqlens, kv_seqlens, alibi)
-      dq_c, dk_c, dv_c = _block_backward(config, kind, qc, k_all, v_all, oc, lc, doc, dlc, blk, alibi)
+      dq_c, dk_c, dv_c = _block_backward(config, kind, qc, k_all, v_all, oc, lc, doc, dlc, blk, alibi,
+                                         _block_dropout(config, dropout, qid * chunk, 0))
       dqs.append(dq_c)
       dk_all = dk_c.astype(jnp.float32) if dk_all is None else dk_all + dk_c
       dv_all = dv_c.astype(jnp.float32) if dv_all is None else dv_all + dv_c
     dk = lax.psum_scatter(_to_device_order(dk_all, cp), cp.axis, scatter_dimension=1, tiled=True)
     dv = lax.psum_scatter(_to_device_order(dv_all, cp), cp.axis, scatter_dimension=1, tiled=True)
   else:
-    dqs, dk, dv = _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk)
+    dqs, dk, dv = _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk)
   dq = jnp.concatenate(dqs, axis=1) if n_local > 1 else dqs[0]
   return (*_poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), no_dbias)
 
 
-def _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, chunk):
+def _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk):
   n_local = len(per_q)
   dqs = [jnp.zeros(p[0].shape, jnp.float32) for p in per_q]
   k_cur, v_cur = k, v
@@ -360,7 +380,7 @@ def _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, 
       dv_c = jnp.zeros(vc.shape, jnp.float32)
       for t, (qc, oc, lc, doc, dlc, qid) in enumerate(per_q):
         dq_b, dk_b, dv_b = _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens,
-                                                kv_seqlens, alibi)
+                                                kv_seqlens, alibi, dropout)
         dqs[t] = dqs[t] + dq_b
         dk_c, dv_c = dk_c + dk_b, dv_c + dv_b
       dk_parts.append(dk_c)
@@ -375,12 +395,14 @@ def _ring_backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, config, cp, rank, 
   return dqs, dk_acc, dv_acc
 
 
-def _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi):
+def _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi,
+                         dropout):
   qo, ko = qid * chunk, kid * chunk
+  dropout = _block_dropout(config, dropout, qo, ko)
 
   def run(kind):
     blk = _geometry(config, kind, qo, ko, chunk, chunk, q_seqlens, kv_seqlens, alibi)
-    grads = _block_backward(config, kind, qc, kc, vc, oc, lc, doc, dlc, blk, alibi)
+    grads = _block_backward(config, kind, qc, kc, vc, oc, lc, doc, dlc, blk, alibi, dropout)
     return tuple(g.astype(jnp.float32) for g in grads)
 
   def skip():
@@ -425,23 +447,22 @@ def _packed_config(config):
   return dataclasses.replace(config, has_positions=True)
 
 
-def _packed_operands(q, k, alibi, q_side, kv_side):
+def _packed_operands(q, k, alibi, q_side, kv_side, dropout):
   """The lengths (the whole blocks: ids and positions say the rest), alibi, tokens, page table, bias and dropout of
   one block."""
   batch = q.shape[0]
   return (jnp.full((batch,), q.shape[1], jnp.int32), jnp.full((batch,), k.shape[1], jnp.int32), alibi, q_side[0],
-          kv_side[0], q_side[1], kv_side[1], _primitives.no_page_table(batch), _primitives.no_bias(),
-          _primitives.no_dropout())
+          kv_side[0], q_side[1], kv_side[1], _primitives.no_page_table(batch), _primitives.no_bias(), dropout)
 
 
-def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side):
-  return _primitives.attention_forward_p.bind(q, k, v, *_packed_operands(q, k, alibi, q_side, kv_side),
+def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side, dropout):
+  return _primitives.attention_forward_p.bind(q, k, v, *_packed_operands(q, k, alibi, q_side, kv_side, dropout),
                                               config=_packed_config(config))
 
 
-def _packed_block_backward(config, q, out, lse, dout, dlse, alibi, q_side, k, v, kv_side):
+def _packed_block_backward(config, q, out, lse, dout, dlse, alibi, q_side, k, v, kv_side, dropout):
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse,
-                                                        *_packed_operands(q, k, alibi, q_side, kv_side),
+                                                        *_packed_operands(q, k, alibi, q_side, kv_side, dropout),
                                                         config=_packed_config(config))
   return dq, dk, dv
 
@@ -456,45 +477,124 @@ def _ring_pass(block, cp: ContextParallel):
   return jax.tree.map(lambda x: lax.ppermute(x, cp.axis, _ring_perm(cp)), block)
 
 
-def _packed_forward(q, k, v, alibi, tokens, config, cp):
+# Dropout's keep-mask is addressed by global (i, j), and a kernel call adds one offset per axis to its local indices,
+# so each call's query rows and keys must be contiguous ranges of the sequence. A load-balanced shard is two chunks
+# that are not (chunks r and 2N-1-r), so with dropout the packed path cuts it into its chunks: two query pieces per
+# shard, two key pieces per ring block (all-gather puts the gathered K/V in natural order instead, one piece), and
+# merges the pieces by lse. Without dropout or load balancing a shard is one piece, as before.
+
+def _pieces_per_shard(config, cp: ContextParallel) -> int:
+  return 2 if config.dropout_threshold and cp.load_balanced else 1
+
+
+def _piece(x, i: int, n: int, axis: int = 1):
+  return _split(x, n, axis)[i]
+
+
+def _piece_starts(cp: ContextParallel, rank, length: int, n: int):
+  """The global position of the first token of each of the n pieces of shard `rank` (traced) of `length` tokens
+  (meaningful when each piece is contiguous: always with n = 2, without load balancing with n = 1)."""
+  chunks = _chunk_ids(cp, rank)
+  chunk = length // len(chunks)
+  return [c * chunk for c in chunks[:n]]
+
+
+def _merged(states):
+  state = states[0]
+  for other in states[1:]:
+    state = merge_partial(*state, *other)
+  return state
+
+
+def _accumulate(total, x):
+  return x if total is None else total.astype(jnp.float32) + x
+
+
+def _packed_forward(q, k, v, alibi, tokens, dropout, config, cp):
   _check_axis_size(cp)
+  rank = lax.axis_index(cp.axis)
   q_side, kv_side = _token_sides(config, cp, tokens)
-  attend = functools.partial(_packed_block_forward, config, q, alibi, q_side)
-  if cp.strategy == "all_gather":  # device order is fine: the gathered ids and positions are in the same order
-    out, lse = attend(*_gather_block((k, v, kv_side), cp))
+  n = _pieces_per_shard(config, cp)
+  q_parts = [(_piece(q, i, n), jax.tree.map(lambda x: _piece(x, i, n), q_side), qo)  # noqa: B023
+             for i, qo in enumerate(_piece_starts(cp, rank, q.shape[1], n))]
+
+  def attend(block, kv_starts):
+    """[(out, lse)] of each query piece against the K/V block, whose len(kv_starts) pieces start at kv_starts."""
+    m = len(kv_starts)
+    return [_merged([_packed_block_forward(config, qp, alibi, qs, *jax.tree.map(lambda x: _piece(x, j, m), block),
+                                           _block_dropout(config, dropout, qo, ko))  # noqa: B023
+                     for j, ko in enumerate(kv_starts)])
+            for qp, qs, qo in q_parts]
+
+  if cp.strategy == "all_gather":
+    # Device order is fine (the gathered ids and positions are in the same order) unless dropout needs one
+    # contiguous block: then natural order, which it already is without load balancing.
+    block = _gather_block((k, v, kv_side), cp)
+    if n > 1:
+      block = jax.tree.map(lambda x: _to_natural(x, cp), block)
+    states = attend(block, [0])
   else:
-    out, lse = _empty_state(q, v, jnp.float32)
+    states = [_empty_state(qp, v, jnp.float32) for qp, _, _ in q_parts]
     block = (k, v, kv_side)
     for step in range(cp.size):
       if step < cp.size - 1:  # issued first: the next block travels while this one computes
         next_block = _ring_pass(block, cp)
-      out, lse = merge_partial(out, lse, *attend(*block))
+      src = (rank - step) % cp.size
+      states = [merge_partial(*state, *part)
+                for state, part in zip(states, attend(block, _piece_starts(cp, src, k.shape[1], n)))]
       if step < cp.size - 1:
         block = next_block
+  out, lse = (jnp.concatenate(xs, axis=axis) if n > 1 else xs[0] for xs, axis in zip(zip(*states), (1, 2)))
   return out.astype(q.dtype), lse
 
 
-def _packed_backward(q, k, v, out, lse, dout, dlse, alibi, tokens, config, cp):
+def _packed_backward(q, k, v, out, lse, dout, dlse, alibi, tokens, dropout, config, cp):
   _check_axis_size(cp)
+  rank = lax.axis_index(cp.axis)
   q_side, kv_side = _token_sides(config, cp, tokens)
-  grads = functools.partial(_packed_block_backward, config, q, out, lse, dout, dlse, alibi, q_side)
+  n = _pieces_per_shard(config, cp)
+  q_parts = [(tuple(_piece(x, i, n, axis) for x, axis in ((q, 1), (out, 1), (lse, 2), (dout, 1), (dlse, 2))),
+              jax.tree.map(lambda x: _piece(x, i, n), q_side), qo)  # noqa: B023
+             for i, qo in enumerate(_piece_starts(cp, rank, q.shape[1], n))]
+
+  def grads(block, kv_starts):
+    """([dq of each query piece], dk, dv of the K/V block) over the block's len(kv_starts) pieces."""
+    m = len(kv_starts)
+    kv_pieces = [jax.tree.map(lambda x: _piece(x, j, m), block) for j in range(m)]  # noqa: B023
+    dqs, dks, dvs = [], [None] * m, [None] * m
+    for (qp, op, lp, dop, dlp), qs, qo in q_parts:
+      dq = None
+      for j, ko in enumerate(kv_starts):
+        dq_b, dk_b, dv_b = _packed_block_backward(config, qp, op, lp, dop, dlp, alibi, qs, *kv_pieces[j],
+                                                  _block_dropout(config, dropout, qo, ko))
+        dq, dks[j], dvs[j] = _accumulate(dq, dq_b), _accumulate(dks[j], dk_b), _accumulate(dvs[j], dv_b)
+      dqs.append(dq)
+    return dqs, *(jnp.concatenate(xs, axis=1) if m > 1 else xs[0] for xs in (dks, dvs))
+
   if cp.strategy == "all_gather":
-    dq, dk_all, dv_all = grads(*_gather_block((k, v, kv_side), cp))
+    block = _gather_block((k, v, kv_side), cp)
+    if n > 1:  # natural order (see _packed_forward); the gradients go back to device order before the scatter
+      block = jax.tree.map(lambda x: _to_natural(x, cp), block)
+    dqs, dk_all, dv_all = grads(block, [0])
+    if n > 1:
+      dk_all, dv_all = _to_device_order(dk_all, cp), _to_device_order(dv_all, cp)
     dk, dv = (lax.psum_scatter(x.astype(jnp.float32), cp.axis, scatter_dimension=1, tiled=True)
               for x in (dk_all, dv_all))
   else:
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dqs = [jnp.zeros(qp.shape, jnp.float32) for (qp, *_), _, _ in q_parts]
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     block = (k, v, kv_side)
     for step in range(cp.size):
       if step < cp.size - 1:
         next_block = _ring_pass(block, cp)
-      dq_b, dk_b, dv_b = grads(*block)
-      dq = dq + dq_b
+      src = (rank - step) % cp.size
+      dqs_b, dk_b, dv_b = grads(block, _piece_starts(cp, src, k.shape[1], n))
+      dqs = [dq + dq_b for dq, dq_b in zip(dqs, dqs_b)]
       # The accumulators travel with their K/V block; after the last step this permute returns them to their owner.
       dk, dv = _ring_pass((dk + dk_b, dv + dv_b), cp)
       if step < cp.size - 1:
         block = next_block
+  dq = jnp.concatenate(dqs, axis=1) if n > 1 else dqs[0]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

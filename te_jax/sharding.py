@@ -56,7 +56,8 @@ sharded_backward_p.multiple_results = True
 # `bias` [B or 1, H or 1, Sq or 1, Skv or 1] shards with the batch and the heads along the dims where it is full; its
 # gradient is summed over the shards of the dims where it broadcasts (context parallelism refuses a bias).
 # `dropout` (key and offsets, te_jax/_primitives.py) is replicated; each batch or head shard adds its global offsets, so
-# a sharded call drops exactly what the unsharded call drops (context parallelism refuses dropout).
+# a sharded call drops exactly what the unsharded call drops (context parallelism then adds each block's sequence
+# offsets, te_jax/context_parallel.py).
 # `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
 # hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
 # contiguous k and v (context parallelism refuses paging).
@@ -252,13 +253,13 @@ def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
                                 partial(_unpartitioned_forward, config=config, cp=None))
   plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=True)
   args, results = plan.forward_shardings()
-  if cp is None:
-    def lower(q, *operands):
-      *operands, dropout = operands
-      return tuple(_primitives.attention_forward_p.bind(q, *operands, plan.with_shard_offsets(q, dropout),
-                                                        config=config))
-  else:
-    lower = partial(cpmod.local_forward, config=config, cp=cp)
+  def lower(q, *operands):
+    *operands, dropout = operands
+    dropout = plan.with_shard_offsets(q, dropout)
+    if cp is not None:
+      return cpmod.local_forward(q, *operands, dropout, config=config, cp=cp)
+    return tuple(_primitives.attention_forward_p.bind(q, *operands, dropout, config=config))
+
   return mesh, lower, results, args
 
 
@@ -274,12 +275,12 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
   dbias_axes = plan.dbias_sum_axes() if config.has_bias else ()
 
   def lower(q, k, v, *operands):
+    *operands, dropout = operands
+    dropout = plan.with_shard_offsets(q, dropout)
     if cp is None:
-      *operands, dropout = operands
-      dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, *operands, plan.with_shard_offsets(q, dropout),
-                                                                config=config)
+      dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, *operands, dropout, config=config)
     else:
-      dq, dk, dv, dbias = cpmod.local_backward(q, k, v, *operands, config=config, cp=cp)
+      dq, dk, dv, dbias = cpmod.local_backward(q, k, v, *operands, dropout, config=config, cp=cp)
     if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
       dk = jax.lax.psum(dk.astype(jnp.float32), g_axes).astype(k.dtype)
       dv = jax.lax.psum(dv.astype(jnp.float32), g_axes).astype(v.dtype)

@@ -1,5 +1,5 @@
 """fused_attn under SPMD meshes of 8 CPU devices: batch/head partitioning, context parallelism (all-gather and ring,
-every mask type, GQA, load balancing, windows), shard_map and vmap; results and gradients equal to the unsharded
+every mask type, GQA, load balancing, windows, packed sequences, dropout), shard_map and vmap; results and gradients equal to the unsharded
 call, and the compiled HLO has exactly the collectives each layout should have.
 
 The module needs 8 CPU devices. It asks for them (jax_num_cpu_devices) when it is imported; if JAX was already
@@ -485,6 +485,144 @@ def test_context_parallel_packed_sequences_with_windows(strategy, mask, window, 
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Dropout under context parallelism: every block pair's kernel call gets the global (b, h, i, j) of its first element,
+# so the sharded call drops exactly what the unsharded call drops.
+
+DROPOUT_KEY = jax.random.key(21)
+RESULTS = ("out", "lse", "dq", "dk", "dv")
+
+
+def attention_lse_and_grads(q, k, v, dout, dlse, **kwargs):
+  """(out, lse, dq, dk, dv) through a VJP with cotangents for both out and lse."""
+  (out, lse), vjp = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, return_lse=True, **kwargs), q, k, v)
+  return (out, lse) + vjp((dout, dlse))
+
+
+def cp_dropout_call(strategy, mask, mesh_shape, load_balanced, kv_heads, rate, tokens=None, path="ffi", **extra):
+  """The sharded call with dropout (and the ids/positions in `tokens`, sharded with the sequence); returns its results
+  in natural order, the inputs and the unsharded call's keyword arguments."""
+  q, k, v, dout = inputs(kv_heads=kv_heads, heads=max(4, kv_heads))
+  dlse = np.random.default_rng(1).standard_normal((q.shape[0], q.shape[2], q.shape[1])).astype(np.float32)
+  tokens = tokens or {}
+  kwargs = dict(mask_type=mask, dropout_rate=rate, dropout_rng=DROPOUT_KEY, **lengths(mask, *q.shape[:2]), **extra)
+  mesh = make_mesh(mesh_shape)
+  cp = mesh.shape["cp"]
+  order = te_jax.reorder_for_load_balancing if load_balanced else (lambda x, cp, seq_axis=1: x)
+  undo = te_jax.inverse_reorder_for_load_balancing if load_balanced else (lambda x, cp, seq_axis=1: x)
+  spec = cp_spec(mesh_shape)
+  kv_spec = spec if kv_heads >= mesh_shape[2] else P(spec[0], "cp")
+  specs = (spec, kv_spec, kv_spec, spec, P(spec[0], spec[2], "cp"))
+  shard = lambda x, s, axis=1: jax.device_put(np.asarray(order(x, cp, seq_axis=axis)), NamedSharding(mesh, s))
+  args = [shard(x, s, 2 if i == 4 else 1) for i, (x, s) in enumerate(zip((q, k, v, dout, dlse), specs))]
+  args.append({n: shard(t, P(spec[0], "cp")) for n, t in tokens.items()})
+
+  def fn(q, k, v, dout, dlse, tokens):
+    return attention_lse_and_grads(q, k, v, dout, dlse, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                                   context_parallel_load_balanced=load_balanced, **tokens, **kwargs)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh), te_jax.custom_call_path(path):
+      compiled = jax.jit(fn).lower(*args).compile()
+      results = [np.asarray(undo(r, cp, seq_axis=2 if name == "lse" else 1))
+                 for name, r in zip(RESULTS, compiled(*args))]
+  if path == "legacy":
+    te_jax.raise_legacy_failures()
+  return results, compiled.as_text(), (q, k, v, dout, dlse), dict(kwargs, **tokens)
+
+
+def check_cp_dropout(results, q, k, v, dout, dlse, bitwise=(), **kwargs):
+  """Equal to the unsharded call (bitwise for the results named in `bitwise`) and to the float64 reference with
+  dropout_keep_mask's mask."""
+  expected = jax.jit(lambda *a: attention_lse_and_grads(*a, **kwargs))(q, k, v, dout, dlse)
+  for name, got, want in zip(RESULTS, results, expected):
+    np.testing.assert_allclose(got, np.asarray(want), err_msg=name, **TOL)
+    if name in bitwise:
+      np.testing.assert_array_equal(got, np.asarray(want), err_msg=name)
+  kwargs = dict(kwargs)
+  key, rate = kwargs.pop("dropout_rng"), kwargs.pop("dropout_rate")
+  kwargs.pop("deterministic", None)
+  mask = te_jax.dropout_keep_mask(key, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), rate)
+  assert 0 < np.asarray(mask).mean() < 1
+  ref = attention_reference(q, k, v, dout=dout, dlse=dlse, keep_mask=mask, dropout_rate=rate, **kwargs)
+  for name, got in zip(RESULTS, results):
+    np.testing.assert_allclose(got, ref[name], err_msg=name, rtol=1e-4, atol=1e-4)
+
+
+CP_DROPOUT_CASES = [  # strategy, mask, mesh, load balanced, kv heads, rate
+    ("all_gather", "causal", (2, 2, 2), True, 2, 0.1),
+    ("ring", "causal", (1, 4, 2), True, 2, 0.5),
+    ("all_gather", "no_mask", (1, 8, 1), False, 2, 0.5),
+    ("ring", "no_mask", (2, 4, 1), False, 1, 0.1),
+    ("ring", "padding_causal", (1, 4, 2), True, 2, 0.5),
+    ("all_gather", "padding", (2, 2, 2), False, 2, 0.1),
+    ("all_gather", "causal_bottom_right", (1, 4, 2), False, 1, 0.5),
+    ("ring", "causal", (2, 2, 2), False, 4, 0.1),
+]
+
+
+@in_process
+@pytest.mark.parametrize("strategy,mask,mesh_shape,load_balanced,kv_heads,rate", CP_DROPOUT_CASES,
+                         ids=[f"{s}-{m}-{ms}-lb{int(lb)}-kv{kv}-{r}" for s, m, ms, lb, kv, r in CP_DROPOUT_CASES])
+def test_context_parallel_dropout(strategy, mask, mesh_shape, load_balanced, kv_heads, rate):
+  """out, lse and gradients equal the unsharded call's (out, lse and dq bitwise with all-gather: each query chunk is
+  one kernel call over the whole sequence) and the float64 reference with dropout_keep_mask's mask; the strategy's
+  collectives only."""
+  results, hlo, inputs_, kwargs = cp_dropout_call(strategy, mask, mesh_shape, load_balanced, kv_heads, rate)
+  check_cp_dropout(results, *inputs_, bitwise=("out", "lse", "dq") if strategy == "all_gather" else (), **kwargs)
+  check_cp_collectives(hlo, strategy, mesh_shape, kv_heads)
+
+
+@in_process
+@pytest.mark.parametrize("with_positions", [False, True], ids=["ids", "ids_positions"])
+@pytest.mark.parametrize("load_balanced", [False, True], ids=["lb0", "lb1"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_dropout_packed_sequences(strategy, load_balanced, with_positions):
+  """With segment ids (and positions): a load-balanced shard is cut into its two contiguous chunks for dropout. out,
+  lse and dq are bitwise the unsharded call's with all-gather here too."""
+  tokens = packed_tokens(with_positions, seed=5)
+  rate = 0.5 if load_balanced else 0.1
+  results, hlo, inputs_, kwargs = cp_dropout_call(strategy, "causal", (1, 4, 2), load_balanced, 2, rate, tokens)
+  check_cp_dropout(results, *inputs_, bitwise=("out", "lse", "dq") if strategy == "all_gather" else (), **kwargs)
+  check_cp_collectives(hlo, strategy, (1, 4, 2), 2)
+
+
+@in_process
+@pytest.mark.parametrize("tokens", [False, True], ids=["plain", "packed"])
+def test_context_parallel_dropout_ffi_and_legacy_agree(tokens):
+  """Bitwise, with the deterministic backward (the default one sums dq in an order that follows the threads)."""
+  tokens = packed_tokens(True, seed=6) if tokens else None
+  ffi, legacy = (cp_dropout_call("ring", "causal", (1, 4, 2), True, 2, 0.5, tokens, path=path, deterministic=True)
+                 for path in ("ffi", "legacy"))
+  for name, a, b in zip(RESULTS, ffi[0], legacy[0]):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  check_cp_dropout(ffi[0], *ffi[2], **ffi[3])
+
+
+@in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_dropout_inside_shard_map(strategy):
+  """Inside shard_map, context parallelism adds the sequence offsets itself (the batch and heads are whole here)."""
+  q, k, v, dout = inputs()
+  dlse = np.random.default_rng(1).standard_normal((q.shape[0], q.shape[2], q.shape[1])).astype(np.float32)
+  mesh = make_mesh((1, 8, 1))
+  kwargs = dict(mask_type="causal", dropout_rate=0.5, dropout_rng=DROPOUT_KEY)
+  reorder = lambda x, axis=1: te_jax.reorder_for_load_balancing(x, 8, seq_axis=axis)
+  undo = lambda x, axis=1: np.asarray(te_jax.inverse_reorder_for_load_balancing(x, 8, seq_axis=axis))
+
+  def local(q, k, v, d, dl):
+    return attention_lse_and_grads(q, k, v, d, dl, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                                   context_parallel_load_balanced=True, **kwargs)
+
+  seq, lse_seq = P(None, "cp"), P(None, None, "cp")
+  specs = (seq, seq, seq, seq, lse_seq)
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(seq, lse_seq, seq, seq, seq)))
+  results = fn(*(reorder(x) for x in (q, k, v, dout)), reorder(dlse, 2))
+  results = [undo(r, 2 if name == "lse" else 1) for name, r in zip(RESULTS, results)]
+  check_cp_dropout(results, q, k, v, dout, dlse, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # shard_map and vmap.
 
 @in_process
@@ -551,8 +689,6 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
           seqlen_kv=16), NotImplementedError, "needs self-attention shapes Sq == Skv"),
     (dict(mask_type="causal", bias=np.zeros((1, 1, 1, 32), np.float32)), ValueError,
      "bias is not supported with context parallelism"),
-    (dict(mask_type="causal", dropout_rate=0.1, dropout_rng=jax.random.key(0)), ValueError,
-     "dropout_rate > 0 is not supported with context parallelism"),
 ])
 def test_context_parallel_refusals(kwargs, error, match):
   kwargs = dict(kwargs)
