@@ -9,6 +9,10 @@ yet in the process. Nothing here creates an array at import or collection time.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import jax
@@ -264,3 +268,44 @@ def assert_bitwise_equal(a: dict, b: dict, what: str = "ffi vs legacy") -> None:
     # Compare the bit patterns, so -0.0 vs 0.0 and NaN payloads count too.
     assert np.array_equal(a[n].view(np.uint8), b[n].view(np.uint8)), f"{what}: {n} differs bitwise"
 
+
+
+# Runs the cases `module.cases_name` on the FFI path, whose pool XLA sizes by PJRT_NPROC, saves their bits and reports
+# the size of XLA's intra-op pool (threads named "...XLAEigen"), so the caller can tell that the setting took.
+_POOL_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from helpers import make_inputs, run_on_path
+    cases = getattr(__import__(sys.argv[2]), sys.argv[3])
+    results = {}
+    for i, case in enumerate(cases):
+      for name, x in run_on_path(case, make_inputs(case), "ffi").items():
+        results[f"{i}_{name}"] = x.view(np.uint8)  # the bits: npz cannot hold bfloat16
+    np.savez(sys.argv[4], **results)
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    print("POOL", sum("XLAEigen" in n for n in names))
+""")
+
+
+def assert_same_bits_with_pools_of(threads, module: str, cases_name: str, run_here, tmp_path) -> None:
+  """Runs module.cases_name on the FFI path in subprocesses whose XLA pools have each of `threads` threads while
+  run_here() -> {path: [results per case]} runs here (concurrently), and asserts every path here agrees bitwise with
+  every pool."""
+  procs = {}
+  for n in threads:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC=str(n))
+    procs[n] = subprocess.Popen([sys.executable, "-c", _POOL_SCRIPT, os.path.dirname(__file__), module, cases_name,
+                                 str(tmp_path / f"{n}.npz")],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  here = run_here()
+  cases = getattr(__import__(module), cases_name)
+  for n, proc in procs.items():
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert f"POOL {n}" in out.splitlines(), f"PJRT_NPROC={n} did not set XLA's pool size: {out}"
+    saved = np.load(tmp_path / f"{n}.npz")
+    for i, case in enumerate(cases):
+      other = {name: saved[f"{i}_{name}"].view(x.dtype) for name, x in here["ffi"][i].items()}
+      for path, results in here.items():
+        assert_bitwise_equal(results[i], other, what=f"{case.id()}: {path} here vs ffi with {n} threads")

@@ -5,9 +5,6 @@ dq 0) and of keys no query sees (dk = dv = 0), and that nothing is NaN."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +12,8 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import (Case, assert_bitwise_equal, check_against_reference, make_inputs, reference, run_on_path,
-                     visibility)
+from helpers import (Case, assert_bitwise_equal, assert_same_bits_with_pools_of, check_against_reference, make_inputs,
+                     reference, run_on_path, visibility)
 
 # The base shape: GQA (4 q heads on 2 kv heads), lengths that are not multiples of any tile, Sq < Skv.
 BASE = Case(batch=3, seqlen_q=37, seqlen_kv=65, heads=4, kv_heads=2, head_dim=32)
@@ -166,46 +163,13 @@ def test_deterministic_backward_is_bitwise_reproducible(case):
     assert_bitwise_equal(runs[0][1], got, what=f"ffi run 0 vs {path} run {i % 3}")
 
 
-# Runs every DETERMINISTIC_CASES case on the FFI path, whose pool XLA sizes by PJRT_NPROC (default: the CPUs), saves
-# the results and reports the size of XLA's intra-op pool (its threads are named "...XLAEigen"), so the test can tell
-# that the setting took.
-_THREAD_COUNT_SCRIPT = textwrap.dedent("""
-    import os, sys
-    import numpy as np
-    sys.path.insert(0, sys.argv[1])
-    from helpers import make_inputs, run_on_path
-    from test_attention_numerics import DETERMINISTIC_CASES
-    results = {}
-    for i, case in enumerate(DETERMINISTIC_CASES):
-      for name, x in run_on_path(case, make_inputs(case), "ffi").items():
-        results[f"{i}_{name}"] = x.view(np.uint8)  # the bits: npz cannot hold bfloat16
-    np.savez(sys.argv[2], **results)
-    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
-    print("POOL", sum("XLAEigen" in n for n in names))
-""")
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts XLA's pool threads in /proc")
 def test_deterministic_backward_is_independent_of_thread_count(tmp_path):
   """The FFI path with XLA pools of 1 and 5 threads (subprocesses, started concurrently) agrees bitwise with both paths
   here (2 threads on the CI's two cores; te_jax's pool on the legacy path is sized by the cores alone)."""
-  procs = {}
-  for threads in (1, 5):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC=str(threads))
-    procs[threads] = subprocess.Popen(
-        [sys.executable, "-c", _THREAD_COUNT_SCRIPT, os.path.dirname(__file__), str(tmp_path / f"{threads}.npz")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  here = {path: [run_on_path(case, make_inputs(case), path) for case in DETERMINISTIC_CASES]
-          for path in ("ffi", "legacy")}
-  for threads, proc in procs.items():
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    assert f"POOL {threads}" in out.splitlines(), f"PJRT_NPROC={threads} did not set XLA's pool size: {out}"
-    saved = np.load(tmp_path / f"{threads}.npz")
-    for i, case in enumerate(DETERMINISTIC_CASES):
-      other = {name: saved[f"{i}_{name}"].view(x.dtype) for name, x in here["ffi"][i].items()}
-      for path, results in here.items():
-        assert_bitwise_equal(results[i], other, what=f"{case.id()}: {path} here vs ffi with {threads} threads")
+  run_here = lambda: {path: [run_on_path(case, make_inputs(case), path) for case in DETERMINISTIC_CASES]
+                      for path in ("ffi", "legacy")}
+  assert_same_bits_with_pools_of((1, 5), "test_attention_numerics", "DETERMINISTIC_CASES", run_here, tmp_path)
 
 
 @pytest.mark.parametrize("path", ["ffi", "legacy"])

@@ -9,9 +9,6 @@ rows are cut into tiles; and, without a left window, the bits of the unpacked ti
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +16,8 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import (Case, assert_bitwise_equal, attn_kwargs, check_against_reference, make_inputs, reference,
-                     run_on_path)
+from helpers import (Case, assert_bitwise_equal, assert_same_bits_with_pools_of, attn_kwargs, check_against_reference,
+                     make_inputs, reference, run_on_path)
 from te_jax.reference import attention_reference
 
 # 150 keys: two KV tiles of the kernels (128), the second partial. Bottom-right causal: the queries are the last ones.
@@ -159,51 +156,22 @@ THREAD_CASES = [
          window=(150, 0), softcap=2.0, dtype="bfloat16", deterministic=True),
 ]
 
-# Runs THREAD_CASES' forwards on the FFI path, whose pool XLA sizes by PJRT_NPROC, saves their bits and reports the
-# size of XLA's intra-op pool (threads named "...XLAEigen"), so the test can tell that the setting took.
-_THREAD_COUNT_SCRIPT = textwrap.dedent("""
-    import os, sys
-    import numpy as np
-    sys.path.insert(0, sys.argv[1])
-    from helpers import make_inputs, run_on_path
-    from test_cpu_decode import THREAD_CASES
-    results = {}
-    for i, case in enumerate(THREAD_CASES):
-      for name, x in run_on_path(case, make_inputs(case), "ffi").items():
-        results[f"{i}_{name}"] = x.view(np.uint8)  # the bits: npz cannot hold bfloat16
-    np.savez(sys.argv[2], **results)
-    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
-    print("POOL", sum("XLAEigen" in n for n in names))
-""")
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts XLA's pool threads in /proc")
 def test_packed_forward_is_independent_of_thread_count(tmp_path):
   """The packed tiles cut the keys at multiples of the KV tile, so a row's bits do not depend on which rows share its
   tile: the FFI path with XLA pools of 1 and 5 threads (subprocesses) agrees bitwise with both paths here."""
-  procs = {}
-  for threads in (1, 5):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC=str(threads))
-    procs[threads] = subprocess.Popen(
-        [sys.executable, "-c", _THREAD_COUNT_SCRIPT, os.path.dirname(__file__), str(tmp_path / f"{threads}.npz")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  here = {}
-  for path in ("ffi", "legacy"):
-    here[path] = []
-    for case in THREAD_CASES:
-      inputs = make_inputs(case)
-      got = run_on_path(case, inputs, path)
-      check_against_reference(case, inputs, got, reference(case, inputs))
-      here[path].append(got)
-  for threads, proc in procs.items():
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    assert f"POOL {threads}" in out.splitlines(), f"PJRT_NPROC={threads} did not set XLA's pool size: {out}"
-    saved = np.load(tmp_path / f"{threads}.npz")
-    for i, case in enumerate(THREAD_CASES):
-      other = {name: saved[f"{i}_{name}"].view(x.dtype) for name, x in here["ffi"][i].items()}
-      for path, results in here.items():
-        assert_bitwise_equal(results[i], other, what=f"{case.id()}: {path} here vs ffi with {threads} threads")
+  def run_here():
+    here = {}
+    for path in ("ffi", "legacy"):
+      here[path] = []
+      for case in THREAD_CASES:
+        inputs = make_inputs(case)
+        got = run_on_path(case, inputs, path)
+        check_against_reference(case, inputs, got, reference(case, inputs))
+        here[path].append(got)
+    return here
+
+  assert_same_bits_with_pools_of((1, 5), "test_cpu_decode", "THREAD_CASES", run_here, tmp_path)
 
 
 # Without a left window the packed tiles cut every row's keys where the unpacked ones do (at multiples of the KV tile
