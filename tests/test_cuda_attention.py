@@ -291,6 +291,23 @@ NONFINITE = [
 ]
 
 
+def _run_with_one_nonfinite(shapes, tensor, index, value, mask_type, engine, seed):
+  """Fresh bf16 q, k, v of `shapes` with x[tensor][index] = value: the float32 inputs, and out and lse (float32) of a
+  forward with return_lse, checked bitwise equal on the FFI and legacy paths."""
+  rng = np.random.default_rng(seed)
+  x = {n: np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)).astype(np.float32) for n, s in shapes.items()}
+  x[tensor][index] = value
+  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type=mask_type, return_lse=True, engine=engine))
+  with te_jax.custom_call_path("ffi"):
+    out, lse = (np.asarray(t, np.float32) for t in f(q, k, v))
+  with te_jax.custom_call_path("legacy"):
+    out_l, lse_l = (np.asarray(t, np.float32) for t in f(q, k, v))
+  te_jax.raise_legacy_failures()
+  assert out.tobytes() == out_l.tobytes() and lse.tobytes() == lse_l.tobytes()
+  return x, out, lse
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("engine", ["te", "cudnn"])
 @pytest.mark.parametrize("name,tensor,index,value", NONFINITE, ids=[c[0] for c in NONFINITE])
@@ -299,18 +316,8 @@ def test_nonfinite_inputs_follow_the_formula(name, tensor, index, value, engine,
   reference is, every other row is exact; FFI and legacy agree bitwise. cuDNN's one deviation (README): a non-finite v
   at a key a row does not see may make that row NaN too (it multiplies the masked probabilities, 0, by v); it never
   leaves a row finite that the formula makes non-finite."""
-  rng = np.random.default_rng(1)
-  shapes = dict(q=(2, 200, 4, d), k=(2, 200, 2, d), v=(2, 200, 2, d))
-  x = {n: np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)).astype(np.float32) for n, s in shapes.items()}
-  x[tensor][index] = value
-  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
-  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", return_lse=True, engine=engine))
-  with te_jax.custom_call_path("ffi"):
-    out, lse = (np.asarray(t, np.float32) for t in f(q, k, v))
-  with te_jax.custom_call_path("legacy"):
-    out_l, lse_l = (np.asarray(t, np.float32) for t in f(q, k, v))
-  te_jax.raise_legacy_failures()
-  assert out.tobytes() == out_l.tobytes() and lse.tobytes() == lse_l.tobytes()
+  x, out, lse = _run_with_one_nonfinite(dict(q=(2, 200, 4, d), k=(2, 200, 2, d), v=(2, 200, 2, d)), tensor, index,
+                                        value, "causal", engine, seed=1)
   ref = attention_reference(x["q"], x["k"], x["v"], mask_type="causal")
   bad = ~np.isfinite(ref["out"])
   assert bad.any()

@@ -15,7 +15,8 @@ import jax.numpy as jnp  # noqa: E402
 
 # The CUDA tests' GPU list (importing it skips this module without a GPU, as it skips its own), inputs, runner and
 # reference check, shared so both files hold every case to the same bounds.
-from test_cuda_attention import _GPUS, TOL, _check_against_reference, _inputs, _rel, _run  # noqa: E402
+from test_cuda_attention import (_GPUS, TOL, _check_against_reference, _inputs, _rel, _run,  # noqa: E402
+                                 _run_with_one_nonfinite)
 
 import te_jax  # noqa: E402
 from te_jax._cuda_test_configs import DECODE_CASES  # noqa: E402
@@ -62,19 +63,8 @@ DECODE_NONFINITE = [
 
 @pytest.mark.parametrize("name,tensor,index,value", DECODE_NONFINITE, ids=[c[0] for c in DECODE_NONFINITE])
 def test_decode_nonfinite_inputs_follow_the_formula(name, tensor, index, value):
-  rng = np.random.default_rng(2)
-  shapes = dict(q=(2, 16, 8, 128), k=(2, 700, 2, 128), v=(2, 700, 2, 128))
-  x = {n: np.asarray(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)).astype(np.float32) for n, s in shapes.items()}
-  x[tensor][index] = value
-  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
-  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal_bottom_right", return_lse=True,
-                                                engine="te"))
-  with te_jax.custom_call_path("ffi"):
-    out, lse = (np.asarray(t, np.float32) for t in f(q, k, v))
-  with te_jax.custom_call_path("legacy"):
-    out_l, lse_l = (np.asarray(t, np.float32) for t in f(q, k, v))
-  te_jax.raise_legacy_failures()
-  assert out.tobytes() == out_l.tobytes() and lse.tobytes() == lse_l.tobytes()
+  x, out, lse = _run_with_one_nonfinite(dict(q=(2, 16, 8, 128), k=(2, 700, 2, 128), v=(2, 700, 2, 128)), tensor,
+                                        index, value, "causal_bottom_right", "te", seed=2)
   ref = attention_reference(x["q"], x["k"], x["v"], mask_type="causal_bottom_right")
   bad = ~np.isfinite(ref["out"])
   assert bad.any() and not bad.all()
