@@ -25,7 +25,9 @@ Strategies:
     one last permute returns them to their owners.
 
 Calls with segment ids or positions (CPU backend) take a simpler path, at the end of this file: every token has a
-position, so each block pair is plain attention on the blocks' ids and positions (docs/SHARDING.md).
+position, so each block pair is plain attention on the blocks' ids and positions (docs/SHARDING.md). There q and K/V
+may differ in length (Sq != Skv: cross attention, decoding with q_positions = cache length + i): each side is cut
+into chunks (and load-balanced) by its own length.
 
 Dropout: every block pair's kernel call gets the dropout operand with the natural positions of the block's first query
 row and first key added (_block_dropout), forward and backward, so the kept elements are the unsharded call's.
@@ -65,21 +67,27 @@ class ContextParallel:
 
 def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_shape) -> None:
   """Raises ValueError/NotImplementedError for what context parallelism does not support (docs/SHARDING.md)."""
-  local = cp.size if cp.manual else 1  # inside shard_map the shapes are the local shards
-  seqlen_q, seqlen_kv = q_shape[1] * local, k_shape[1] * local
   where = f"context parallelism over mesh axis {cp.axis!r} ({cp.strategy})"
-  if seqlen_q != seqlen_kv:
-    raise NotImplementedError(f"{where} needs self-attention shapes Sq == Skv; got Sq={seqlen_q}, Skv={seqlen_kv}")
-  chunks = cp.size * (2 if cp.load_balanced else 1)
-  if seqlen_q % chunks:
-    raise ValueError(f"{where}: the sequence length {seqlen_q} must be a multiple of {chunks} (the axis size "
-                     f"{cp.size}{' times 2 chunks per shard for load balancing' if cp.load_balanced else ''})")
   if config.has_bias:
     raise ValueError(f"{where}: bias is not supported with context parallelism yet; shard the batch or the heads "
                      "instead, or pass no bias")
-  if config.page_size:
+  if config.page_size:  # first: a paged k is a page pool, its dim 1 no sequence
     raise ValueError(f"{where}: a paged KV cache (page_size {config.page_size}) is not supported with context "
                      "parallelism; shard the batch (the page table) or the kv heads instead")
+  local = cp.size if cp.manual else 1  # inside shard_map the shapes are the local shards
+  seqlen_q, seqlen_kv = q_shape[1] * local, k_shape[1] * local
+  if seqlen_q != seqlen_kv and not uses_tokens(config):
+    # Without positions a block pair's diagonal comes from chunk offsets of one shared length (the geometry below).
+    raise NotImplementedError(
+        f"{where} with Sq != Skv (Sq={seqlen_q}, Skv={seqlen_kv}) needs token positions: pass q_positions and "
+        "kv_positions (e.g. te_jax.positions_from_lengths, or for decoding q_positions = cache length + i and "
+        "kv_positions = j) with mask_type 'causal' or 'no_mask', or segment ids")
+  # q and k/v are each cut into `chunks` equal chunks of their own length.
+  chunks = cp.size * (2 if cp.load_balanced else 1)
+  for name, length in (("Sq (q's sequence length)", seqlen_q), ("Skv (k's and v's sequence length)", seqlen_kv)):
+    if length % chunks:
+      raise ValueError(f"{where}: {name} = {length} must be a multiple of {chunks} (the axis size {cp.size}"
+                       f"{' times 2 chunks per shard for load balancing' if cp.load_balanced else ''})")
   mask = config.mask_type
   # With segment ids or positions every block carries its tokens' positions, and windows need no shifted diagonal.
   has_window = (config.window_left >= 0 or config.window_right >= 0) and not uses_tokens(config)
@@ -224,7 +232,8 @@ def _poison(bad, *xs):
 
 
 def _global_lengths(config, cp, q, q_seqlens, kv_seqlens):
-  """Without a padding mask fused_attn fills the lengths from the shapes it saw (local ones inside shard_map)."""
+  """Without a padding mask fused_attn fills the lengths from the shapes it saw (local ones inside shard_map). Calls
+  here have Sq == Skv (check_supported), so q's length serves both."""
   if config.mask_type.is_padding:
     return q_seqlens, kv_seqlens  # the caller's lengths are global sequence lengths
   full = jnp.full(q_seqlens.shape, q.shape[1] * cp.size, jnp.int32)
@@ -419,14 +428,16 @@ def _ring_block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, 
 # one, or its global index), so the kernel's causal mask, window and ALiBi compare kv_pos with q_pos and a (query
 # block, key block) pair is plain attention on the two blocks with their ids and positions: no geometry, no natural
 # order, no skipping by chunk index (the kernel skips the key tiles no query of the block can see). K/V's ids and
-# positions travel with K/V; q's stay local.
+# positions travel with K/V; q's stay local. Nothing here assumes Sq == Skv: every chunk size, piece start and global
+# index is computed from the length of the side it belongs to (q's, or k's for K/V and their tokens).
 
 def uses_tokens(config: AttentionConfig) -> bool:
   return config.has_segment_ids or config.has_positions
 
 
 def _global_indices(cp: ContextParallel, rank, batch: int, local_len: int):
-  """int32 [B, local_len]: the natural sequence index of each token shard `rank` (traced) holds, in local order."""
+  """int32 [B, local_len]: the natural sequence index of each token shard `rank` (traced) holds, in local order.
+  local_len is the side's own local length (q's or K/V's), so its chunks are that side's."""
   chunks = _chunk_ids(cp, rank)
   chunk = local_len // len(chunks)
   index = jnp.concatenate([c * chunk + jnp.arange(chunk, dtype=jnp.int32) for c in chunks])

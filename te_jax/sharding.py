@@ -338,6 +338,9 @@ def _rule_factors(config, cp, value_types):
   pools have their own, replicated), the bias's factors, and the options (factor sizes, the factors that need
   replication)."""
   h, sizes = _heads_rule(value_types)
+  # Under context parallelism q's and K/V's sequences are one factor, so that they shard in step over the axis. With
+  # Sq != Skv (calls with positions or segment ids) the factor has two sizes, which Shardy allows (it takes the
+  # smaller); both are multiples of the axis size (context_parallel.check_supported).
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
   kv_rows = "pages psize" if config.page_size else f"b {skv}"
   bias, bias_factors = _bias_rule(value_types, h, s, skv)

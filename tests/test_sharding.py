@@ -1,6 +1,7 @@
 """fused_attn under SPMD meshes of 8 CPU devices: batch/head partitioning, context parallelism (all-gather and ring,
-every mask type, GQA, load balancing, windows, packed sequences, dropout), shard_map and vmap; results and gradients equal to the unsharded
-call, and the compiled HLO has exactly the collectives each layout should have.
+every mask type, GQA, load balancing, windows, packed sequences, Sq != Skv with positions, dropout), shard_map and
+vmap; results and gradients equal to the unsharded call, and the compiled HLO has exactly the collectives each layout
+should have.
 
 The module needs 8 CPU devices. It asks for them (jax_num_cpu_devices) when it is imported; if JAX was already
 initialised with fewer (another test module ran first), the whole module re-runs itself in a subprocess.
@@ -103,11 +104,13 @@ def collectives(hlo_text: str) -> set[str]:
   return set(re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text))
 
 
-def inputs(batch=4, seqlen=32, heads=4, kv_heads=2, head_dim=8, seed=0, dtype=np.float32):
+def inputs(batch=4, seqlen=32, heads=4, kv_heads=2, head_dim=8, seed=0, dtype=np.float32, seqlen_kv=None):
+  """q, k, v, dout; k and v have seqlen_kv rows (default: seqlen)."""
+  seqlen_kv = seqlen if seqlen_kv is None else seqlen_kv
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((batch, seqlen, heads, head_dim)).astype(dtype)
-  k = rng.standard_normal((batch, seqlen, kv_heads, head_dim)).astype(dtype)
-  v = rng.standard_normal((batch, seqlen, kv_heads, head_dim)).astype(dtype)
+  k = rng.standard_normal((batch, seqlen_kv, kv_heads, head_dim)).astype(dtype)
+  v = rng.standard_normal((batch, seqlen_kv, kv_heads, head_dim)).astype(dtype)
   dout = rng.standard_normal((batch, seqlen, heads, head_dim)).astype(dtype)
   return q, k, v, dout
 
@@ -438,10 +441,12 @@ def packed_tokens(with_positions, batch=4, seqlen=32, seed=0):
   return tokens
 
 
-def check_packed_cp_call(strategy, mask, load_balanced, tokens, mesh_shape=(1, 4, 2), **kwargs):
-  """The ids and positions sharded over cp with q, k, v (reordered with them when load balanced): results equal the
-  unsharded call's, with the collectives of the strategy."""
-  q, k, v, dout = inputs()
+def check_packed_cp_call(strategy, mask, load_balanced, tokens, mesh_shape=(1, 4, 2), seqlens=(32, 32),
+                         reference=False, **kwargs):
+  """The ids and positions sharded over cp with q, k, v (reordered with them when load balanced, each by its own
+  length): results equal the unsharded call's (and the float64 reference's if `reference`), with the collectives of
+  the strategy. seqlens: (Sq, Skv)."""
+  q, k, v, dout = inputs(seqlen=seqlens[0], seqlen_kv=seqlens[1])
   mesh = make_mesh(mesh_shape)
   cp = mesh.shape["cp"]
   reorder = (lambda x: np.asarray(te_jax.reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
@@ -461,6 +466,8 @@ def check_packed_cp_call(strategy, mask, load_balanced, tokens, mesh_shape=(1, 4
       compiled = jax.jit(fn).lower(*args).compile()
       results = [undo(np.asarray(r)) for r in compiled(*args)]
   check_against_unsharded(results, q, k, v, dout, **tokens, **kwargs)
+  if reference:
+    check_against_reference(results, q, k, v, dout, **tokens, **kwargs)
   check_cp_collectives(compiled.as_text(), strategy, mesh_shape, 2)
 
 
@@ -484,6 +491,58 @@ def test_context_parallel_packed_sequences_with_windows(strategy, mask, window, 
                        alibi_slopes=slopes)
 
 
+def cross_tokens(kind, seqlen_q, seqlen_kv, batch=4, seed=0):
+  """Tokens for Sq != Skv.
+  "positions": decoding; K/V a cache at positions 0..Skv-1, q_positions = c + i with c per row (up to the cache
+  length Skv - Sq when Sq < Skv, and a few more, so that some queries see the whole cache).
+  "ids_positions": packed rows on both sides, document n with lq_n queries and lk_n keys, its queries placed at the
+  end of its keys (decoding per document: q_positions = max(lk_n - lq_n, 0) + i); padding (id 0) after them.
+  "ids": those ids, and the indices as positions."""
+  rng = np.random.default_rng(seed)
+  if kind == "positions":
+    cache = rng.integers(0, max(seqlen_kv - seqlen_q, 0) + 9, (batch, 1))
+    return dict(q_positions=(cache + np.arange(seqlen_q)).astype(np.int32),
+                kv_positions=np.tile(np.arange(seqlen_kv, dtype=np.int32), (batch, 1)))
+  lq, lk = (rng.integers(1, s // 4 + 1, (batch, 4)) for s in (seqlen_q, seqlen_kv))
+  q_ids = np.asarray(te_jax.segment_ids_from_lengths(lq, seqlen_q))
+  tokens = dict(q_segment_ids=q_ids, kv_segment_ids=np.asarray(te_jax.segment_ids_from_lengths(lk, seqlen_kv)))
+  if kind == "ids_positions":
+    shift = np.take_along_axis(np.maximum(lk - lq, 0), np.maximum(q_ids - 1, 0), axis=1)
+    tokens.update(q_positions=np.asarray(te_jax.positions_from_lengths(lq, seqlen_q)) + shift.astype(np.int32),
+                  kv_positions=np.asarray(te_jax.positions_from_lengths(lk, seqlen_kv)))
+  return tokens
+
+
+CROSS_SEQLENS = [(16, 32), (32, 16)]  # (Sq, Skv): fewer queries than keys (decoding) and more
+
+
+@in_process
+@pytest.mark.parametrize("kind", ["positions", "ids_positions"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+@pytest.mark.parametrize("seqlens", CROSS_SEQLENS, ids=["sq16-skv32", "sq32-skv16"])
+@pytest.mark.parametrize("load_balanced", [False, True], ids=["lb0", "lb1"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_unequal_lengths(strategy, load_balanced, seqlens, mask, kind):
+  """Sq != Skv with positions (and segment ids): q sharded along Sq, K/V along Skv, each chunked (and load-balanced)
+  by its own length; equal to the unsharded call and the float64 reference."""
+  check_packed_cp_call(strategy, mask, load_balanced, cross_tokens(kind, *seqlens, seed=7), seqlens=seqlens,
+                       reference=True)
+
+
+@in_process
+@pytest.mark.parametrize("strategy,mask,window,kind,seqlens,load_balanced", [
+    ("ring", "causal", (5, 0), "positions", (16, 32), True),
+    ("ring", "no_mask", (3, 2), "ids_positions", (32, 16), False),
+    ("all_gather", "causal", (4, 0), "ids", (32, 16), True),
+    ("all_gather", "no_mask", (4, 1), "positions", (16, 64), False),
+])
+def test_context_parallel_unequal_lengths_with_windows(strategy, mask, window, kind, seqlens, load_balanced):
+  """Windows and ALiBi compare positions (the indices with ids alone) with Sq != Skv, either strategy."""
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+  check_packed_cp_call(strategy, mask, load_balanced, cross_tokens(kind, *seqlens, seed=8), seqlens=seqlens,
+                       reference=True, window_size=window, alibi_slopes=slopes)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Dropout under context parallelism: every block pair's kernel call gets the global (b, h, i, j) of its first element,
 # so the sharded call drops exactly what the unsharded call drops.
@@ -498,10 +557,11 @@ def attention_lse_and_grads(q, k, v, dout, dlse, **kwargs):
   return (out, lse) + vjp((dout, dlse))
 
 
-def cp_dropout_call(strategy, mask, mesh_shape, load_balanced, kv_heads, rate, tokens=None, path="ffi", **extra):
+def cp_dropout_call(strategy, mask, mesh_shape, load_balanced, kv_heads, rate, tokens=None, path="ffi",
+                    seqlens=(32, 32), **extra):
   """The sharded call with dropout (and the ids/positions in `tokens`, sharded with the sequence); returns its results
-  in natural order, the inputs and the unsharded call's keyword arguments."""
-  q, k, v, dout = inputs(kv_heads=kv_heads, heads=max(4, kv_heads))
+  in natural order, the inputs and the unsharded call's keyword arguments. seqlens: (Sq, Skv)."""
+  q, k, v, dout = inputs(kv_heads=kv_heads, heads=max(4, kv_heads), seqlen=seqlens[0], seqlen_kv=seqlens[1])
   dlse = np.random.default_rng(1).standard_normal((q.shape[0], q.shape[2], q.shape[1])).astype(np.float32)
   tokens = tokens or {}
   kwargs = dict(mask_type=mask, dropout_rate=rate, dropout_rng=DROPOUT_KEY, **lengths(mask, *q.shape[:2]), **extra)
@@ -588,11 +648,27 @@ def test_context_parallel_dropout_packed_sequences(strategy, load_balanced, with
 
 
 @in_process
-@pytest.mark.parametrize("tokens", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("strategy,load_balanced,seqlens", [("all_gather", True, (16, 32)),
+                                                             ("ring", False, (32, 16))])
+def test_context_parallel_dropout_unequal_lengths(strategy, load_balanced, seqlens):
+  """Sq != Skv with segment ids and positions: each block adds its own side's offsets (query rows of Sq, keys of
+  Skv)."""
+  tokens = cross_tokens("ids_positions", *seqlens, seed=9)
+  results, hlo, inputs_, kwargs = cp_dropout_call(strategy, "causal", (1, 4, 2), load_balanced, 2, 0.5, tokens,
+                                                  seqlens=seqlens)
+  check_cp_dropout(results, *inputs_, bitwise=("out", "lse", "dq") if strategy == "all_gather" else (), **kwargs)
+  check_cp_collectives(hlo, strategy, (1, 4, 2), 2)
+
+
+@in_process
+@pytest.mark.parametrize("tokens", ["plain", "packed", "unequal_lengths"])
 def test_context_parallel_dropout_ffi_and_legacy_agree(tokens):
   """Bitwise, with the deterministic backward (the default one sums dq in an order that follows the threads)."""
-  tokens = packed_tokens(True, seed=6) if tokens else None
-  ffi, legacy = (cp_dropout_call("ring", "causal", (1, 4, 2), True, 2, 0.5, tokens, path=path, deterministic=True)
+  seqlens = (16, 32) if tokens == "unequal_lengths" else (32, 32)
+  tokens = {"plain": None, "packed": packed_tokens(True, seed=6),
+            "unequal_lengths": cross_tokens("ids_positions", *seqlens, seed=6)}[tokens]
+  ffi, legacy = (cp_dropout_call("ring", "causal", (1, 4, 2), True, 2, 0.5, tokens, path=path, seqlens=seqlens,
+                                 deterministic=True)
                  for path in ("ffi", "legacy"))
   for name, a, b in zip(RESULTS, ffi[0], legacy[0]):
     np.testing.assert_array_equal(a, b, err_msg=name)
@@ -643,6 +719,30 @@ def test_inside_shard_map(strategy):
 
 
 @in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_inside_shard_map_with_unequal_lengths(strategy):
+  """Decoding positions (Sq < Skv) on local shards inside shard_map: fused_attn sees Sq/N queries and Skv/N keys
+  (load balanced with the ring: each side reordered by its own length)."""
+  q, k, v, dout = inputs(seqlen=16, seqlen_kv=32)
+  tokens = cross_tokens("positions", 16, 32, seed=10)
+  mesh = make_mesh((2, 2, 2))
+  load_balanced = strategy == "ring"
+  reorder = (lambda x: te_jax.reorder_for_load_balancing(x, 2)) if load_balanced else (lambda x: x)
+  undo = (lambda x: te_jax.inverse_reorder_for_load_balancing(x, 2)) if load_balanced else (lambda x: x)
+  kwargs = dict(mask_type="causal", **tokens)
+
+  def local(q, k, v, d, tokens):
+    return attention_and_grads(q, k, v, d, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                               context_parallel_load_balanced=load_balanced, mask_type="causal", **tokens)
+
+  spec = P("dp", "cp", "tp")
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + ({n: P("dp", "cp") for n in tokens},),
+                             out_specs=(spec,) * 4))
+  results = fn(*(reorder(x) for x in (q, k, v, dout)), {n: reorder(t) for n, t in tokens.items()})
+  check_against_unsharded([np.asarray(undo(r)) for r in results], q, k, v, dout, **kwargs)
+
+
+@in_process
 def test_batch_sharding_inside_shard_map_without_cp():
   q, k, v, dout = inputs(batch=8)
   mesh = make_mesh((8, 1, 1))
@@ -684,9 +784,14 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
      r"q_seqlens == kv_seqlens"),
     (dict(context_parallel_axis="sp"), ValueError, "'sp' is not an axis of the mesh in context"),
     (dict(context_parallel_strategy="tree"), ValueError, "context_parallel_strategy must be one of"),
-    (dict(context_parallel_load_balanced=True, seqlen=24), ValueError, "must be a multiple of 16"),
-    (dict(mask_type="causal", q_segment_ids=np.ones((4, 32), np.int32), kv_segment_ids=np.ones((4, 16), np.int32),
-          seqlen_kv=16), NotImplementedError, "needs self-attention shapes Sq == Skv"),
+    (dict(context_parallel_load_balanced=True, seqlen=24), ValueError,
+     r"Sq \(q's sequence length\) = 24 must be a multiple of 16"),
+    (dict(q_positions=np.zeros((4, 36), np.int32), seqlen=36, seqlen_kv=32), ValueError,
+     r"Sq \(q's sequence length\) = 36 must be a multiple of 8"),
+    (dict(kv_positions=np.zeros((4, 20), np.int32), seqlen_kv=20), ValueError,
+     r"Skv \(k's and v's sequence length\) = 20 must be a multiple of 8"),
+    (dict(mask_type="causal", seqlen_kv=16), NotImplementedError,
+     r"Sq != Skv \(Sq=32, Skv=16\) needs token positions: pass q_positions and kv_positions"),
     (dict(mask_type="causal", bias=np.zeros((1, 1, 1, 32), np.float32)), ValueError,
      "bias is not supported with context parallelism"),
 ])
@@ -699,6 +804,17 @@ def test_context_parallel_refusals(kwargs, error, match):
   with jax.set_mesh(make_mesh((1, 8, 1))):
     with pytest.raises(error, match=match):
       te_jax.fused_attn(q, k, v, **kwargs)
+
+
+def test_context_parallel_refuses_paging_before_comparing_lengths():
+  """A paged k is a pool [pages, page_size, Hkv, D]: its dim 1 is no sequence, so the paging refusal comes first."""
+  from te_jax import context_parallel
+  from te_jax.attention_config import AttentionConfig
+  config = AttentionConfig(mask_type=te_jax.MaskType.PADDING, window_left=-1, window_right=-1, scale=0.25,
+                           softcap=0.0, has_alibi=False, page_size=16)
+  cp = context_parallel.ContextParallel(axis="cp", strategy="all_gather", load_balanced=False, size=2)
+  with pytest.raises(ValueError, match=r"a paged KV cache \(page_size 16\) is not supported"):
+    context_parallel.check_supported(config, cp, (2, 4, 4, 8), (10, 16, 2, 8))
 
 
 def test_context_parallel_arguments_need_an_axis():
