@@ -55,7 +55,8 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 
 // {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
 // backward, optionally "deterministic" (bool, default false), for the forward optionally "decode" (bool, default
-// false: the decode kernels, cpp/cuda/decode_geometry.h).
+// false: the decode kernels, cpp/cuda/decode_geometry.h), and optionally "tokens" (bool, default false: segment ids
+// or positions).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -87,6 +88,8 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (c.decode && c.direction != cuda::Direction::kForward) {
     throw nb::value_error("decode applies to the forward direction only");
   }
+  c.tokens = d.contains("tokens") && nb::cast<bool>(d["tokens"]);
+  if (c.decode && c.tokens) throw nb::value_error("the decode kernels take no tokens (segment ids, positions)");
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;
 }

@@ -45,7 +45,7 @@ struct AttentionParams {
   float scale = 0.0f;         // applied to q.k; the Python layer resolves the 1/sqrt(D) default
   float softcap = 0.0f;       // 0: off
   bool has_alibi = false;
-  // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal, and on the CPU backend only so far.
+  // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal (the CUDA backend: sm80-family kernels).
   bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding
   bool has_positions = false;    // causal masks, windows and ALiBi use these positions instead of the indices
   // Additive logit bias (issue 12), CPU backend only so far: s = softcap(scale * q.k) + alibi + bias, before the mask.

@@ -112,10 +112,6 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
         "segment ids and positions go with mask_type no_mask or causal only: for padding use segment id 0, for a "
         "bottom-right diagonal pass positions (e.g. q_positions = kv_len - q_len + i)");
   }
-  if (backend == Backend::kCuda && packed) {
-    return Status::InvalidArgument("segment ids and positions run on the CPU backend only so far (issue 11); the CUDA "
-                                   "kernels do not read them yet");
-  }
   if (p.bias_broadcast > kBroadcastAll || static_cast<int>(p.bias_dtype) >= kNumDTypes) {
     return Status::InvalidArgument("bias must be a float32, bfloat16 or float16 array with each dim full or 1, got "
                                    "broadcast bits " + Str(p.bias_broadcast) + " and dtype code " +

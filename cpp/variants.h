@@ -2,6 +2,8 @@
 // dot product x = q.k and asks the variant for the logit and, in the backward pass, for d logit / d x. A new variant is
 // a new struct (or a new flag here), not a new kernel. The order follows the semantics: s = scale * x, then the
 // soft-cap s = cap * tanh(s / cap), then the ALiBi bias slope * (j - p) with p the query's diagonal position.
+// kTokensOn (CUDA kernels; issue 11) adds the packed-sequence mask: segment ids and positions through the token tables
+// (cpp/cuda/kernel_args.h), and p and j become the query's and the key's positions.
 #pragma once
 
 #include "cpp/host_device.h"
@@ -13,10 +15,11 @@
 
 namespace te_jax {
 
-template <bool kSoftcapOn, bool kAlibiOn>
+template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false>
 struct LogitsVariant {
   static constexpr bool kHasSoftcap = kSoftcapOn;
   static constexpr bool kHasAlibi = kAlibiOn;
+  static constexpr bool kHasTokens = kTokensOn;
   float scale;
   float cap;    // read only with kHasSoftcap
   float slope;  // read only with kHasAlibi; per (batch, head)

@@ -42,6 +42,24 @@ DECODE_CASES = [
     ("dec_long_splits",       "bfloat16", 1, 1,  20000, 8,  1,   128, 128, "causal_bottom_right",         (-1, -1), 0.0,  False, False),
 ]
 
+# Packed-sequence cases (segment ids and positions: the kernels built with tokens), tests/test_cuda_packed.py: the
+# case as above and the kind of tokens (ids from random document lengths, unsorted random ids, ids + positions, random
+# positions, decode-style q positions). Lengths of several key and query tiles (64).
+PACKED_CASES = [
+    # name,                     dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,      window,   cap,  alibi, ragged  tokens
+    (("pk_ids_causal_d128",     "bfloat16", 4, 500, 500, 4, 2,   128, 128, "causal",  (-1, -1), 0.0,  False, False), "ids"),
+    (("pk_ids_nomask_d64_fp16", "float16",  4, 300, 300, 4, 4,   64,  64,  "no_mask", (-1, -1), 0.0,  False, False), "ids"),
+    (("pk_pos_causal_window",   "bfloat16", 4, 400, 400, 4, 2,   64,  64,  "causal",  (50, -1), 0.0,  False, False), "ids+positions"),
+    (("pk_pos_window_both",     "float16",  4, 260, 260, 2, 1,   128, 128, "no_mask", (30, 20), 0.0,  False, False), "ids+positions"),
+    (("pk_softcap_alibi",       "bfloat16", 4, 300, 300, 4, 4,   64,  64,  "causal",  (-1, -1), 20.0, True,  False), "ids+positions"),
+    (("pk_random_ids_skv",      "bfloat16", 4, 200, 330, 4, 2,   64,  64,  "causal",  (-1, -1), 0.0,  False, False), "random_ids"),
+    (("pk_random_positions",    "float16",  4, 250, 250, 2, 2,   64,  64,  "causal",  (-1, -1), 0.0,  True,  False), "random_positions"),
+    (("pk_decode_positions",    "bfloat16", 4, 7,   500, 8, 2,   128, 128, "causal",  (-1, -1), 0.0,  False, False), "decode"),
+    (("pk_d_ne_dv_mqa",         "bfloat16", 4, 200, 200, 8, 1,   192, 128, "causal",  (-1, -1), 0.0,  False, False), "ids"),
+    (("pk_d256",                "bfloat16", 4, 200, 200, 2, 2,   256, 256, "causal",  (-1, -1), 0.0,  False, False), "ids+positions"),
+    (("pk_d40_dv72",            "float16",  4, 150, 150, 2, 1,   40,  72,  "no_mask", (-1, -1), 0.0,  False, False), "ids"),
+]
+
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
 _DECODE_MAX_SEQLEN_Q = 16  # cpp/cuda/kernels/decode/tile_size.h
 
@@ -52,3 +70,11 @@ CONFIGS = sorted({(direction, deterministic, direction == "forward" and c[3] <= 
                   for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})
 CONFIGS = [dict(direction=dr, deterministic=det, decode=dec, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
            for dr, det, dec, dt, d, dv, sc, al in CONFIGS]
+CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
+                 alibi=al, tokens=True)
+            for dr, det, dt, d, dv, sc, al in sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0,
+                                                       c[12])
+                                                      for c, _ in PACKED_CASES
+                                                      for direction, deterministic in (("forward", False),
+                                                                                       ("backward", False),
+                                                                                       ("backward", True))})]

@@ -64,7 +64,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     q_positions, kv_positions: int32 [B, Sq] / [B, Skv]: the positions causal masks, windows and ALiBi use instead of
       the indices (each defaults to 0..S-1): causal means kv_pos <= q_pos, a window (l, r) means
       q_pos - l <= kv_pos <= q_pos + r, ALiBi adds slope * (kv_pos - q_pos). Need not be sorted or distinct.
-      Segment ids and positions go with mask_type "no_mask" or "causal" only; CPU backend only so far.
+      Segment ids and positions go with mask_type "no_mask" or "causal" only. On the GPU te_jax's engine serves them
+      (cuDNN does not; engine="auto" picks te_jax's kernels).
     sink_logits: float32 [H] (attention sinks): one extra logit per head in every row's softmax denominator that
       contributes no value: out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); lse includes it; it gets a
       gradient. A row with no visible key gives out = 0 and lse = sink_h. The off-by-one softmax is

@@ -184,17 +184,17 @@ def test_q_segment_ids_alone_needs_equal_lengths():
     te_jax.fused_attn(*_qkv(16, 24), q_segment_ids=np.ones((2, 16), np.int32))
 
 
-def test_core_refuses_tokens_on_cuda_and_with_padding_masks():
+def test_core_takes_tokens_on_both_backends_but_not_with_padding_masks():
   from te_jax import _te_jax_cpu as _cpu
   from te_jax.attention_config import AttentionConfig
   from te_jax.mask_type import MaskType
   config = AttentionConfig(MaskType.CAUSAL, -1, -1, 0.125, 0.0, False, has_segment_ids=True)
   params = config.core_params((1, 16, 2, 64), (1, 16, 2, 64), (1, 16, 2, 64), jnp.bfloat16)
   _cpu.validate(params, 0)
-  with pytest.raises(ValueError, match="CPU backend only"):
-    _cpu.validate(params, 1)
-  with pytest.raises(ValueError, match="no_mask or causal"):
-    _cpu.validate(dict(params, mask_type=int(MaskType.PADDING_CAUSAL)), 0)
+  _cpu.validate(params, 1)
+  for backend in (0, 1):
+    with pytest.raises(ValueError, match="no_mask or causal"):
+      _cpu.validate(dict(params, mask_type=int(MaskType.PADDING_CAUSAL)), backend)
 
 
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])

@@ -11,11 +11,13 @@
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/tensor_maps.h"
+#include "cpp/cuda/token_workspace.h"
 #include "cpp/validate.h"
 
 namespace te_jax::cuda {
 namespace {
 
+// With positions the causal mask and the window act on positions (TokenArgs), and the index-based mask is off.
 ShapeArgs MakeShape(const AttentionParams& p) {
   ShapeArgs s;
   s.batch = static_cast<int32_t>(p.batch);
@@ -23,9 +25,9 @@ ShapeArgs MakeShape(const AttentionParams& p) {
   s.seqlen_kv = static_cast<int32_t>(p.seqlen_kv);
   s.num_heads = static_cast<int32_t>(p.num_heads);
   s.num_kv_heads = static_cast<int32_t>(p.num_kv_heads);
-  s.mask_type = static_cast<int32_t>(p.mask_type);
-  s.window_left = static_cast<int32_t>(p.window_left);
-  s.window_right = static_cast<int32_t>(p.window_right);
+  s.mask_type = static_cast<int32_t>(p.has_positions ? MaskType::kNoMask : p.mask_type);
+  s.window_left = static_cast<int32_t>(p.has_positions ? -1 : p.window_left);
+  s.window_right = static_cast<int32_t>(p.has_positions ? -1 : p.window_right);
   s.scale = p.scale;
   s.softcap = p.softcap;
   return s;
@@ -66,6 +68,21 @@ Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
                                  " bytes; this call needs " + std::to_string(needed));
 }
 
+// The token tables of a packed-sequence call, built by the module's last two kernels (a warp per 64-token granule of
+// either side) before its attention kernels run.
+template <typename Args>
+Status LaunchTokenTables(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p, CUstream stream,
+                         Args* args) {
+  if (!UsesTokens(p) || p.batch == 0) return Status::Ok();
+  const int64_t granules = (p.seqlen_q + kTokenGranule - 1) / kTokenGranule + (p.seqlen_kv + kTokenGranule - 1) / kTokenGranule;
+  const unsigned blocks = CeilDiv(granules, kTokenTableThreads / 32);
+  const int first = module->count - 2;
+  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[first], "token tables", blocks, static_cast<unsigned>(p.batch),
+                                1, kTokenTableThreads, 0, stream, args));
+  return Launch(driver, module->kernels[first + 1], "token spans", blocks, static_cast<unsigned>(p.batch), 1,
+                kTokenTableThreads, 0, stream, args);
+}
+
 }  // namespace
 
 Status Prepare(const AttentionParams& params, Direction direction, JitReport* report) {
@@ -82,8 +99,11 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   return GetLoadedModule(ConfigFor(params, direction, arch), device, &module, report);
 }
 
+// te_jax's kernels: the decode kernels' partial results, or (never both) the token tables.
 int64_t ForwardWorkspaceBytes(const AttentionParams& p) {
-  return p.engine == Engine::kCudnn ? cudnn::ForwardWorkspaceBytes(p) : DecodeWorkspaceBytes(p);
+  if (p.engine == Engine::kCudnn) return cudnn::ForwardWorkspaceBytes(p);
+  if (UsesTokens(p)) return TokenTablesBytes(p);
+  return DecodeWorkspaceBytes(p);
 }
 
 namespace {
@@ -149,13 +169,16 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   TE_JAX_RETURN_IF_ERROR(GetDriver(&driver));
   CallModule call;
   TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &call));
-  ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse};
+  TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, ForwardWorkspaceBytes(p), "forward"));
+  ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse,
+                   MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, b.workspace)};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
   if (call.family == KernelFamily::kDecode) {
     if (p.batch == 0 || p.num_heads == 0) return Status::Ok();
     return LaunchDecode(driver, call.module, p, b, args, call.device, stream);
   }
   if (call.family == KernelFamily::kSm80) {
+    TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
     const sm80::TileSize tile = sm80::ForwardTileSize(d, dv);
     return Launch(driver, call.module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
                   static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * tile.warps,
@@ -213,13 +236,24 @@ Status EncodeBackwardTensorMaps(const DriverApi* driver, const AttentionParams& 
 
 }  // namespace
 
-int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
-  if (p.engine == Engine::kCudnn) return cudnn::BackwardWorkspaceBytes(p);
+namespace {
+
+// The float dq accumulator's bytes (0 when the call does not accumulate dq).
+int64_t DqAccumBytes(const AttentionParams& p) {
   if (!AccumulatesDq(p)) return 0;
   const sm80::DqAccumLayout l =
       sm80::BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
   const int64_t rows = (p.seqlen_q + l.row_block - 1) / l.row_block * l.row_block;
   return p.batch * p.num_heads * l.slices * rows * l.cols * static_cast<int64_t>(sizeof(float));
+}
+
+}  // namespace
+
+// te_jax's kernels: the dq accumulator, then the token tables.
+int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
+  if (p.engine == Engine::kCudnn) return cudnn::BackwardWorkspaceBytes(p);
+  if (!UsesTokens(p)) return DqAccumBytes(p);
+  return TokenTablesOffset(DqAccumBytes(p)) + TokenTablesBytes(p);
 }
 
 Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
@@ -233,9 +267,26 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   const LoadedModule* module = call.module;
   const bool accumulate_dq = AccumulatesDq(p);
   float* dq_accum = accumulate_dq ? static_cast<float*>(b.workspace) : nullptr;
-  BackwardArgs args{MakeShape(p), b.q,          b.k,         b.v,            b.out, b.lse, b.dout, b.dlse, b.q_seqlens,
-                    b.kv_seqlens, b.alibi_slopes, b.dq, b.dk, b.dv, static_cast<float*>(b.dq), dq_accum};
+  void* token_tables = static_cast<char*>(b.workspace) + TokenTablesOffset(DqAccumBytes(p));
+  BackwardArgs args{MakeShape(p),
+                    b.q,
+                    b.k,
+                    b.v,
+                    b.out,
+                    b.lse,
+                    b.dout,
+                    b.dlse,
+                    b.q_seqlens,
+                    b.kv_seqlens,
+                    b.alibi_slopes,
+                    b.dq,
+                    b.dk,
+                    b.dv,
+                    static_cast<float*>(b.dq),
+                    dq_accum,
+                    MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, token_tables)};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, module, p, stream, &args));
   const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, sm80::kRowKernelThreads / 32);
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess", row_blocks, 1, 1,
                                 sm80::kRowKernelThreads, module->smem_bytes[0], stream, &args));

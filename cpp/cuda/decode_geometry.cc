@@ -14,7 +14,10 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-bool UsesDecodeKernels(const AttentionParams& p) { return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ; }
+// Packed sequences (segment ids, positions) run on the sm80 family's token mask, which the decode kernels lack.
+bool UsesDecodeKernels(const AttentionParams& p) {
+  return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ && !p.has_segment_ids && !p.has_positions;
+}
 
 int DecodeKernelFor(const AttentionParams& p) {
   return p.num_heads / p.num_kv_heads * p.seqlen_q <= decode::RowsOfTile(decode::RowTilesOfKernel(0)) ? 0 : 1;

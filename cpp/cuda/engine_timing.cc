@@ -136,6 +136,13 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(q_seqlens, p.batch, static_cast<uint32_t>(p.seqlen_q)));
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(kv_seqlens, p.batch, static_cast<uint32_t>(p.seqlen_kv)));
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(alibi, p.batch * p.num_heads, 0));
+  // Packed sequences: one document (every id 1), every position 0; both sides read prefixes of the same buffers.
+  const int64_t tokens = p.batch * std::max(p.seqlen_q, p.seqlen_kv);
+  void *ids, *positions;
+  TE_JAX_RETURN_IF_ERROR(scratch.Alloc(4 * tokens, &ids));
+  TE_JAX_RETURN_IF_ERROR(scratch.Alloc(4 * tokens, &positions));
+  TE_JAX_RETURN_IF_ERROR(scratch.Fill32(ids, tokens, 1));
+  TE_JAX_RETURN_IF_ERROR(scratch.Fill32(positions, tokens, 0));
 
   ForwardBuffers fb;
   fb.q = q;
@@ -144,6 +151,8 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   fb.q_seqlens = static_cast<const int32_t*>(q_seqlens);
   fb.kv_seqlens = static_cast<const int32_t*>(kv_seqlens);
   fb.alibi_slopes = static_cast<const float*>(alibi);
+  fb.q_segment_ids = fb.kv_segment_ids = static_cast<const int32_t*>(ids);
+  fb.q_positions = fb.kv_positions = static_cast<const int32_t*>(positions);
   fb.out = out;
   fb.lse = static_cast<float*>(lse);
   fb.workspace = workspace;
@@ -168,6 +177,8 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
     bb.q_seqlens = fb.q_seqlens;
     bb.kv_seqlens = fb.kv_seqlens;
     bb.alibi_slopes = fb.alibi_slopes;
+    bb.q_segment_ids = bb.kv_segment_ids = fb.q_segment_ids;
+    bb.q_positions = bb.kv_positions = fb.q_positions;
     bb.dq = dq;
     bb.dk = dk;
     bb.dv = dv;

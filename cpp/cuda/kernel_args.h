@@ -23,6 +23,35 @@ struct ShapeArgs {
   float softcap;
 };
 
+// Packed sequences (issue 11): the segment ids and positions as given (null when absent), the mask they carry, and the
+// token tables that the tokens kernels (kernels/common/token_tables.cuh) derive from them into the call's workspace
+// before the attention kernels read them. Tables are int32, per batch entry, one granule = kTokenGranule tokens:
+//   q_rows [B][Sq][4]: id (0: the row sees nothing), the inclusive kv-position bounds lo and hi, the position;
+//   keys [B][Skv][2]: id (0: no row sees the key), position;
+//   q_summary [B][Gq][8], kv_summary [B][Gkv][8]: a granule's TokenSummary;
+//   q_span [B][Gq][2]: the kv granules [begin, end) any row of the q granule may see; kv_span [B][Gkv][2] the converse.
+// With positions the index-based mask of ShapeArgs is off (no_mask, no window) and `causal` and the window here act on
+// positions; without them the index-based mask stays and the rows' bounds are unbounded.
+inline constexpr int kTokenGranule = 64;
+inline constexpr int kTokenSummaryInts = 8;
+inline constexpr int kTokenTableThreads = 128;  // threads per block of the token-table kernels: a warp per granule
+
+struct TokenArgs {
+  const int32_t* q_ids;
+  const int32_t* kv_ids;
+  const int32_t* q_pos;
+  const int32_t* kv_pos;
+  int32_t causal;
+  int32_t window_left;
+  int32_t window_right;
+  int32_t* q_rows;
+  int32_t* keys;
+  int32_t* q_summary;
+  int32_t* kv_summary;
+  int32_t* q_span;
+  int32_t* kv_span;
+};
+
 struct ForwardArgs {
   ShapeArgs shape;
   const void* q;
@@ -33,6 +62,7 @@ struct ForwardArgs {
   const float* alibi_slopes;
   void* out;
   float* lse;
+  TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
 };
 
 // The decode kernels' parameters (kernels/decode/): the forward's, and the launch geometry the host chose. A CTA
@@ -112,6 +142,7 @@ struct BackwardArgs {
   float* delta_scratch;
   // The non-deterministic backward's float [B, Sq, H, D] dq accumulator (the call's workspace); null otherwise.
   float* dq_accum;
+  TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
 };
 
 // The sm90 backward's parameters (both kernels): the backward's, and TMA tensor maps of q, k, v and dout as for the

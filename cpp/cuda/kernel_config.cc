@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "cpp/cuda/decode_geometry.h"
+#include "cpp/cuda/token_workspace.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
@@ -10,16 +11,27 @@
 namespace te_jax::cuda {
 namespace {
 
-const char* const kForwardEntries[] = {"te_jax_attention_forward"};
+const char* const kForwardEntries[] = {"te_jax_attention_forward", "te_jax_token_tables", "te_jax_token_spans"};
 const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
-                                        "te_jax_attention_backward_dq_convert"};
+                                        "te_jax_attention_backward_dq_convert", "te_jax_token_tables",
+                                        "te_jax_token_spans"};
 const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
-                                                     "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq"};
+                                                     "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq",
+                                                     "te_jax_token_tables", "te_jax_token_spans"};
 
 const char* const kDecodeEntries[] = {"te_jax_attention_decode_rows16", "te_jax_attention_decode_rows64",
                                       "te_jax_attention_decode_combine"};
 
 const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_enforce_length_contract"};
+
+// The token tables and spans kernels (kernels/common/token_tables.cuh) for a module whose kernels take `args`.
+std::string TokenKernelsSource(const std::string& args) {
+  return "#include \"cpp/cuda/kernels/common/token_tables.cuh\"\n"
+         "extern \"C\" __global__ void __launch_bounds__(te_jax::cuda::kTokenTableThreads)\n"
+         "te_jax_token_tables(const " + args + " args) { te_jax::cuda::TokenTablesKernel<" + args + ">::Run(args); }\n"
+         "extern \"C\" __global__ void __launch_bounds__(te_jax::cuda::kTokenTableThreads)\n"
+         "te_jax_token_spans(const " + args + " args) { te_jax::cuda::TokenSpansKernel<" + args + ">::Run(args); }\n";
+}
 
 const char* VariantName(bool softcap, bool alibi) {
   if (softcap) return alibi ? "softcap_alibi" : "softcap";
@@ -37,17 +49,18 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     *count = 3;
     return kDecodeEntries;
   }
+  const int token_kernels = tokens ? 2 : 0;
   if (direction == Direction::kForward) {
-    *count = 1;
+    *count = 1 + token_kernels;
     return kForwardEntries;
   }
-  *count = 3;
+  *count = 3 + token_kernels;
   return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
 }
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  if (kind != ModuleKind::kAttention || arch != "sm_90a") return KernelFamily::kSm80;
+  if (kind != ModuleKind::kAttention || arch != "sm_90a" || tokens) return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
                                                        : sm90::ServesBackward(head_dim, head_dim_v);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
@@ -61,7 +74,7 @@ std::string KernelConfig::BaseName() const {
   const char* what = decode ? "dec" : direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
-                     VariantName(softcap, alibi) + "_" + arch;
+                     VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + "_" + arch;
   if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
@@ -85,7 +98,7 @@ std::string KernelConfig::RenderSource() const {
   }
   const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
   const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
-                              (alibi ? "true" : "false") + ">";
+                              (alibi ? "true" : "false") + ", " + (tokens ? "true" : "false") + ">";
   const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
   std::string src = "// te_jax JIT translation unit: " + Name() + "\n" +
                     (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
@@ -114,6 +127,7 @@ std::string KernelConfig::RenderSource() const {
            "using Fwd = te_jax::cuda::sm80::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
            "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"
            "te_jax_attention_forward(const te_jax::cuda::ForwardArgs args) { Fwd::Run(args); }\n";
+    if (tokens) src += TokenKernelsSource("te_jax::cuda::ForwardArgs");
   } else if (Family() == KernelFamily::kSm90) {
     // The row kernels (delta', and the dq accumulator's conversion) come from the sm80 family (plain loads, any arch).
     int count = 0;
@@ -146,10 +160,11 @@ std::string KernelConfig::RenderSource() const {
     int count = 0;
     const char* const* entries = EntryPoints(&count);
     const std::string kernels[] = {"Pre", "DkDv", dq_kernel};
-    for (int i = 0; i < count; ++i) {
+    for (int i = 0; i < 3; ++i) {
       src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
              "(const te_jax::cuda::BackwardArgs args) { " + kernels[i] + "::Run(args); }\n";
     }
+    if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
   }
   return src;
 }
@@ -164,6 +179,7 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.alibi = params.has_alibi;
   c.deterministic = direction == Direction::kBackward &&
                     (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
+  c.tokens = UsesTokens(params);
   c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   c.arch = arch;
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");

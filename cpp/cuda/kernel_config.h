@@ -37,6 +37,10 @@ struct KernelConfig {
   bool deterministic = false;
   // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
   bool decode = false;
+  // Segment ids or positions (packed sequences, issue 11): the kernels built with the variant's token mask, and the
+  // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. The sm80 family serves
+  // them on every arch.
+  bool tokens = false;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.
@@ -46,8 +50,9 @@ struct KernelConfig {
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
   std::string RenderSource() const;
-  // Entry points of the module, in launch order (forward: 1; decode: the 16-row and 64-row kernels, the combine;
-  // backward: preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv, dq).
+  // Entry points of the module (forward: 1; decode: the 16-row and 64-row kernels, the combine; backward:
+  // preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv, dq), then with tokens the
+  // token tables and spans kernels, which run first.
   const char* const* EntryPoints(int* count) const;
 };
 

@@ -91,9 +91,10 @@ int SmemBytes(const KernelConfig& c, int index) {
     if (index == 1) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
     return index == 2 && c.deterministic ? sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, false) : 0;
   }
-  if (c.direction == Direction::kForward) return sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v);
-  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
-  if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v);
+  // The token-table kernels (the last two entries with tokens) take no dynamic shared memory.
+  if (c.direction == Direction::kForward) return index == 0 ? sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;
+  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens);
+  if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v, c.tokens);
   return 0;
 }
 

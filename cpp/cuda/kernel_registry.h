@@ -26,9 +26,10 @@ struct JitReport {
 Status EnsureCubin(const KernelConfig& config, JitReport* report);
 
 struct LoadedModule {
-  CUkernel kernels[3] = {nullptr, nullptr, nullptr};
+  static constexpr int kMaxKernels = 5;  // KernelConfig::EntryPoints: at most 3, and the 2 token-table kernels
+  CUkernel kernels[kMaxKernels] = {};
   int count = 0;
-  int smem_bytes[3] = {0, 0, 0};
+  int smem_bytes[kMaxKernels] = {};
 };
 
 // The loaded module for `config` with its shared-memory limits raised on `device`.

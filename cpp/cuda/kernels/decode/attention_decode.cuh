@@ -227,7 +227,8 @@ struct DecodeKernel {
         const bool interior = tile >= full_begin && tile < full_end;
         if constexpr (kCareful) {
           if (!interior && __syncthreads_or(sm80::ThreadSeesNonFinite<Element, kThreads>(sm.V(stage), tid))) {
-            sm80::PoisonColumnsOfNonFiniteValues<Element>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t);
+            sm80::PoisonColumnsOfNonFiniteValues<Element>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t,
+                                                          [](int, int) { return true; });
             __syncthreads();  // every warp has read the values before they are zeroed
             sm80::ZeroNonFinite<Element, kThreads>(sm.V(stage), tid);
             __syncthreads();

@@ -19,6 +19,7 @@
 #include "cpp/cuda/kernels/common/dq_accum.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
+#include "cpp/cuda/kernels/common/token_mask.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
@@ -136,11 +137,13 @@ struct BackwardDkDvKernel {
   using QTile = SmemTile<kBlockN, kDP>;
   using OTile = SmemTile<kBlockN, kDvP>;
   using DsTile = SmemTile<kBlockM, kBlockN>;  // ds^T of the step, [key][query]
-  static constexpr int kStageBytes = QTile::kBytes + OTile::kBytes + 2 * 4 * kBlockN;
+  static constexpr bool kTokens = Variant::kHasTokens;
+  // A stage: q, dout, the rows' lse and delta', and with tokens the rows' token entries (kernels/common/token_mask.h).
+  static constexpr int kStageBytes = QTile::kBytes + OTile::kBytes + 2 * 4 * kBlockN + (kTokens ? 16 * kBlockN : 0);
   static constexpr int kSmemBytes =
       KTile::kBytes + VTile::kBytes + 2 * kStageBytes + (kAccumulateDq ? DsTile::kBytes : 0);
   static_assert(kBlockM == 16 * kWarps, "a warp owns 16 keys");
-  static_assert(kSmemBytes == BackwardDkDvSmemBytes(kD, kDv, kAccumulateDq),
+  static_assert(kSmemBytes == BackwardDkDvSmemBytes(kD, kDv, kAccumulateDq, kTokens),
                 "tile_size.h and the kernel disagree on shared memory");
 
   // The step's dq product [kBlockN queries x kDkCols] = ds [kBlockN x kBlockM keys] k [kBlockM x kDkCols] is split
@@ -172,8 +175,21 @@ struct BackwardDkDvKernel {
     const BatchLengths len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, b);
     const RowMask mask = MakeMask(s, len);
     const RowSpan rows = RowsOfKeys(mask, n0, n0 + kBlockM);
-    const int tile_begin = rows.begin / kBlockN;
-    const int tile_end = rows.end > rows.begin ? (rows.end + kBlockN - 1) / kBlockN : tile_begin;
+    const int tile_begin0 = rows.begin / kBlockN;
+    int tile_begin = tile_begin0;
+    int tile_end = rows.end > rows.begin ? (rows.end + kBlockN - 1) / kBlockN : tile_begin0;
+    BatchTokens tokens{};
+    // The CTA's keys' token entries (past Skv: a key no row sees).
+    int2 key_token[2] = {};
+    if constexpr (kTokens) {
+      tokens = BatchTokens::Of(args.tokens, s, b);
+      NarrowToTokenSpan(TokenTileSpan<kBlockN>(tokens.kv_span, n0, kBlockM, s.seqlen_kv), tile_begin, tile_end);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int j = n0 + warp * 16 + g + 8 * r;
+        key_token[r] = j < s.seqlen_kv ? tokens.keys[j] : make_int2(0, 0);
+      }
+    }
     const int tiles = tile_end - tile_begin;
     const int steps = tiles * group;  // (head, query tile) pairs, head-major
 
@@ -196,6 +212,7 @@ struct BackwardDkDvKernel {
       return reinterpret_cast<float*>(stage_base + st * kStageBytes + QTile::kBytes + OTile::kBytes);
     };
     auto delta_s = [&](int st) { return lse_s(st) + kBlockN; };
+    auto row_tokens_s = [&](int st) { return reinterpret_cast<int4*>(delta_s(st) + kBlockN); };
 
     // Loads the q, dout, lse and delta' of step `step` into stage `st`.
     auto load_step = [&](int step, int st) {
@@ -208,6 +225,8 @@ struct BackwardDkDvKernel {
         const bool valid = m0 + i < len.q_len;
         CpAsync4(SmemAddress(lse_s(st) + i), args.lse + (valid ? row_base + m0 + i : 0), valid);
         CpAsync4(SmemAddress(delta_s(st) + i), args.delta_scratch + (valid ? row_base + m0 + i : 0), valid);
+        // A row past Sq is zero-filled; the index range already hides every key from it.
+        if constexpr (kTokens) CpAsync16(SmemAddress(row_tokens_s(st) + i), tokens.q_rows + (valid ? m0 + i : 0), valid);
       }
     };
 
@@ -243,6 +262,7 @@ struct BackwardDkDvKernel {
       const OTile ot = o_tile(st);
       const float* lse = lse_s(st);
       const float* delta = delta_s(st);
+      const int4* row_tokens = row_tokens_s(st);
 
       // s^T = k q^T and dp^T = v dout^T: this warp's 16 keys x kBlockN queries.
       float sc[1][kBlockN / 8][4], dp[1][kBlockN / 8][4];
@@ -260,13 +280,26 @@ struct BackwardDkDvKernel {
             const int qi = j * 8 + 2 * t + (e & 1);  // query within the tile
             const int row = m0 + qi;
             const int kj = key[e >> 1];
-            const bool visible = decltype(masked)::value ? Visible(mask.Keys(row), kj) : true;
-            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row + mask.diag_offset, kj, visible,
-                                            lse[qi], delta[qi]);
+            bool visible = decltype(masked)::value ? Visible(mask.Keys(row), kj) : true;
+            int64_t row_pos = row + mask.diag_offset;
+            int key_pos = kj;
+            if constexpr (kTokens) {
+              const int4 row_token = row_tokens[qi];
+              if constexpr (decltype(masked)::value) visible = visible && TokenSees(row_token, key_token[e >> 1]);
+              row_pos = row_token.w;
+              key_pos = key_token[e >> 1].y;
+            }
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_pos, key_pos, visible, lse[qi],
+                                            delta[qi]);
           }
         }
       };
-      if (!KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM)) {
+      bool unmasked = KeysOfRows(mask, m0, kBlockN).Unmasked(n0, kBlockM);
+      if constexpr (kTokens) {
+        unmasked = unmasked && TokensAllSee(TokenSummaryOf(tokens.q_summary, m0, kBlockN, s.seqlen_q),
+                                            TokenSummaryOf(tokens.kv_summary, n0, kBlockM, s.seqlen_kv));
+      }
+      if (!unmasked) {
         apply(Masked<true>{});
       } else {
         apply(Masked<false>{});
@@ -384,17 +417,27 @@ struct BackwardDqKernel {
   using OTile = SmemTile<kBlockM, kDvP>;
   using KTile = SmemTile<kBlockN, kDP>;
   using VTile = SmemTile<kBlockN, kDvP>;
-  static constexpr int kSmemBytes = QTile::kBytes + OTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes) + 4 * kBlockM;
+  static constexpr bool kTokens = Variant::kHasTokens;
+  // After the k/v stages: each stage's keys' token entries (with tokens), then the rows' delta'.
+  static constexpr int kKeyTokensOffset = QTile::kBytes + OTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes);
+  static constexpr int kDeltaOffset = kKeyTokensOffset + (kTokens ? 2 * 8 * kBlockN : 0);
+  static constexpr int kSmemBytes = kDeltaOffset + 4 * kBlockM;
   static_assert(kBlockM == 16 * kWarps, "a warp owns 16 query rows");
-  static_assert(kSmemBytes == BackwardDqSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes == BackwardDqSmemBytes(kD, kDv, kTokens), "tile_size.h and the kernel disagree on shared memory");
 
   static __device__ __forceinline__ void Run(const BackwardArgs& args) {
     extern __shared__ __align__(16) unsigned char smem[];
     const ShapeArgs& s = args.shape;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const auto [m0, head, b, kv_head, len, mask, span, tile_begin, tile_end] =
+    const auto [m0, head, b, kv_head, len, mask, span, index_tile_begin, index_tile_end] =
         QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens);
+    int tile_begin = index_tile_begin, tile_end = index_tile_end;
+    BatchTokens tokens{};
+    if constexpr (kTokens) {
+      tokens = BatchTokens::Of(args.tokens, s, b);
+      NarrowToTokenSpan(TokenTileSpan<kBlockN>(tokens.q_span, m0, kBlockM, s.seqlen_q), tile_begin, tile_end);
+    }
 
     const int64_t q_stride = static_cast<int64_t>(s.num_heads) * kD;
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
@@ -414,13 +457,24 @@ struct BackwardDqKernel {
     KTile k_tile[2] = {{reinterpret_cast<uint16_t*>(kv_base)}, {reinterpret_cast<uint16_t*>(kv_base + KTile::kBytes)}};
     VTile v_tile[2] = {{reinterpret_cast<uint16_t*>(kv_base + 2 * KTile::kBytes)},
                        {reinterpret_cast<uint16_t*>(kv_base + 2 * KTile::kBytes + VTile::kBytes)}};
-    float* delta_s = reinterpret_cast<float*>(kv_base + 2 * (KTile::kBytes + VTile::kBytes));
+    int2* key_tokens = reinterpret_cast<int2*>(smem + kKeyTokensOffset);
+    float* delta_s = reinterpret_cast<float*>(smem + kDeltaOffset);
+    auto load_key_tokens = [&](int tile, int stage) {
+      if constexpr (kTokens) {
+        for (int i = tid; i < kBlockN; i += kThreads) {
+          const int key = tile * kBlockN + i;
+          const bool valid = key < s.seqlen_kv;
+          CpAsync8(SmemAddress(key_tokens + stage * kBlockN + i), tokens.keys + (valid ? key : 0), valid);
+        }
+      }
+    };
 
     q_tile.template AsyncLoad<kThreads>(q, q_stride, m0, len.q_len, kD, tid);
     o_tile.template AsyncLoad<kThreads>(dout, o_stride, m0, len.q_len, kDv, tid);
     if (tile_begin < tile_end) {
       k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
       v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
+      load_key_tokens(tile_begin, 0);
     }
     CpAsyncCommit();
 
@@ -441,6 +495,13 @@ struct BackwardDqKernel {
     const float row_lse[2] = {row[0] < s.seqlen_q ? args.lse[lse_base + row[0]] : 0.0f,
                               row[1] < s.seqlen_q ? args.lse[lse_base + row[1]] : 0.0f};
     const float row_delta[2] = {delta_s[warp * 16 + g], delta_s[warp * 16 + g + 8]};
+    int4 row_token[2] = {};
+    if constexpr (kTokens) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row_token[r] = row[r] < s.seqlen_q ? tokens.q_rows[row[r]] : make_int4(0, kTokenMax, kTokenMin, 0);
+      }
+    }
 
     Variant variant;
     variant.scale = s.scale;
@@ -458,6 +519,7 @@ struct BackwardDqKernel {
       if (tile + 1 < tile_end) {
         k_tile[stage ^ 1].template AsyncLoad<kThreads>(k, k_stride, (tile + 1) * kBlockN, len.kv_len, kD, tid);
         v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
+        load_key_tokens(tile + 1, stage ^ 1);
       }
       CpAsyncCommit();
 
@@ -468,9 +530,29 @@ struct BackwardDqKernel {
       WarpGemmABt<Element, 1, kDvP, kBlockN>(dp, o_tile, warp * 16, v_tile[stage], lane);
 
       const int n0 = tile * kBlockN;
+      const int2* stage_keys = key_tokens + stage * kBlockN;
+      bool unmasked = span.Unmasked(n0, kBlockN);
+      if constexpr (kTokens) {
+        unmasked = unmasked && TokensAllSee(TokenSummaryOf(tokens.q_summary, m0, kBlockM, s.seqlen_q),
+                                            TokenSummaryOf(tokens.kv_summary, n0, kBlockN, s.seqlen_kv));
+      }
       // The two loops are written out: the dk/dv kernel's Masked<> lambda compiles to a different d = 64 schedule here
       // (nvcc 13.0), which no GPU run has checked; in the dk/dv kernel it gives byte-identical cubins.
-      if (!span.Unmasked(n0, kBlockN)) {
+      if constexpr (kTokens) {
+        // Packed sequences: the tokens' positions, and their test where the tile is masked.
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int col = n0 + j * 8 + 2 * t + (e & 1);
+            const int2 key_token = stage_keys[col - n0];
+            const bool visible = unmasked || (Visible(keys[r], col) && TokenSees(row_token[r], key_token));
+            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_token[r].w, key_token.y, visible,
+                                            row_lse[r], row_delta[r]);
+          }
+        }
+      } else if (!unmasked) {
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll

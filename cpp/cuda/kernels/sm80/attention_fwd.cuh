@@ -1,13 +1,15 @@
 // Forward flash attention, sm80 family (mma.sync m16n8k16, ldmatrix, cp.async double buffering); runs on sm_80+.
 // A CTA owns 16 * kWarps * kMT query rows of one (batch, head); each warp 16 * kMT of them. The q tile stays in shared memory, the
 // k/v tiles of the visible key range stream through two stages: tile t+1 is in flight while tile t is multiplied.
-// The logits come from the Variant (cpp/variants.h), so every variant shares this body; masks are run-time key ranges.
+// The logits come from the Variant (cpp/variants.h), so every variant shares this body; masks are run-time key ranges,
+// and with the variant's tokens (packed sequences) also per-element id/position tests (kernels/common/token_mask.h).
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
+#include "cpp/cuda/kernels/common/token_mask.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
@@ -27,9 +29,15 @@ struct ForwardKernel {
   using QTile = SmemTile<kBlockM, kDP>;
   using KTile = SmemTile<kBlockN, kDP>;
   using VTile = SmemTile<kBlockN, kDvP>;
-  static constexpr int kSmemBytes = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes) + 8 * kBlockM;
+  static constexpr bool kTokens = Variant::kHasTokens;
+  // After the key ranges: the rows' token entries, each stage's keys' entries, the rows' "sees a key" flags.
+  static constexpr int kRangesOffset = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes);
+  static constexpr int kRowTokensOffset = kRangesOffset + 8 * kBlockM;
+  static constexpr int kKeyTokensOffset = kRowTokensOffset + 16 * kBlockM;
+  static constexpr int kSeenOffset = kKeyTokensOffset + 2 * 8 * kBlockN;
+  static constexpr int kSmemBytes = kTokens ? kSeenOffset + 4 * kBlockM : kRowTokensOffset;
   static_assert(kBlockM == 16 * kWarps * kMT, "a warp owns 16 * kMT query rows");
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens), "tile_size.h and the kernel disagree on shared memory");
 
   // Whether a row's range holds a key. Read with a volatile load so the compiler keeps it here, after the main loop:
   // hoisted above it, the two flags held through the loop made the d = 128 kernel spill.
@@ -50,7 +58,12 @@ struct ForwardKernel {
     const BatchLengths len = cta.len;
     const RowMask mask = cta.mask;
     const KeySpan span = cta.span;
-    const int tile_begin = cta.tile_begin, tile_end = cta.tile_end;
+    int tile_begin = cta.tile_begin, tile_end = cta.tile_end;
+    BatchTokens tokens{};
+    if constexpr (kTokens) {
+      tokens = BatchTokens::Of(args.tokens, s, b);
+      NarrowToTokenSpan(TokenTileSpan<kBlockN>(tokens.q_span, m0, kBlockM, s.seqlen_q), tile_begin, tile_end);
+    }
 
     const int64_t q_stride = static_cast<int64_t>(s.num_heads) * kD;
     const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
@@ -76,11 +89,32 @@ struct ForwardKernel {
 
     // Each row's visible key range, for the tiles that straddle a range edge: one row per thread, kept in shared memory
     // so the main loop holds no per-row mask state in registers (block_m == threads * kRangeRowsPerThread).
-    int2* ranges = reinterpret_cast<int2*>(smem + QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes));
+    int2* ranges = reinterpret_cast<int2*>(smem + kRangesOffset);
     for (int i = tid; i < kBlockM; i += kThreads) {
       const KeyRange keys = mask.Keys(m0 + i);
       ranges[i] = make_int2(static_cast<int>(keys.begin), static_cast<int>(keys.end));
     }
+    // The token tables: the rows' entries (a row past Sq sees nothing), each stage's keys' (loaded with the stage),
+    // and per row whether a masked tile showed it a key (a tile every row sees shows every row one: saw_full_tile).
+    int4* row_tokens = reinterpret_cast<int4*>(smem + kRowTokensOffset);
+    int2* key_tokens = reinterpret_cast<int2*>(smem + kKeyTokensOffset);
+    int* row_seen = reinterpret_cast<int*>(smem + kSeenOffset);
+    if constexpr (kTokens) {
+      for (int i = tid; i < kBlockM; i += kThreads) {
+        row_tokens[i] = m0 + i < s.seqlen_q ? tokens.q_rows[m0 + i] : make_int4(0, kTokenMax, kTokenMin, 0);
+        row_seen[i] = 0;
+      }
+    }
+    auto load_key_tokens = [&](int tile, int stage) {
+      if constexpr (kTokens) {
+        for (int i = tid; i < kBlockN; i += kThreads) {
+          const int key = tile * kBlockN + i;
+          const bool valid = key < s.seqlen_kv;
+          CpAsync8(SmemAddress(key_tokens + stage * kBlockN + i), tokens.keys + (valid ? key : 0), valid);
+        }
+      }
+    };
+    bool saw_full_tile = false;
     const int diag = static_cast<int>(mask.diag_offset);
     // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
@@ -111,6 +145,7 @@ struct ForwardKernel {
       if (tile_begin < tile_end) {
         k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
         v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
+        load_key_tokens(tile_begin, 0);
       }
       CpAsyncCommit();
     for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -120,14 +155,29 @@ struct ForwardKernel {
       if (tile + 1 < tile_end) {
         k_tile[stage ^ 1].template AsyncLoad<kThreads>(k, k_stride, (tile + 1) * kBlockN, len.kv_len, kD, tid);
         v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
+        load_key_tokens(tile + 1, stage ^ 1);
       }
       CpAsyncCommit();
       const int n0 = tile * kBlockN;
-      const bool interior = tile >= full_begin && tile < full_end;
+      bool interior = tile >= full_begin && tile < full_end;
+      if constexpr (kTokens) {
+        // Summaries re-read per tile (cached loads) rather than held: the d = 128 kernel has no registers to spare.
+        interior = interior && TokensAllSee(TokenSummaryOf(tokens.q_summary, m0, kBlockM, s.seqlen_q),
+                                            TokenSummaryOf(tokens.kv_summary, n0, kBlockN, s.seqlen_kv));
+        saw_full_tile |= interior;
+      }
+      const int2* stage_keys = key_tokens + stage * kBlockN;
+      // The positions the variant sees: the tokens' with packed sequences, else the diagonal's and the key's index.
+      auto row_position = [&](int local) { return kTokens ? row_tokens[local].w : m0 + local + diag; };
+      auto key_position = [&](int col) { return kTokens ? stage_keys[col - n0].y : col; };
       // Poisoning o before this tile's rescale and product is the same as after: NaN stays NaN.
       if constexpr (kCareful) {
         if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(v_tile[stage], tid))) {
-          PoisonColumnsOfNonFiniteValues<Element>(o, ranges + warp * kMT * 16, v_tile[stage], n0, n0, n0 + kBlockN, g, t);
+          PoisonColumnsOfNonFiniteValues<Element>(o, ranges + warp * kMT * 16, v_tile[stage], n0, n0, n0 + kBlockN, g, t,
+                                                  [&](int row, int key) {
+                                                    return !kTokens || TokenSees(row_tokens[warp * kMT * 16 + row],
+                                                                                 stage_keys[key - n0]);
+                                                  });
           __syncthreads();  // every warp has read the values before they are zeroed
           ZeroNonFinite<Element, kThreads>(v_tile[stage], tid);
           __syncthreads();
@@ -149,7 +199,7 @@ struct ForwardKernel {
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int r = (warp * kMT + mt) * 16 + g + 8 * (e >> 1);
-                sc[mt][j][e] = variant.Logit(sc[mt][j][e], m0 + r + diag, n0 + j * 8 + 2 * t + (e & 1));
+                sc[mt][j][e] = variant.Logit(sc[mt][j][e], row_position(r), key_position(n0 + j * 8 + 2 * t + (e & 1)));
               }
         }
       } else {
@@ -159,15 +209,24 @@ struct ForwardKernel {
           for (int r = 0; r < 2; ++r) {
             const int local = (warp * kMT + mt) * 16 + g + 8 * r;
             const int2 keys = ranges[local];
+            [[maybe_unused]] int4 row_token{};
+            if constexpr (kTokens) row_token = row_tokens[local];
+            bool seen = false;
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
                 const int col = n0 + j * 8 + 2 * t + c;
                 float logit = sc[mt][j][2 * r + c];
-                if constexpr (!kRawScores) logit = variant.Logit(logit, m0 + local + diag, col);
-                sc[mt][j][2 * r + c] = col >= keys.x && col < keys.y ? logit : -__int_as_float(0x7f800000);
+                if constexpr (!kRawScores) logit = variant.Logit(logit, row_position(local), key_position(col));
+                bool visible = col >= keys.x && col < keys.y;
+                if constexpr (kTokens) {
+                  visible = visible && TokenSees(row_token, stage_keys[col - n0]);
+                  seen |= visible;
+                }
+                sc[mt][j][2 * r + c] = visible ? logit : -__int_as_float(0x7f800000);
               }
+            if (kTokens && seen) row_seen[local] = 1;
           }
         }
       }
@@ -203,18 +262,25 @@ struct ForwardKernel {
     };
 
     pass(BoolConstant<false>{});
-    const bool straddles = !span.all_rows_valid || full_begin > tile_begin || full_end < tile_end;
+    // With tokens any tile may be masked per element (the token test is not a range edge).
+    const bool straddles = !span.all_rows_valid || full_begin > tile_begin || full_end < tile_end ||
+                           (kTokens && tile_begin < tile_end);
     // The barrier also keeps the careful pass's first loads from overwriting a stage another warp still reads.
     if (straddles && __syncthreads_or(AnyNaN(o) || softmax[0].AnyNaN() || softmax[kMT - 1].AnyNaN())) {
       pass(BoolConstant<true>{});
     }
 
+    if constexpr (kTokens) __syncthreads();  // every warp's "seen" flags are written
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(b) * s.seqlen_q * o_stride + head * kDv;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       const int local_row = (warp * kMT + mt) * 16 + g;
-      const bool sees_keys[2] = {RowSeesKeys(ranges + local_row), RowSeesKeys(ranges + local_row + 8)};
+      bool sees_keys[2] = {RowSeesKeys(ranges + local_row), RowSeesKeys(ranges + local_row + 8)};
+      if constexpr (kTokens) {
+        sees_keys[0] = saw_full_tile || row_seen[local_row] != 0;
+        sees_keys[1] = saw_full_tile || row_seen[local_row + 8] != 0;
+      }
       float inv_sum[2], lse[2];
       softmax[mt].Finish(sees_keys, inv_sum, lse);
 #pragma unroll

@@ -10,6 +10,10 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* gmem, 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
+__device__ __forceinline__ void CpAsync8(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 8 : 0));
+}
+
 __device__ __forceinline__ void CpAsync4(uint32_t smem_addr, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 4 : 0));
 }

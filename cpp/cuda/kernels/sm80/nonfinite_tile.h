@@ -40,11 +40,12 @@ __device__ __forceinline__ void ZeroNonFinite(const SmemTile<kRows, kCols>& tile
 // Sets o to NaN in the columns where a key the thread's rows see holds a non-finite value (IEEE would give inf or NaN
 // there; the product of the zeroed tile then adds only the finite rest). o holds kMT 16-row m tiles in the m16n8
 // accumulator layout; ranges[16 mt + row] is the visible key range of the m tile's row; the tile's row 0 is key n0, and
-// the warp multiplies keys [key_begin, key_end) of it.
-template <typename Element, int kMT, int kN8, typename VTile>
+// the warp multiplies keys [key_begin, key_end) of it. sees(16 mt + row, key) says whether the row sees a key of its
+// range (false where packed sequences' tokens hide it).
+template <typename Element, int kMT, int kN8, typename VTile, typename Sees>
 __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][kN8][4], const int2* ranges,
                                                                const VTile& v_tile, int n0, int key_begin,
-                                                               int key_end, int g, int t) {
+                                                               int key_end, int g, int t, const Sees& sees) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -54,6 +55,7 @@ __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][k
       const int last = keys.y < key_end ? keys.y : key_end;
 #pragma unroll 1
       for (int key = first; key < last; ++key) {
+        if (!sees(mt * 16 + g + 8 * r, key)) continue;
         const uint16_t* row = v_tile.data + (key - n0) * VTile::kPitch;
 #pragma unroll
         for (int j = 0; j < kN8; ++j)

@@ -84,23 +84,28 @@ namespace te_jax::cuda::sm80 {
 // their layout matches, so the launcher, which includes only this header, asks for exactly what they use.
 TE_JAX_HOST_DEVICE constexpr int TileBytes(int rows, int padded_cols) { return rows * (padded_cols + 8) * 2; }
 
-TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv) {
+// With segment ids or positions (tokens) the kernels also stage token-table entries (kernels/common/token_mask.h):
+// 16 bytes per query row and 8 per key.
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false) {
   const TileSize t = ForwardTileSize(d, dv);
   return TileBytes(t.block_m, PadHeadDim(d)) + 2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv))) +
-         8 * t.block_m;  // + each row's visible key range (int2)
+         8 * t.block_m +  // + each row's visible key range (int2)
+         (tokens ? 16 * t.block_m + 2 * 8 * t.block_n + 4 * t.block_m : 0);  // + rows, keys per stage, rows' "seen" flags
 }
 
-TE_JAX_HOST_DEVICE constexpr int BackwardDkDvSmemBytes(int d, int dv, bool accumulate_dq) {
+TE_JAX_HOST_DEVICE constexpr int BackwardDkDvSmemBytes(int d, int dv, bool accumulate_dq, bool tokens = false) {
   const TileSize t = BackwardDkDvTileSize(d, dv, accumulate_dq);
   return TileBytes(t.block_m, PadHeadDim(d)) + TileBytes(t.block_m, PadHeadDim(dv)) +
-         2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv)) + 2 * 4 * t.block_n) +
+         2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv)) + 2 * 4 * t.block_n +
+              (tokens ? 16 * t.block_n : 0)) +  // + each stage's query rows
          (accumulate_dq ? TileBytes(t.block_m, t.block_n) : 0);  // + ds^T [keys][queries]
 }
 
-TE_JAX_HOST_DEVICE constexpr int BackwardDqSmemBytes(int d, int dv) {
+TE_JAX_HOST_DEVICE constexpr int BackwardDqSmemBytes(int d, int dv, bool tokens = false) {
   const TileSize t = BackwardDqTileSize(d, dv);
   return TileBytes(t.block_m, PadHeadDim(d)) + TileBytes(t.block_m, PadHeadDim(dv)) +
-         2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv))) + 4 * t.block_m;
+         2 * (TileBytes(t.block_n, PadHeadDim(d)) + TileBytes(t.block_n, PadHeadDim(dv)) + (tokens ? 8 * t.block_n : 0)) +
+         4 * t.block_m;
 }
 
 // Threads per block of the backward's row-wise kernels (preprocess, dq conversion; one warp per query row).
