@@ -12,10 +12,10 @@ The corpus is generated here, deterministically (--seed), so nothing is download
 documents of two kinds, "count 7 by 3: 7 10 13 16" (continue an arithmetic progression) and "copy kqzt: kqzt" (repeat
 what came before, which only attention can do), each ending in a newline. Documents are packed: the stream of
 documents is cut into rows of seq_len + 1 tokens with no padding, so a row starts and ends mid-document.
---packing documents (the default on the CPU) gives each document of a row its segment id, so a token attends only to
-earlier tokens of its own document (te_jax: te_jax.flax.PackedSequences, fused_attn's segment ids; jax: the same as a
-boolean mask). --packing rows (the default elsewhere: te_jax's CUDA kernels take no segment ids yet) makes each row one
-causal sequence, attention crossing the document boundaries.
+--packing documents (the default) gives each document of a row its segment id, so a token attends only to earlier
+tokens of its own document (te_jax: te_jax.flax.PackedSequences, fused_attn's segment ids; jax: the same as a boolean
+mask). --packing rows makes each row one causal sequence, attention crossing the document boundaries: the default
+with --attention jax-cudnn, whose runs measure cuDNN's fused causal attention (compare with te_jax --packing rows).
 """
 
 from __future__ import annotations
@@ -222,8 +222,7 @@ def main(argv=None) -> dict:
                  help="default: float32 on the CPU, bfloat16 elsewhere (te_jax's CUDA kernels take bf16/fp16)")
   p.add_argument("--packing", choices=("documents", "rows"),
                  help="documents: each token sees only its own document (segment ids); rows: each row is one causal "
-                      "sequence. Default: documents on the CPU, rows elsewhere (te_jax's CUDA kernels take no "
-                      "segment ids yet)")
+                      "sequence. Default: documents; rows with --attention jax-cudnn (cuDNN's fused causal kernel)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default="train_lm_loss.png", help="where the loss curve PNG goes ('' for none)")
   p.add_argument("--summary-json", help="also write the summary as JSON here")
@@ -235,7 +234,7 @@ def main(argv=None) -> dict:
                                                    if getattr(args, k) is not None})
   backend = jax.default_backend()
   dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
-  packing = args.packing or ("documents" if backend == "cpu" else "rows")
+  packing = args.packing or ("rows" if args.attention == "jax-cudnn" else "documents")
 
   # Enough text for every step to see fresh rows once (then it cycles).
   text = make_corpus(size.steps * size.batch * size.seq_len + size.seq_len + 1, args.seed)

@@ -50,7 +50,7 @@ class PackedSequences:
   the module's batch dims. A padding mask is ids 1 for tokens and 0 for padding: `PackedSequences(valid.astype(int))`
   (padded query rows give 0, where Flax's attention gives the mean of value). The same mask for Flax's default attention is
   `nn.make_attention_mask(segment_ids, segment_ids, jnp.equal)` (which, unlike te_jax, lets id-0 tokens see each
-  other). Only te_jax's attention_fn understands this object; te_jax serves it on the CPU backend so far.
+  other). Only te_jax's attention_fn understands this object (CPU and GPU).
   """
   q_segment_ids: jax.Array
   kv_segment_ids: jax.Array | None = None

@@ -39,6 +39,6 @@ def test_tiny_lm_trains_with_te_jax_and_matches_jax_attention(tmp_path):
 
 
 def test_tiny_lm_packed_as_plain_causal_rows(tmp_path):
-  """--packing rows (the default on a GPU, where te_jax takes no segment ids yet) on the CPU, a short run."""
+  """--packing rows (each row one causal sequence) on the CPU, a short run."""
   summary, _ = _train(tmp_path, "te_jax", "--packing", "rows", "--steps", "60", "--no-progress")
   assert summary["packing"] == "rows" and summary["last_loss"] < 0.7 * summary["first_loss"]
