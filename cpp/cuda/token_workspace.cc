@@ -12,7 +12,7 @@ int64_t Granules(int64_t n) { return (n + kTokenGranule - 1) / kTokenGranule; }
 void TableBytes(const AttentionParams& p, int64_t (&bytes)[6]) {
   const int64_t gq = p.batch * Granules(p.seqlen_q), gkv = p.batch * Granules(p.seqlen_kv);
   bytes[0] = p.batch * p.seqlen_q * 4 * 4;
-  bytes[1] = p.batch * p.seqlen_kv * 2 * 4;
+  bytes[1] = gkv * kTokenGranule * 2 * 4;  // whole granules per batch entry (BatchTokens, kernels/common/token_mask.h)
   bytes[2] = gq * kTokenSummaryInts * 4;
   bytes[3] = gkv * kTokenSummaryInts * 4;
   bytes[4] = gq * 2 * 4;

@@ -125,7 +125,9 @@ __device__ __forceinline__ void NarrowToTokenSpan(int2 span, int& begin, int& en
   if (end < begin) end = begin;
 }
 
-// Batch entry b's tables.
+// Batch entry b's tables. The keys table pads each batch entry's keys to whole granules with keys no row sees
+// ({0, 0}), so a granule's entries are one aligned block (the sm90 kernels copy them with bulk copies, which need
+// 16-byte aligned addresses and sizes).
 struct BatchTokens {
   const int4* q_rows;
   const int2* keys;
@@ -138,7 +140,7 @@ struct BatchTokens {
     const int gq = (s.seqlen_q + kTokenGranule - 1) / kTokenGranule;
     const int gkv = (s.seqlen_kv + kTokenGranule - 1) / kTokenGranule;
     return {reinterpret_cast<const int4*>(t.q_rows) + static_cast<int64_t>(b) * s.seqlen_q,
-            reinterpret_cast<const int2*>(t.keys) + static_cast<int64_t>(b) * s.seqlen_kv,
+            reinterpret_cast<const int2*>(t.keys) + static_cast<int64_t>(b) * gkv * kTokenGranule,
             t.q_summary + static_cast<int64_t>(b) * gq * kTokenSummaryInts,
             t.kv_summary + static_cast<int64_t>(b) * gkv * kTokenSummaryInts,
             t.q_span + static_cast<int64_t>(b) * gq * 2,

@@ -61,19 +61,26 @@ struct TokenTablesKernel {
     const bool query = granule < gq;
     const int g = query ? granule : granule - gq;
     const int n = query ? s.seqlen_q : s.seqlen_kv;
+    // The keys table holds whole granules per batch entry (BatchTokens); its padding is keys no row sees, left out of
+    // the summary.
+    int2* const keys = const_cast<int2*>(BatchTokens::Of(t, s, b).keys);
     TokenSummary sum = TokenSummary::Empty();
 #pragma unroll
     for (int e = 0; e < kTokenGranule / 32; ++e) {
       const int i = g * kTokenGranule + 32 * e + lane;
-      if (i >= n) continue;
-      const int64_t at = static_cast<int64_t>(b) * n + i;
+      const int64_t at = static_cast<int64_t>(b) * n + i;  // in the operands
       if (query) {
+        if (i >= n) continue;
         const int4 row = QueryTokenRow(t, len, at, i);
         reinterpret_cast<int4*>(t.q_rows)[at] = row;
         sum.Add(row.x, row.y, row.z);
       } else {
+        if (i >= n) {
+          keys[i] = make_int2(0, 0);
+          continue;
+        }
         const int2 key = KeyToken(t, len, at, i);
-        reinterpret_cast<int2*>(t.keys)[at] = key;
+        keys[i] = key;
         sum.Add(key.x, key.y, key.y);
       }
     }
