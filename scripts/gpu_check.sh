@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|features|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
@@ -48,6 +48,9 @@ for s in $SECTIONS; do
       timeout 200 python3 "$REPO/scripts/packed_bench.py" --dtype bfloat16 --dim 128 --heads 16 --repeats 20 --cudnn \
         $mode 2>&1 | grep -v Warning | tee -a "$OUT/packed_bench.log"
     done ;;
+  features)
+    # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
+    timeout 300 python3 "$REPO/scripts/feature_cost.py" 2>&1 | grep -v Warning | tee "$OUT/feature_cost.log" ;;
   stress)
     # The numerics tests of te_jax's kernels with a random sleep before every pipeline wait and hand-over
     # (kernels/sm90/mbarrier.h), STRESS_ROUNDS times: a missing wait shows up as a wrong result.

@@ -1,0 +1,89 @@
+"""What each optional feature of issue 12 costs over plain attention on the GPU, with cuDNN beside where jax.nn has the
+same feature: sinks, an additive [1, H, S, S] bias, dropout.
+
+  python scripts/feature_cost.py [--features sinks,bias,dropout] [--seq 4096] [--dim 128] [--heads 16] [--repeats 20]
+
+b * s = 16k tokens, causal, bf16, te_jax's engine. Each line: the feature's time against plain attention in the same
+run (forward, and forward + backward), measured in alternation. A feature the installed te_jax cannot run on this
+device is reported as such, not skipped silently. Run from outside the source folder's parent (the installed te_jax)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import te_jax
+
+
+def seconds(runs: dict, repeats: int) -> dict:
+  """Best wall time of each jitted (fn, args) in `runs`, measured in alternation."""
+  for fn, args in runs.values():
+    jax.block_until_ready(fn(*args))
+  times = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, (fn, args) in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - start)
+  return {name: min(t) for name, t in times.items()}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--features", default="sinks,bias,dropout")
+  ap.add_argument("--seq", type=int, default=4096)
+  ap.add_argument("--dim", type=int, default=128)
+  ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--repeats", type=int, default=20)
+  args = ap.parse_args()
+  s, d, h = args.seq, args.dim, args.heads
+  b = max(1, 16384 // s)
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
+  options = {
+      "sinks": dict(sink_logits=jnp.asarray(rng.standard_normal(h), jnp.float32)),
+      "bias": dict(bias=jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.bfloat16)),
+      "dropout": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+  }
+  cudnn_options = {"bias": dict(bias=options["bias"]["bias"])}
+
+  def te(**kw):
+    return lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", engine="te", **kw)
+
+  def cudnn(**kw):
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn", **kw)
+
+  def modes(attn):
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
+    return {"fwd": jax.jit(attn), "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+
+  print(f"{jax.devices()[0].device_kind}, bf16, causal, b {b} x s {s}, h {h}, d {d}, best of {args.repeats}")
+  print(f"{'feature':9s} {'mode':8s} {'plain ms':>9s} {'with ms':>9s} {'cost':>7s}   cuDNN plain / with (ms)")
+  for feature in args.features.split(","):
+    for mode in ("fwd", "fwd+bwd"):
+      ours = {"plain": (modes(te())[mode], (q, k, v)), "with": (modes(te(**options[feature]))[mode], (q, k, v))}
+      line = f"{feature:9s} {mode:8s} "
+      try:
+        t = seconds(ours, args.repeats)
+        line += f"{t['plain'] * 1e3:9.3f} {t['with'] * 1e3:9.3f} {t['with'] / t['plain'] - 1:+7.1%}"
+      except Exception as e:  # noqa: BLE001 - say what this build cannot run, and go on
+        line += f"te_jax not run: {str(e).splitlines()[0][:80]}"
+      if feature in cudnn_options:
+        peer = {"plain": (modes(cudnn())[mode], (q, k, v)),
+                "with": (modes(cudnn(**cudnn_options[feature]))[mode], (q, k, v))}
+        try:
+          t = seconds(peer, args.repeats)
+          line += f"   {t['plain'] * 1e3:.3f} / {t['with'] * 1e3:.3f}"
+        except Exception as e:  # noqa: BLE001
+          line += f"   cuDNN not run: {str(e).splitlines()[0][:60]}"
+      else:
+        line += "   (jax.nn has no such option)"
+      print(line)
+
+
+if __name__ == "__main__":
+  main()
