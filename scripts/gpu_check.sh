@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|features|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|features|train|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
@@ -47,6 +47,17 @@ for s in $SECTIONS; do
     for mode in "" --backward; do
       timeout 200 python3 "$REPO/scripts/packed_bench.py" --dtype bfloat16 --dim 128 --heads 16 --repeats 20 --cudnn \
         $mode 2>&1 | grep -v Warning | tee -a "$OUT/packed_bench.log"
+    done ;;
+  train)
+    # examples/train_lm.py at --size gpu (issue 13), a short run per attention. Flax and optax are not on the GPU
+    # machine: their wheels (and their pure-Python dependencies) are carried in $WHEELS (default .device_out/wheels).
+    PYDEPS=$(mktemp -d)
+    python3 -m pip install -q --no-deps --no-index --target "$PYDEPS" "${WHEELS:-$REPO/.device_out/wheels}"/*.whl \
+      > "$OUT/train_deps.log" 2>&1 || { echo "train: wheels did not install"; tail -5 "$OUT/train_deps.log"; }
+    for run in "te_jax --packing documents" "te_jax --packing rows" "jax-cudnn --packing rows" "jax --packing documents"; do
+      PYTHONPATH="$PYDEPS" timeout 240 python3 "$REPO/examples/train_lm.py" --size gpu --steps ${TRAIN_STEPS:-60} \
+        --no-progress --plot "$OUT/train_${run%% *}_${run##* }.png" --attention $run 2>&1 | grep -E "^(train_lm|summary)" \
+        | tee -a "$OUT/train.log"
     done ;;
   features)
     # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
