@@ -55,9 +55,10 @@ for s in $SECTIONS; do
     python3 -m pip install -q --no-deps --no-index --target "$PYDEPS" "${WHEELS:-$REPO/.device_out/wheels}"/*.whl \
       > "$OUT/train_deps.log" 2>&1 || { echo "train: wheels did not install"; tail -5 "$OUT/train_deps.log"; }
     for run in "te_jax --packing documents" "te_jax --packing rows" "jax-cudnn --packing rows" "jax --packing documents"; do
+      log="$OUT/train_${run%% *}_${run##* }.log"
       PYTHONPATH="$PYDEPS" timeout 240 python3 "$REPO/examples/train_lm.py" --size gpu --steps ${TRAIN_STEPS:-60} \
-        --no-progress --plot "$OUT/train_${run%% *}_${run##* }.png" --attention $run 2>&1 | grep -E "^(train_lm|summary)" \
-        | tee -a "$OUT/train.log"
+        --no-progress --plot "${log%.log}.png" --attention $run > "$log" 2>&1
+      echo "train $run: rc=$?"; grep -E "^(train_lm|summary)" "$log" || tail -4 "$log"
     done ;;
   features)
     # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
