@@ -79,10 +79,16 @@ __device__ __forceinline__ TokenSummary LoadTokenSummary(const int32_t* summarie
   return {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 }
 
+// Tokens [first, first + count) of a side of `total` tokens (granule-aligned `first`): the end of their granules,
+// which start at first / kTokenGranule; granules past `total` left out.
+__device__ __forceinline__ int TokenGranuleEnd(int first, int count, int total) {
+  return min((first + count + kTokenGranule - 1) / kTokenGranule, (total + kTokenGranule - 1) / kTokenGranule);
+}
+
 // The merged summary of tokens [first, first + count) (granule-aligned `first`), granules past `total` left out.
 __device__ __forceinline__ TokenSummary TokenSummaryOf(const int32_t* summaries, int first, int count, int total) {
   TokenSummary sum = TokenSummary::Empty();
-  const int g_end = min((first + count + kTokenGranule - 1) / kTokenGranule, (total + kTokenGranule - 1) / kTokenGranule);
+  const int g_end = TokenGranuleEnd(first, count, total);
   for (int g = first / kTokenGranule; g < g_end; ++g) sum.Merge(LoadTokenSummary(summaries, g));
   return sum;
 }
@@ -105,7 +111,7 @@ __device__ __forceinline__ bool TokensAllSee(const TokenSummary& rows, const Tok
 template <int kTile>
 __device__ __forceinline__ int2 TokenTileSpan(const int32_t* spans, int first, int count, int total) {
   int begin = kTokenMax, end = 0;
-  const int g_end = min((first + count + kTokenGranule - 1) / kTokenGranule, (total + kTokenGranule - 1) / kTokenGranule);
+  const int g_end = TokenGranuleEnd(first, count, total);
   for (int g = first / kTokenGranule; g < g_end; ++g) {
     const int2 span = reinterpret_cast<const int2*>(spans)[g];
     if (span.x < span.y) {

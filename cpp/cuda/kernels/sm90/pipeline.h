@@ -19,12 +19,14 @@ __device__ __forceinline__ uint32_t ParityOf(int i) {
 }
 
 // Copies a whole tile of one (batch, head), rows from `row`: each 64-column block in boxes of the tensor map's kBoxRows
-// rows. The copies count their bytes on `full`, with one arrival.
+// rows. The copies count their bytes on `full`, with one arrival; `extra_bytes` are those of the phase's other copies
+// on `full` (BulkLoad), which the arrival expects too.
 template <int kBoxRows, typename Tile>
-__device__ __forceinline__ void LoadTile(Tile tile, const void* map, uint32_t full, int head, int row, int b) {
+__device__ __forceinline__ void LoadTile(Tile tile, const void* map, uint32_t full, int head, int row, int b,
+                                         uint32_t extra_bytes = 0) {
   static_assert(Tile::kTileRows % kBoxRows == 0 && kBoxRows % 8 == 0, "whole boxes of whole swizzle atoms");
   StressDelay();
-  MbarrierArriveExpectBytes(full, Tile::kBytes);
+  MbarrierArriveExpectBytes(full, Tile::kBytes + extra_bytes);
 #pragma unroll
   for (int c = 0; c < Tile::kBytes / Tile::kBlockBytes; ++c) {
 #pragma unroll
@@ -32,6 +34,12 @@ __device__ __forceinline__ void LoadTile(Tile tile, const void* map, uint32_t fu
       TmaLoad4d(tile.base + c * Tile::kBlockBytes + r * kBoxRows * 128, map, full, 64 * c, head, row + r * kBoxRows, b);
     }
   }
+}
+
+// A generic pointer to a shared-window address, for plain loads and stores (they compile to LDS and STS).
+template <typename T>
+__device__ __forceinline__ T* SharedPointer(uint32_t addr) {
+  return static_cast<T*>(__cvta_shared_to_generic(addr));
 }
 
 // A consumer warp is done with a stage: its lane 0 arrives on the stage's empty barrier, which counts warps.

@@ -1,6 +1,7 @@
 // TMA (sm90): bulk tensor copies from global to shared memory, described by a tensor map the host encodes
 // (cuTensorMapEncodeTiled; cpp/cuda/tensor_maps.h) and passes as a __grid_constant__ kernel parameter. A copy writes a
-// whole box, filling what lies outside the tensor with zeros, and counts its bytes on an mbarrier (mbarrier.h).
+// whole box, filling what lies outside the tensor with zeros, and counts its bytes on an mbarrier (mbarrier.h). Plain
+// bulk copies of contiguous bytes (the token tables) count theirs the same way.
 #pragma once
 
 #include "cpp/cuda/kernels/common/shared_memory.h"
@@ -13,6 +14,14 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
       ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Copies `bytes` of contiguous global memory to shared memory (both addresses 16-byte aligned, bytes a multiple of 16),
+// counting them on the mbarrier `bar` like a tensor copy.
+__device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
 // Brings a tensor map (kernel parameter space) into the TMA unit's cache before its first copy.
