@@ -10,12 +10,17 @@
 // (kernels/sm80/attention_fwd.cuh): tiles outside every row's key range are never loaded, tiles inside it skip the
 // per-element mask, and a CTA whose tiles straddle a range edge and whose result holds NaN runs its pass again with
 // the careful product below.
+// Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family too: a CTA walks only the
+// key tiles of its rows' token span; the producer copies the rows' token entries with q and each tile's key entries and
+// granule summaries with its k; the consumers skip the per-element test where the index range and the tokens say every
+// row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
+#include "cpp/cuda/kernels/common/token_mask.h"
 #include "cpp/cuda/kernels/sm90/pipeline.h"
 #include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
@@ -44,7 +49,8 @@ __device__ __forceinline__ void PassTurn(int wg) { asm volatile("bar.arrive %0, 
 
 template <typename Element, int kD, int kDv, typename Variant>
 struct ForwardKernel {
-  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv);
+  static constexpr bool kTokens = Variant::kHasTokens;
+  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -58,9 +64,27 @@ struct ForwardKernel {
   using VTile = SwizzledTile<kBlockN, kDvP>;
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
+  // Tokens: after the v ring, the CTA's query rows' entries, "saw a key" flags and granule summaries, then the token
+  // ring, each stage a key tile's entries and granule summaries. The rows' state stays in shared memory, read or set
+  // where a tile needs it: held in registers through the loop, it made the d = 128 and d = 256 kernels spill.
+  // A tile's tokens land with its k (counted on the k stage's full barrier) but are read until its logits are done,
+  // after the k stage went back (right after q k^T). So the ring has a stage more than k's: the producer, which waits
+  // for each v stage's release in order, has seen ring position i - kStages - 1 (the previous tenant of position i's
+  // token stage, done with its logits before it released its v) released by the time it copies position i's tokens.
+  static constexpr int kTokenStages = kStages + 1;
+  static constexpr int kKeyGranules = kBlockN / kTokenGranule;
+  static constexpr int kKeyGranuleBytes = 8 * kTokenGranule + kTokenSummaryBytes;  // a granule's entries and summary
+  static constexpr int kTokensOffset = kVOffset + kStages * VTile::kBytes;
+  static constexpr int kRowSeenOffset = kTokensOffset + 16 * kBlockM;
+  static constexpr int kRowSummariesOffset = kRowSeenOffset + 4 * kBlockM;
+  static constexpr int kTokenRingOffset = kRowSummariesOffset + kBlockM / kTokenGranule * kTokenSummaryBytes;
+  static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 4 * kStages);
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens),
+                "tile_size.h and the kernel disagree on shared memory");
+  static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
+                "tile_size.h and the kernel disagree on the token ring");
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "the tiles fit in shared memory");
   static_assert(kBlockM == 2 * 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups of 64 rows");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
@@ -78,21 +102,56 @@ struct ForwardKernel {
     __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
     __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
     __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
+    // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
+    // granules' summaries.
+    __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
+    __device__ __forceinline__ uint32_t RowSeen() const { return base + kRowSeenOffset; }
+    __device__ __forceinline__ uint32_t RowSummaries() const { return base + kRowSummariesOffset; }
+    __device__ __forceinline__ uint32_t KeyEntries(int ts) const {
+      return base + kTokenRingOffset + ts * kKeyGranules * kKeyGranuleBytes;
+    }
+    __device__ __forceinline__ uint32_t KeySummaries(int ts) const { return KeyEntries(ts) + 8 * kBlockN; }
   };
 
   // The position of the i-th tile a CTA consumes (counted over both passes) in the rings.
   static __device__ __forceinline__ int StageOf(int i) { return sm90::StageOf<kStages>(i); }
   static __device__ __forceinline__ uint32_t ParityOf(int i) { return sm90::ParityOf<kStages>(i); }
+  static __device__ __forceinline__ int TokenStageOf(int i) { return i % kTokenStages; }
 
-  // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`.
+  // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`. With
+  // tokens, the query rows' entries and granule summaries come with q and each tile's key entries and granule summaries
+  // with its k (the rows past Sq are not copied: the index range hides every key from them; the granules past Skv are
+  // not copied either, and the keys table's padding fills the last one).
   static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
                                                  bool load_q, int i) {
-    if (load_q) LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b);
+    const ShapeArgs& s = a.args.shape;
+    if (load_q) {
+      const int q_rows = kTokens ? min(kBlockM, s.seqlen_q - cta.m0) : 0;
+      const int q_granules = kTokens ? TokenGranuleEnd(cta.m0, kBlockM, s.seqlen_q) - cta.m0 / kTokenGranule : 0;
+      LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b,
+                        16 * q_rows + q_granules * kTokenSummaryBytes);
+      if constexpr (kTokens) {
+        const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, cta.b);
+        BulkLoad(sm.RowTokens(), tokens.q_rows + cta.m0, 16 * q_rows, sm.QFull());
+        BulkLoad(sm.RowSummaries(), tokens.q_summary + cta.m0 / kTokenGranule * kTokenSummaryInts,
+                 q_granules * kTokenSummaryBytes, sm.QFull());
+      }
+    }
     for (int tile = cta.tile_begin; tile < cta.tile_end; ++tile, ++i) {
       const int stage = StageOf(i);
       const uint32_t parity = ParityOf(i) ^ 1u;  // the consumers' release of this stage's previous tile
       MbarrierWait(sm.KEmpty(stage), parity);
-      LoadTile<kBlockN>(sm.K(stage), &a.k, sm.KFull(stage), cta.kv_head, tile * kBlockN, cta.b);
+      const int granules = kTokens ? TokenGranuleEnd(tile * kBlockN, kBlockN, s.seqlen_kv) - tile * kKeyGranules : 0;
+      LoadTile<kBlockN>(sm.K(stage), &a.k, sm.KFull(stage), cta.kv_head, tile * kBlockN, cta.b,
+                        granules * kKeyGranuleBytes);
+      if constexpr (kTokens) {
+        // The tables' addresses from the parameters at each use: held through the loop, they made the producer spill.
+        const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, cta.b);
+        const int ts = TokenStageOf(i);
+        BulkLoad(sm.KeyEntries(ts), tokens.keys + tile * kBlockN, granules * 8 * kTokenGranule, sm.KFull(stage));
+        BulkLoad(sm.KeySummaries(ts), tokens.kv_summary + tile * kKeyGranules * kTokenSummaryInts,
+                 granules * kTokenSummaryBytes, sm.KFull(stage));
+      }
       MbarrierWait(sm.VEmpty(stage), parity);
       LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
     }
@@ -125,7 +184,11 @@ struct ForwardKernel {
 
   // o += p v for a tile that straddles a row's range edge, key by key in plain arithmetic, adding only the keys the row
   // sees: a tensor-core product would add 0 * v to every row, and 0 * inf or 0 * NaN from a key the row does not see
-  // is NaN. Only the careful pass runs it.
+  // is NaN. Only the careful pass runs it. With tokens, p itself says which keys a row sees: the careful pass marks the
+  // others' p with -0, which no seen key's p is (exp2 gives +0 at worst, and the 16-bit conversion keeps the sign), so
+  // no register carries the mask from the logits to here (a bit mask held from the one to the other, or the token
+  // test here, made the d = 128 and d = 256 kernels spill).
+  static constexpr uint16_t kNegativeZero = 0x8000;  // in bf16 and fp16 alike
   static __device__ __forceinline__ void CarefulPV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kBlockN / 16][4],
                                                    const Smem& sm, int stage, int n0, const int2 (&keys)[2], int lane) {
     const VTile v = sm.V(stage);
@@ -145,8 +208,10 @@ struct ForwardKernel {
             for (int c = 0; c < 2; ++c) {
               const int key = 16 * kk + 8 * h + 2 * owner + c;
               // Selects, not a branch: registers wgmma reads must not be written on divergent paths.
-              const bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
-              const float pk = Element::ToFloat(static_cast<uint16_t>(c ? pair >> 16 : pair & 0xffffu));
+              bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
+              const uint16_t p_bits = static_cast<uint16_t>(c ? pair >> 16 : pair & 0xffffu);
+              if constexpr (kTokens) seen = p_bits != kNegativeZero;
+              const float pk = Element::ToFloat(p_bits);
 #pragma unroll
               for (int j = 0; j < kDvP / 8; ++j) {
                 // The thread's two columns 8j + 2t and 8j + 2t + 1 in one 32-bit load. (Loading them one by one,
@@ -188,14 +253,22 @@ struct ForwardKernel {
     }
     __syncthreads();
     // The last query blocks see the most keys under causal masks: they start first so the tail of the grid is short.
-    const QueryBlockOfCta cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens,
-                                                               static_cast<int>(gridDim.x - 1 - blockIdx.x));
+    QueryBlockOfCta cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens,
+                                                         static_cast<int>(gridDim.x - 1 - blockIdx.x));
+    if constexpr (kTokens) {
+      // Only the key tiles the rows' tokens may meet: narrowed here, so the producer and the consumers walk the same.
+      const BatchTokens tokens = BatchTokens::Of(args.tokens, s, cta.b);
+      NarrowToTokenSpan(TokenTileSpan<kBlockN>(tokens.q_span, cta.m0, kBlockM, s.seqlen_q), cta.tile_begin,
+                        cta.tile_end);
+    }
     const int tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
     // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
     const KeySpan span = cta.span;
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : cta.tile_end;
     const int full_end = span.all_rows_valid ? span.full_end / kBlockN : cta.tile_end;
-    const bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > cta.tile_begin || full_end < cta.tile_end);
+    bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > cta.tile_begin || full_end < cta.tile_end);
+    // With tokens any tile may be masked per element (the token test is not a range edge).
+    if constexpr (kTokens) straddles = tiles > 0;
 
     if (warpgroup == 0) {
       DecreaseRegisters<24>();
@@ -221,6 +294,14 @@ struct ForwardKernel {
       const KeyRange k = cta.mask.Keys(cta.m0 + local_row + 8 * r);
       keys[r] = make_int2(static_cast<int>(k.begin), static_cast<int>(k.end));
     }
+    // Tokens: row r's entry, and its flag of whether a tile showed it a key (set by any thread of its quad; read after
+    // the passes). The flags start cleared: the quad's own warp orders the clearing before its other threads' sets.
+    auto row_token = [&](int r) { return SharedPointer<const int4>(sm.RowTokens())[local_row + 8 * r]; };
+    auto row_seen = [&](int r) -> int& { return SharedPointer<int>(sm.RowSeen())[local_row + 8 * r]; };
+    if constexpr (kTokens) {
+      if (t == 0) row_seen(0) = row_seen(1) = 0;
+      __syncwarp();
+    }
     Variant variant;
     variant.scale = s.scale;
     variant.cap = s.softcap;
@@ -228,36 +309,122 @@ struct ForwardKernel {
     if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[cta.b * s.num_heads + cta.head];
     const int diag = static_cast<int>(cta.mask.diag_offset);
     const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
+    // The row position the variant sees: the token's with packed sequences, else the diagonal's.
+    auto row_position = [&](int r) {
+      if constexpr (kTokens) {
+        return row_token(r).w;
+      } else {
+        return cta.m0 + local_row + 8 * r + diag;
+      }
+    };
 
     float o[kDvP / 8][4];
     OnlineSoftmax<kBlockN / 8> softmax;
     uint32_t p[kBlockN / 16][4];
     float sc[kBlockN / 8][4];
 
-    // The mask and variant on a tile of raw products, then the online softmax: sc becomes p (unnormalised, float).
-    auto logits_to_probabilities = [&](int tile, float (&rescale)[2]) {
+    // Tokens: whether tile `tile` (ring position `at`, its k landed) is interior, every row seeing every key of it by
+    // the index range and by the tokens' summaries. Asked before q k^T, where no logits are live: held through the
+    // logits, the summaries made the d = 128 kernel spill.
+    auto tokens_interior = [&](int tile, int at) {
+      if (tile < full_begin || tile >= full_end) return false;
+      const TokenSummary cta_rows =
+          TokenSummaryOf(SharedPointer<const int32_t>(sm.RowSummaries()), 0, kBlockM, s.seqlen_q - cta.m0);
+      const TokenSummary tile_keys = TokenSummaryOf(SharedPointer<const int32_t>(sm.KeySummaries(TokenStageOf(at))), 0,
+                                                    kBlockN, s.seqlen_kv - tile * kBlockN);
+      return TokensAllSee(cta_rows, tile_keys);
+    };
+    // The mask and variant on a tile of raw products (ring position `at`), then the online softmax: sc becomes p
+    // (unnormalised, float). With tokens, `interior` is tokens_interior's answer; in the careful pass, the p of a key a
+    // row does not see becomes -0 (CarefulPV).
+    auto logits_to_probabilities = [&](int tile, int at, bool interior, float (&rescale)[2], auto careful) {
+      constexpr bool kMarkUnseen = kTokens && decltype(careful)::kValue;
       const int n0 = tile * kBlockN;
-      if (tile >= full_begin && tile < full_end) {
+      // Tokens: pairs[4 j + t] holds the entries of the thread's two keys of n8 tile j (columns 8 j + 2 t, + 1).
+      [[maybe_unused]] const int4* pairs = nullptr;
+      if constexpr (kTokens) pairs = SharedPointer<const int4>(sm.KeyEntries(TokenStageOf(at)));
+      // Element e of n8 tile j: its key's entry (tokens) and the key position the variant sees.
+      auto key_token = [&](int j, int e) {
+        const int4 pair = pairs[4 * j + t];
+        return e & 1 ? make_int2(pair.z, pair.w) : make_int2(pair.x, pair.y);
+      };
+      auto key_position = [&](int j, int e) {
+        if constexpr (kTokens) {
+          return key_token(j, e).y;
+        } else {
+          return n0 + 8 * j + 2 * t + (e & 1);
+        }
+      };
+      // Tokens: whether the thread's row of element e of n8 tile j (entry rows[e / 2]) sees its key, by the index range
+      // and the tokens. No short cut: a load behind one is predicated and not shared between elements.
+      auto sees = [&](int j, int e, const int4 (&rows)[2]) {
+        const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
+        return (col >= keys[r].x) & (col < keys[r].y) & TokenSees(rows[r], key_token(j, e));
+      };
+      // A tile every row fully sees: the variant alone (raw scores need nothing).
+      auto interior_tile = [&]() {
+        if constexpr (kTokens) row_seen(0) = row_seen(1) = 1;
         if constexpr (!kRawScores) {
 #pragma unroll
           for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              sc[j][e] = variant.Logit(sc[j][e], cta.m0 + local_row + 8 * (e >> 1) + diag, n0 + 8 * j + 2 * t + (e & 1));
-            }
+            for (int e = 0; e < 4; ++e) sc[j][e] = variant.Logit(sc[j][e], row_position(e >> 1), key_position(j, e));
         }
-      } else {
+      };
+      // Any other tile: the per-element mask, -inf where a row does not see a key.
+      auto masked_tile = [&]() {
+        [[maybe_unused]] bool seen[2] = {false, false};
+        [[maybe_unused]] int4 rows[2];
+        if constexpr (kTokens) {
+          rows[0] = row_token(0);
+          rows[1] = row_token(1);
+        }
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
             float logit = sc[j][e];
-            if constexpr (!kRawScores) logit = variant.Logit(logit, cta.m0 + local_row + 8 * r + diag, col);
-            sc[j][e] = col >= keys[r].x && col < keys[r].y ? logit : -__int_as_float(0x7f800000);
+            if constexpr (!kRawScores) logit = variant.Logit(logit, row_position(r), key_position(j, e));
+            bool visible = col >= keys[r].x && col < keys[r].y;
+            if constexpr (kTokens) {
+              visible = sees(j, e, rows);
+              seen[r] |= visible;
+            }
+            sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
           }
+        if constexpr (kTokens) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (seen[r]) row_seen(r) = 1;
+          }
+        }
+      };
+      // The test written twice: without tokens, the kernels keep the exact code they had before tokens existed.
+      if constexpr (kTokens) {
+        if (interior) {
+          interior_tile();
+        } else {
+          masked_tile();
+        }
+        softmax.Update(sc, log2_scale, rescale);
+        if constexpr (kMarkUnseen) {
+          if (!interior) {
+            const int4 rows[2] = {row_token(0), row_token(1)};
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) sc[j][e] = sees(j, e, rows) ? sc[j][e] : -0.0f;
+          }
+        }
+      } else {
+        if (tile >= full_begin && tile < full_end) {
+          interior_tile();
+        } else {
+          masked_tile();
+        }
+        softmax.Update(sc, log2_scale, rescale);
       }
-      softmax.Update(sc, log2_scale, rescale);
     };
     auto to_operand = [&]() {
 #pragma unroll
@@ -300,6 +467,7 @@ struct ForwardKernel {
 
       int i = first;
       MbarrierWait(sm.KFull(StageOf(i)), ParityOf(i));
+      bool interior = kTokens && tokens_interior(cta.tile_begin, i);
       WaitTurn(wg);
       fence_registers();
       IssueQKt(sc, sm, row0, StageOf(i));
@@ -309,12 +477,13 @@ struct ForwardKernel {
       release(sm.KEmpty(StageOf(i)));
       {
         float rescale[2];
-        logits_to_probabilities(cta.tile_begin, rescale);
+        logits_to_probabilities(cta.tile_begin, i, interior, rescale, careful);
       }
       to_operand();
       for (int tile = cta.tile_begin + 1; tile < cta.tile_end; ++tile, ++i) {
         const int next = StageOf(i + 1);
         MbarrierWait(sm.KFull(next), ParityOf(i + 1));
+        interior = kTokens && tokens_interior(tile, i + 1);
         MbarrierWait(sm.VFull(StageOf(i)), ParityOf(i));
         WaitTurn(wg);
         fence_registers();
@@ -325,7 +494,7 @@ struct ForwardKernel {
         FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
         release(sm.KEmpty(next));
         float rescale[2];
-        logits_to_probabilities(tile, rescale);
+        logits_to_probabilities(tile, i + 1, interior, rescale, careful);
         WgmmaWait<0>();
         FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(o));
         release(sm.VEmpty(StageOf(i)));
@@ -353,7 +522,12 @@ struct ForwardKernel {
 
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(cta.b) * s.seqlen_q * o_stride + cta.head * kDv;
-    const bool sees_keys[2] = {keys[0].x < keys[0].y, keys[1].x < keys[1].y};
+    bool sees_keys[2] = {keys[0].x < keys[0].y, keys[1].x < keys[1].y};
+    if constexpr (kTokens) {
+      __syncwarp();  // the quad's flags are set
+#pragma unroll
+      for (int r = 0; r < 2; ++r) sees_keys[r] = row_seen(r) != 0;
+    }
     float inv_sum[2], lse[2];
     softmax.Finish(sees_keys, inv_sum, lse);
 #pragma unroll

@@ -3,11 +3,16 @@
 // shared memory (the TMA copy zero-fills the padding); the products skip the k16 steps past the head dim.
 #pragma once
 
+#include "cpp/cuda/kernel_args.h"
 #include "cpp/host_device.h"
 
 namespace te_jax::cuda::sm90 {
 
 TE_JAX_HOST_DEVICE constexpr int PadTo64(int d) { return (d + 63) / 64 * 64; }
+
+// With segment ids or positions (tokens) the kernels also stage token tables (kernels/common/token_mask.h): granule
+// summaries (32 bytes each), key entries (8 bytes) and query rows' entries (16 bytes).
+inline constexpr int kTokenSummaryBytes = kTokenSummaryInts * 4;
 
 // A producer warpgroup (one thread issues the TMA copies) and two consumer warpgroups of 64 query rows each.
 inline constexpr int kForwardThreads = 384;
@@ -20,21 +25,31 @@ struct ForwardTile {
   int stages;   // k and v each have a ring of this many stages
 };
 
-TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t) {
+// The forward's token tables: the CTA's query rows' entries, "saw a key" flags and granule summaries, and a ring of a
+// stage more than k's (attention_fwd.cuh says why), each a key tile's entries and its granules' summaries.
+TE_JAX_HOST_DEVICE constexpr int ForwardTokenBytes(ForwardTile t) {
+  return (16 + 4) * t.block_m + t.block_m / kTokenGranule * kTokenSummaryBytes +
+         (t.stages + 1) * (8 * t.block_n + t.block_n / kTokenGranule * kTokenSummaryBytes);
+}
+
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t, bool tokens = false) {
   return 1024 +  // slack to align the tiles to the swizzle atom
          t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
+         (tokens ? ForwardTokenBytes(t) : 0) +
          8 * (1 + 4 * t.stages);  // mbarriers: q full; k full, k empty, v full, v empty per stage
 }
 
 // 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers for 64 logits and the two
-// stages fit; else 64.
-TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv) {
+// stages fit (with the token tables, for kernels built with tokens: d = 256, dv <= 64 fits only without); else 64.
+TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tokens = false) {
   const ForwardTile wide{128, 128, 2};
-  if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide) <= kMaxDynamicSmem) return wide;
+  if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide, tokens) <= kMaxDynamicSmem) return wide;
   return {128, 64, 2};
 }
 
-TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv) { return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv)); }
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false) {
+  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens), tokens);
+}
 
 // Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements).
 TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
