@@ -14,6 +14,10 @@
 // on wgmma, with p^T / ds (the A operands of the second products) from registers. Each step is one q k^T-shaped pair of
 // products (owned rows against the step's rows), the elementwise algebra (common/probability_grad.h), and one or two
 // register-A products into the accumulators.
+// Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family: a CTA steps only over the
+// tiles of its owned rows' token span; the producer copies each step's token entries and granule summary with its
+// tiles, the consumers hold their owned rows' entries in registers, skip the per-element test on steps the index range
+// and the tokens say are fully seen, and test ids and positions per element elsewhere; ALiBi sees positions.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -22,6 +26,7 @@
 #include "cpp/cuda/kernels/common/dq_accum.h"
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
+#include "cpp/cuda/kernels/common/token_mask.h"
 #include "cpp/cuda/kernels/sm90/pipeline.h"
 #include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
@@ -59,11 +64,23 @@ struct BackwardKernel {
   static constexpr int kDqN = kDP / 2;  // dq columns per consumer warpgroup
   static constexpr int kDsOffset = kStatsOffset + kStages * 2 * kStep * 4;
   static constexpr int kDqOffset = kDsOffset + (kAccumulateDq ? DsTile::kBytes : 0);
-  static constexpr int kBarrierOffset = kDqOffset + (kAccumulateDq ? kStep * kDP * 4 : 0);
+  // Tokens: the owned rows' entries and granule summaries, which land with the owned tiles, then per stage the step
+  // rows' entries and granule summary, which land with the step's tiles (an entry: a query's 16 bytes, a key's 8, in a
+  // 16-byte slot). The consumers read the entries where a step needs them (held in registers, the owned rows' made the
+  // kernels spill, as in the forward).
+  static constexpr bool kTokens = Variant::kHasTokens;
+  static constexpr int kStepTokenBytes = 16 * kStep + kTokenSummaryBytes;
+  static constexpr int kTokensOffset = kDqOffset + (kAccumulateDq ? kStep * kDP * 4 : 0);
+  static constexpr int kOwnedSummariesOffset = kTokensOffset + 16 * kOwned;
+  static constexpr int kStepTokensOffset = kOwnedSummariesOffset + kOwned / kTokenGranule * kTokenSummaryBytes;
+  static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? BackwardTokenBytes() : 0);
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
   static constexpr int kStatsWarp = 1;  // of the producer warpgroup: copies each step's lse and delta' (dk/dv)
-  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kAccumulateDq),
+  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kAccumulateDq, kTokens),
                 "tile_size.h and the kernel disagree on shared memory");
+  static_assert(!kTokens || kStepTokensOffset + kStages * kStepTokenBytes == kBarrierOffset,
+                "tile_size.h and the kernel disagree on the token tables");
+  static_assert(kStep == kTokenGranule, "a step's rows are one granule of tokens");
   static_assert(!kAccumulateDq || kOwnsKeys, "only the dk/dv kernel accumulates dq");
   static_assert(!kAccumulateDq || (Accum::kLayout.slices == 1 && Accum::kLayout.row_block == kStep &&
                                    Accum::kLayout.cols <= kDP && kDsOffset % 1024 == 0),
@@ -85,6 +102,13 @@ struct BackwardKernel {
     __device__ __forceinline__ uint32_t OwnedFull() const { return base + kBarrierOffset; }
     __device__ __forceinline__ uint32_t Full(int stage) const { return OwnedFull() + 8 * (1 + stage); }
     __device__ __forceinline__ uint32_t Empty(int stage) const { return OwnedFull() + 8 * (1 + kStages + stage); }
+    // Tokens: the owned rows' entries and granule summaries; per stage the step rows' entries, then the step's summary.
+    __device__ __forceinline__ uint32_t OwnedTokens() const { return base + kTokensOffset; }
+    __device__ __forceinline__ uint32_t OwnedSummaries() const { return base + kOwnedSummariesOffset; }
+    __device__ __forceinline__ uint32_t StepTokens(int stage) const {
+      return base + kStepTokensOffset + stage * kStepTokenBytes;
+    }
+    __device__ __forceinline__ uint32_t StepSummary(int stage) const { return StepTokens(stage) + 16 * kStep; }
   };
 
   // What a CTA owns and where its steps go. Owned rows [owned0, owned0 + 128) of (batch b, head owned_head); step i
@@ -124,11 +148,25 @@ struct BackwardKernel {
       const RowSpan rows = RowsOfKeys(w.mask, w.owned0, w.owned0 + kOwned);
       w.tile_begin = rows.begin / kStep;
       w.tiles = rows.end > rows.begin ? (rows.end + kStep - 1) / kStep - w.tile_begin : 0;
+      if constexpr (kTokens) {
+        // Only the query tiles the keys' tokens may meet.
+        int tile_end = w.tile_begin + w.tiles;
+        NarrowToTokenSpan(TokenTileSpan<kStep>(BatchTokens::Of(args.tokens, s, w.b).kv_span, w.owned0, kOwned,
+                                               s.seqlen_kv),
+                          w.tile_begin, tile_end);
+        w.tiles = tile_end - w.tile_begin;
+      }
       w.steps = w.tiles * w.group;
     } else {
       // The last query blocks see the most keys under causal masks: they start first so the tail of the grid is short.
-      const QueryBlockOfCta cta = QueryBlockOf<kOwned, kStep>(s, args.q_seqlens, args.kv_seqlens,
-                                                              static_cast<int>(gridDim.x - 1 - blockIdx.x));
+      QueryBlockOfCta cta = QueryBlockOf<kOwned, kStep>(s, args.q_seqlens, args.kv_seqlens,
+                                                        static_cast<int>(gridDim.x - 1 - blockIdx.x));
+      if constexpr (kTokens) {
+        // Only the key tiles the rows' tokens may meet.
+        const BatchTokens tokens = BatchTokens::Of(args.tokens, s, cta.b);
+        NarrowToTokenSpan(TokenTileSpan<kStep>(tokens.q_span, cta.m0, kOwned, s.seqlen_q), cta.tile_begin,
+                          cta.tile_end);
+      }
       w.owned0 = cta.m0;
       w.owned_head = cta.head;
       w.b = cta.b;
@@ -141,18 +179,48 @@ struct BackwardKernel {
     return w;
   }
 
-  // The producer thread: the owned tiles, then each step's two tiles into the ring.
+  // The producer thread: the owned tiles, then each step's two tiles into the ring. With tokens, the owned rows'
+  // entries and granule summaries come with the owned tiles, and each step's rows' entries and granule summary with
+  // its tiles (query rows past Sq are not copied: the index range hides every key from them; keys are copied in whole
+  // granules, the keys table's padding filling the last).
   static __device__ __forceinline__ void Produce(const TmaBackwardArgs& a, const Smem& sm, const Work& w) {
     const TensorMap* own0 = kOwnsKeys ? &a.k : &a.q;
     const TensorMap* own1 = kOwnsKeys ? &a.v : &a.dout;
     const TensorMap* step0 = kOwnsKeys ? &a.q : &a.k;
     const TensorMap* step1 = kOwnsKeys ? &a.dout : &a.v;
-    LoadTile<kTensorMapBoxRows>(sm.Own0(), own0, sm.OwnedFull(), w.owned_head, w.owned0, w.b);
+    const ShapeArgs& s = a.args.shape;
+    const int owned_len = kOwnsKeys ? s.seqlen_kv : s.seqlen_q;
+    const int owned_granules = kTokens ? TokenGranuleEnd(w.owned0, kOwned, owned_len) - w.owned0 / kTokenGranule : 0;
+    const int owned_entry_bytes = !kTokens ? 0
+                                  : kOwnsKeys ? 8 * kTokenGranule * owned_granules
+                                              : 16 * min(kOwned, s.seqlen_q - w.owned0);
+    LoadTile<kTensorMapBoxRows>(sm.Own0(), own0, sm.OwnedFull(), w.owned_head, w.owned0, w.b,
+                                owned_entry_bytes + owned_granules * kTokenSummaryBytes);
+    if constexpr (kTokens) {
+      const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, w.b);
+      const void* entries = kOwnsKeys ? static_cast<const void*>(tokens.keys + w.owned0) : tokens.q_rows + w.owned0;
+      BulkLoad(sm.OwnedTokens(), entries, owned_entry_bytes, sm.OwnedFull());
+      BulkLoad(sm.OwnedSummaries(),
+               (kOwnsKeys ? tokens.kv_summary : tokens.q_summary) + w.owned0 / kTokenGranule * kTokenSummaryInts,
+               owned_granules * kTokenSummaryBytes, sm.OwnedFull());
+    }
     LoadTile<kTensorMapBoxRows>(sm.Own1(), own1, sm.OwnedFull(), w.owned_head, w.owned0, w.b);
     for (int i = 0; i < w.steps; ++i) {
       const int stage = StageOf<kStages>(i);
       MbarrierWait(sm.Empty(stage), ParityOf<kStages>(i) ^ 1u);
-      LoadTile<kTensorMapBoxRows>(sm.Stp0(stage), step0, sm.Full(stage), w.StepHead(i), w.StepRow0(i), w.b);
+      const int entry_bytes = !kTokens ? 0 : kOwnsKeys ? 16 * min(kStep, s.seqlen_q - w.StepRow0(i)) : 8 * kStep;
+      LoadTile<kTensorMapBoxRows>(sm.Stp0(stage), step0, sm.Full(stage), w.StepHead(i), w.StepRow0(i), w.b,
+                                  kTokens ? entry_bytes + kTokenSummaryBytes : 0);
+      if constexpr (kTokens) {
+        // The tables' addresses from the parameters at each use: held through the loop, they made the producer spill.
+        const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, w.b);
+        const int row0 = w.StepRow0(i);
+        const void* entries = kOwnsKeys ? static_cast<const void*>(tokens.q_rows + row0) : tokens.keys + row0;
+        BulkLoad(sm.StepTokens(stage), entries, entry_bytes, sm.Full(stage));
+        BulkLoad(sm.StepSummary(stage),
+                 (kOwnsKeys ? tokens.q_summary : tokens.kv_summary) + row0 / kTokenGranule * kTokenSummaryInts,
+                 kTokenSummaryBytes, sm.Full(stage));
+      }
       LoadTile<kTensorMapBoxRows>(sm.Stp1(stage), step1, sm.Full(stage), w.StepHead(i), w.StepRow0(i), w.b);
     }
   }
@@ -299,6 +367,16 @@ struct BackwardKernel {
       const int step0 = w.StepRow0(i);
       if constexpr (Variant::kHasAlibi && kOwnsKeys) variant.slope = args.alibi_slopes[w.b * s.num_heads + head];
       MbarrierWait(sm.Full(stage), ParityOf<kStages>(i));
+      // Tokens: whether the step needs the per-element test, by the index range or by the tokens' summaries. Asked
+      // before the products, where no scores are live.
+      [[maybe_unused]] bool step_masked = false;
+      if constexpr (kTokens) {
+        const TokenSummary owned = TokenSummaryOf(SharedPointer<const int32_t>(sm.OwnedSummaries()), 0, kOwned,
+                                                  (kOwnsKeys ? s.seqlen_kv : s.seqlen_q) - w.owned0);
+        const TokenSummary step = TokenSummaryOf(SharedPointer<const int32_t>(sm.StepSummary(stage)), 0, kStep,
+                                                 (kOwnsKeys ? s.seqlen_q : s.seqlen_kv) - step0);
+        step_masked = w.StepMasked(i) || !(kOwnsKeys ? TokensAllSee(step, owned) : TokensAllSee(owned, step));
+      }
 
       // s = owned rows . step rows over d, dp over dv: both K-major, like the forward's q k^T.
       FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(sc));
@@ -322,20 +400,67 @@ struct BackwardKernel {
 
       // p and ds in place of s and dp; (query, key) of element e of n8 tile j.
       auto apply = [&](auto masked) {
+        // Tokens: the entries of the thread's two owned rows (loaded once a step), and of element e of n8 tile j's
+        // query and key; the step's are the thread's columns 8 j + 2 t (+ 1), a pair of keys in one 16-byte load.
+        [[maybe_unused]] int4 owned_rows[2];  // dq: the owned queries'
+        [[maybe_unused]] int2 owned_keys[2];  // dk/dv: the owned keys'
+        if constexpr (kTokens) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int at = owned_row - w.owned0 + 8 * r;
+            if constexpr (kOwnsKeys) {
+              owned_keys[r] = SharedPointer<const int2>(sm.OwnedTokens())[at];
+            } else {
+              owned_rows[r] = SharedPointer<const int4>(sm.OwnedTokens())[at];
+            }
+          }
+        }
+        auto query_token = [&](int j, int e) {
+          if constexpr (kOwnsKeys) {
+            return SharedPointer<const int4>(sm.StepTokens(stage))[8 * j + 2 * t + (e & 1)];
+          } else {
+            return owned_rows[e >> 1];
+          }
+        };
+        auto key_token = [&](int j, int e) {
+          if constexpr (kOwnsKeys) {
+            return owned_keys[e >> 1];
+          } else {
+            const int4 pair = SharedPointer<const int4>(sm.StepTokens(stage))[4 * j + t];
+            return e & 1 ? make_int2(pair.z, pair.w) : make_int2(pair.x, pair.y);
+          }
+        };
 #pragma unroll
         for (int j = 0; j < kStep / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int own = owned_row + 8 * (e >> 1), other = step0 + 8 * j + 2 * t + (e & 1);
             const int query = kOwnsKeys ? other : own, key = kOwnsKeys ? own : other;
-            const bool visible = decltype(masked)::value ? Visible(w.mask.Keys(query), key) : true;
+            bool visible = decltype(masked)::value ? Visible(w.mask.Keys(query), key) : true;
             // dk/dv: the columns are the step's queries, their lse and delta' in the stage.
             const float lse = kOwnsKeys ? sm.Lse(stage)[other - step0] : row_lse[e >> 1];
             const float delta = kOwnsKeys ? sm.Delta(stage)[other - step0] : row_delta[e >> 1];
-            ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta);
+            if constexpr (kTokens) {
+              // The tokens' test (no short cut: a load behind one is predicated and not shared between elements) and
+              // positions.
+              const int4 query_entry = query_token(j, e);
+              const int2 key_entry = key_token(j, e);
+              if constexpr (decltype(masked)::value) visible = visible & TokenSees(query_entry, key_entry);
+              ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query_entry.w, key_entry.y, visible, lse,
+                                              delta);
+            } else {
+              ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta);
+            }
           }
       };
-      if (w.StepMasked(i)) {
+      // The test written twice: without tokens, the kernels keep the exact code they had before tokens existed.
+      if constexpr (kTokens) {
+        if (step_masked) {
+          apply(Masked<true>{});
+        } else {
+          apply(Masked<false>{});
+        }
+      } else if (w.StepMasked(i)) {
         apply(Masked<true>{});
       } else {
         apply(Masked<false>{});

@@ -65,12 +65,20 @@ inline constexpr int kBackwardOwnedRows = 128;
 inline constexpr int kBackwardStepRows = 64;
 inline constexpr int kBackwardStages = 2;
 
+// The backward's token tables: the owned rows' entries and granule summaries, and per stage the step rows' entries
+// and granule summary. An entry takes 16 bytes (a query's; a key's takes 8 of them).
+TE_JAX_HOST_DEVICE constexpr int BackwardTokenBytes() {
+  return 16 * kBackwardOwnedRows + kBackwardOwnedRows / kTokenGranule * kTokenSummaryBytes +
+         kBackwardStages * (16 * kBackwardStepRows + kBackwardStepRows / kTokenGranule * kTokenSummaryBytes);
+}
+
 // accumulate_dq: the dk/dv kernel of the default backward, which also adds each step's ds k to a float dq accumulator
 // (attention_bwd.cuh): it keeps the step's ds^T and the float dq block in shared memory too.
-TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, bool accumulate_dq) {
+TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, bool accumulate_dq, bool tokens = false) {
   return 1024 + (kBackwardOwnedRows + kBackwardStages * kBackwardStepRows) * (PadTo64(d) + PadTo64(dv)) * 2 +
          kBackwardStages * kBackwardStepRows * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
          (accumulate_dq ? kBackwardOwnedRows * kBackwardStepRows * 2 + kBackwardStepRows * PadTo64(d) * 4 : 0) +
+         (tokens ? BackwardTokenBytes() : 0) +
          8 * (1 + 2 * kBackwardStages);  // mbarriers: owned tiles full; each stage full and empty
 }
 
