@@ -185,7 +185,8 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
                   call.module->smem_bytes[0], stream, &args);
   }
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
-  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv);
+  TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
+  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv, UsesTokens(p));
   TmaForwardArgs tma{args, {}, {}, {}};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));

@@ -60,7 +60,7 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  if (kind != ModuleKind::kAttention || arch != "sm_90a" || tokens) return KernelFamily::kSm80;
+  if (kind != ModuleKind::kAttention || arch != "sm_90a") return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
                                                        : sm90::ServesBackward(head_dim, head_dim_v);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
@@ -81,7 +81,7 @@ std::string KernelConfig::BaseName() const {
     return name + "_sm90_" + std::to_string(sm90::kBackwardOwnedRows) + "x" + std::to_string(sm90::kBackwardStepRows);
   }
   if (sm90) {
-    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v);
+    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens);
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
   const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v);
@@ -122,6 +122,8 @@ std::string KernelConfig::RenderSource() const {
            "using Fwd = te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
            "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads, 1)\n"
            "te_jax_attention_forward(const __grid_constant__ te_jax::cuda::TmaForwardArgs args) { Fwd::Run(args); }\n";
+    // The token kernels take the plain arguments, which TmaForwardArgs embeds (the launcher passes those).
+    if (tokens) src += TokenKernelsSource("te_jax::cuda::ForwardArgs");
   } else if (direction == Direction::kForward) {
     src += "#include \"cpp/cuda/kernels/sm80/attention_fwd.cuh\"\n"
            "using Fwd = te_jax::cuda::sm80::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
@@ -148,6 +150,8 @@ std::string KernelConfig::RenderSource() const {
                                "(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { Dq::Run(args); }\n"
                          : std::string("extern \"C\" __global__ void __launch_bounds__(DqConvert::kThreads)\n") +
                                entries[2] + "(const te_jax::cuda::BackwardArgs args) { DqConvert::Run(args); }\n";
+    // The token kernels take the plain arguments, which TmaBackwardArgs embeds (the launcher passes those).
+    if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
   } else {
     const std::string dq_kernel = deterministic ? "Dq" : "DqConvert";
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"

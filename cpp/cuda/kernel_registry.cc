@@ -86,10 +86,12 @@ int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
   if (c.decode) return index < 2 ? decode::SmemBytes(c.head_dim, c.head_dim_v, decode::RowTilesOfKernel(index)) : 0;
   if (c.Family() == KernelFamily::kSm90) {
-    if (c.direction == Direction::kForward) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v);
+    if (c.direction == Direction::kForward) {
+      return index == 0 ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;  // the token kernels: none
+    }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
-    if (index == 1) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic);
-    return index == 2 && c.deterministic ? sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, false) : 0;
+    if (index == 1) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens);
+    return index == 2 && c.deterministic ? sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, false, c.tokens) : 0;
   }
   // The token-table kernels (the last two entries with tokens) take no dynamic shared memory.
   if (c.direction == Direction::kForward) return index == 0 ? sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;
