@@ -56,7 +56,7 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 // {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
 // backward, optionally "deterministic" (bool, default false), for the forward optionally "decode" (bool, default
 // false: the decode kernels, cpp/cuda/decode_geometry.h), and optionally "tokens" (bool, default false: segment ids
-// or positions).
+// or positions), "dropout" (bool, default false).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -89,6 +89,8 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
     throw nb::value_error("decode applies to the forward direction only");
   }
   c.tokens = d.contains("tokens") && nb::cast<bool>(d["tokens"]);
+  c.dropout = d.contains("dropout") && nb::cast<bool>(d["dropout"]);
+  if (c.decode && c.dropout) throw nb::value_error("the decode kernels apply no dropout");
   if (c.decode && c.tokens) throw nb::value_error("the decode kernels take no tokens (segment ids, positions)");
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;

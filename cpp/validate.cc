@@ -124,10 +124,6 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("bias runs on the CPU backend only so far (issue 12); the CUDA kernels (te and "
                                    "cuDNN engines) do not read it yet");
   }
-  if (backend == Backend::kCuda && p.dropout_threshold > 0) {
-    return Status::InvalidArgument("dropout_rate > 0 runs on the CPU backend only so far (issue 12); the CUDA kernels "
-                                   "(te and cuDNN engines) do not apply dropout yet");
-  }
   if (static_cast<int>(p.engine) >= kNumEngines) {
     return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));
   }

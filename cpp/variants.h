@@ -3,7 +3,8 @@
 // a new struct (or a new flag here), not a new kernel. The order follows the semantics: s = scale * x, then the
 // soft-cap s = cap * tanh(s / cap), then the ALiBi bias slope * (j - p) with p the query's diagonal position.
 // kTokensOn (CUDA kernels; issue 11) adds the packed-sequence mask: segment ids and positions through the token tables
-// (cpp/cuda/kernel_args.h), and p and j become the query's and the key's positions.
+// (cpp/cuda/kernel_args.h), and p and j become the query's and the key's positions. kDropoutOn (CUDA kernels; issue
+// 12) applies attention dropout to the probabilities (cpp/cuda/kernels/common/dropout.h).
 #pragma once
 
 #include "cpp/host_device.h"
@@ -15,11 +16,12 @@
 
 namespace te_jax {
 
-template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false>
+template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false, bool kDropoutOn = false>
 struct LogitsVariant {
   static constexpr bool kHasSoftcap = kSoftcapOn;
   static constexpr bool kHasAlibi = kAlibiOn;
   static constexpr bool kHasTokens = kTokensOn;
+  static constexpr bool kHasDropout = kDropoutOn;
   float scale;
   float cap;    // read only with kHasSoftcap
   float slope;  // read only with kHasAlibi; per (batch, head)

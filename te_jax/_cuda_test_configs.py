@@ -60,6 +60,17 @@ PACKED_CASES = [
     (("pk_d40_dv72",            "float16",  4, 150, 150, 2, 1,   40,  72,  "no_mask", (-1, -1), 0.0,  False, False), "ids"),
 ]
 
+# Dropout cases (the CUDA kernels built with dropout), tests/test_cuda_dropout.py: the case as above and the rate.
+DROPOUT_CASES = [
+    # name,                     dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,                 window,   cap,  alibi, ragged  rate
+    (("dr_causal_d128",         "bfloat16", 2, 300, 300, 4, 2,   128, 128, "causal",             (-1, -1), 0.0,  False, False), 0.1),
+    (("dr_nomask_d64_fp16",     "float16",  2, 200, 260, 4, 4,   64,  64,  "no_mask",            (-1, -1), 0.0,  False, False), 0.5),
+    (("dr_padding_variants",    "bfloat16", 3, 180, 180, 4, 4,   64,  64,  "padding_causal",     (32, -1), 20.0, True,  True),  0.3),
+    (("dr_br_d_ne_dv",          "bfloat16", 2, 70,  190, 8, 1,   192, 128, "causal_bottom_right", (-1, -1), 0.0, False, False), 0.2),
+    (("dr_decode_shape",        "bfloat16", 2, 4,   500, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0, False, False), 0.1),
+    (("dr_d256",                "float16",  1, 130, 130, 2, 2,   256, 256, "causal",             (-1, -1), 0.0,  False, False), 0.7),
+]
+
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
 _DECODE_MAX_SEQLEN_Q = 16  # cpp/cuda/kernels/decode/tile_size.h
 
@@ -70,6 +81,14 @@ CONFIGS = sorted({(direction, deterministic, direction == "forward" and c[3] <= 
                   for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})
 CONFIGS = [dict(direction=dr, deterministic=det, decode=dec, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
            for dr, det, dec, dt, d, dv, sc, al in CONFIGS]
+CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
+                 alibi=al, dropout=True)
+            for dr, det, dt, d, dv, sc, al in sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0,
+                                                       c[12])
+                                                      for c, _ in DROPOUT_CASES
+                                                      for direction, deterministic in (("forward", False),
+                                                                                       ("backward", False),
+                                                                                       ("backward", True))})]
 CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
                  alibi=al, tokens=True)
             for dr, det, dt, d, dv, sc, al in sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0,

@@ -29,22 +29,23 @@ def config_set(name: str, arch: str) -> list[dict]:
   """Named sets: 'common' (bf16/fp16, D = Dv in 64/128/256, every variant, every direction), 'all-head-dims' (bf16,
   every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'.
   Module kinds: forward, decode (the forward of few query positions), backward and the deterministic backward; and
-  with tokens (segment ids or positions) forward and both backwards."""
-  def make(direction, dtype, d, dv, softcap=False, alibi=False, tokens=False):
+  with tokens (segment ids or positions) or dropout, forward and both backwards."""
+  def make(direction, dtype, d, dv, softcap=False, alibi=False, tokens=False, dropout=False):
     kind, _, det = direction.partition("-")
     return dict(direction="forward" if kind == "decode" else kind, decode=kind == "decode", dtype=DTYPES[dtype],
                 head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi, deterministic=det == "deterministic",
-                tokens=tokens, arch=arch)
+                tokens=tokens, dropout=dropout, arch=arch)
 
   # The backward's two module kinds: atomic dq (the default) and fused_attn(deterministic=True).
   both = ("forward", "decode", "backward", "backward-deterministic")
-  # Packed sequences (segment ids, positions) run the kernels built with tokens; never the decode kernels.
+  # Packed sequences (segment ids, positions) and dropout run kernels built with them; never the decode kernels.
   packed = ("forward", "backward", "backward-deterministic")
   if name == "common":
     return [make(dr, dt, d, dv, sc, al) for dr, dt, (d, dv), (sc, al) in
             itertools.product(both, DTYPES, COMMON_HEAD_DIMS, VARIANTS)] + \
            [make(dr, dt, d, dv, sc, al, tokens=True) for dr, dt, (d, dv), (sc, al) in
-            itertools.product(packed, DTYPES, COMMON_HEAD_DIMS, VARIANTS)]
+            itertools.product(packed, DTYPES, COMMON_HEAD_DIMS, VARIANTS)] + \
+           [make(dr, dt, d, dv, dropout=True) for dr, dt, (d, dv) in itertools.product(packed, DTYPES, COMMON_HEAD_DIMS)]
   if name == "all-head-dims":
     return [make(dr, "bfloat16", d, d) for dr in both for d in range(8, 257, 8)]
   if name == "ci":
@@ -52,7 +53,8 @@ def config_set(name: str, arch: str) -> list[dict]:
             (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True), ("bfloat16", 40, 72, True, False),
              ("bfloat16", 256, 256, False, True), ("float16", 8, 8, False, False))] + \
            [make(dr, dt, d, dv, sc, al, tokens=True) for dr in packed for dt, d, dv, sc, al in
-            (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True))]
+            (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True))] + \
+           [make(dr, "bfloat16", 128, 128, dropout=True) for dr in packed]
   if name == "bench":
     return [make(dr, "bfloat16", d, d) for dr in both for d in (64, 128, 256)]
   if name == "tests":

@@ -76,7 +76,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       lse = -inf. It gets a gradient (summed over its broadcast dims, in its dtype). CPU backend only so far.
     dropout_rate: attention dropout, a Python float in [0, 1): each probability (after the softmax, so lse is
       unchanged) is kept with probability 1 - dropout_rate and scaled by 1 / (1 - dropout_rate) before P.V; the
-      backward applies the same keep-mask. 0 (default): no dropout, dropout_rng is ignored. CPU backend only so far.
+      backward applies the same keep-mask. 0 (default): no dropout, dropout_rng is ignored. On the GPU te_jax's kernels
+      apply it (the same mask as on the CPU; cuDNN does not take it, engine="auto" picks te_jax's kernels).
     dropout_rng: the JAX PRNG key that defines the keep-mask (jax.random.key, or a raw uint32[2] jax.random.PRNGKey);
       required when dropout_rate > 0. Element (b, h, i, j) of the [B, H, Sq, Skv] probabilities is kept as
       te_jax.dropout_keep_mask(dropout_rng, (B, H, Sq, Skv), dropout_rate) says, however the call is sharded over the

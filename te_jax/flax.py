@@ -114,7 +114,7 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     packed documents); or anything when made with ignore_mask=True (then dropped). Both become fused_attn's additive
     bias (the mask as -inf where masked out): prefer is_causal (NNX) or make_attention_fn(mask_type="causal") to a
     causal mask. A query row that keeps no key gives 0, where Flax gives the mean of value. dropout_rate > 0 with
-    deterministic=False is fused_attn's dropout keyed by dropout_rng (CPU backend so far), which draws an independent
+    deterministic=False is fused_attn's dropout keyed by dropout_rng, which draws an independent
     mask per batch entry and head (te_jax.dropout_keep_mask): it needs broadcast_dropout=False (Flax's default, True,
     shares one mask across them, which te_jax does not draw, so it is refused); with deterministic=True dropout does
     nothing, as in Flax. module (sow_weights) is refused: the fused kernel never forms the attention weights. precision and force_fp32_for_softmax are

@@ -288,9 +288,8 @@ def test_validate_accepts_and_backend_rules():
   te_jax_cpu.validate(PARAMS, 0)
   no_bias = dict(PARAMS, has_bias=False, bias_dtype=0, bias_broadcast=15)
   te_jax_cpu.validate(dict(no_bias, dropout_threshold=0), 1)  # bf16 on CUDA is fine
-  for engine in (0, 1):  # CUDA refuses dropout (both engines)
-    with pytest.raises(ValueError, match="dropout_rate > 0 runs on the CPU backend only so far"):
-      te_jax_cpu.validate(dict(no_bias, engine=engine), 1)
+  for engine in (0, 1):  # the shared rules take dropout on CUDA (the cuDNN engine's own contract refuses it)
+    te_jax_cpu.validate(dict(no_bias, engine=engine), 1)
   with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
     te_jax_cpu.validate(PARAMS, 1)  # CUDA refuses a bias (both engines)
   with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):

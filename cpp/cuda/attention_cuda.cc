@@ -62,6 +62,13 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
 
 unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
+// The kernels' dropout arguments: the operand, the threshold and 1 / the keep probability (2^32 / (2^32 - threshold)).
+DropoutArgs MakeDropoutArgs(const AttentionParams& p, const uint32_t* operand) {
+  if (p.dropout_threshold == 0) return DropoutArgs{nullptr, 0, 1.0f};
+  constexpr double kTwoTo32 = 4294967296.0;
+  return DropoutArgs{operand, p.dropout_threshold, static_cast<float>(kTwoTo32 / (kTwoTo32 - p.dropout_threshold))};
+}
+
 Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
   if (given >= needed) return Status::Ok();
   return Status::InvalidArgument(std::string("the ") + direction + "'s workspace has " + std::to_string(given) +
@@ -171,7 +178,8 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &call));
   TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, ForwardWorkspaceBytes(p), "forward"));
   ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse,
-                   MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, b.workspace)};
+                   MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, b.workspace),
+                   MakeDropoutArgs(p, b.dropout)};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
   if (call.family == KernelFamily::kDecode) {
     if (p.batch == 0 || p.num_heads == 0) return Status::Ok();
@@ -285,7 +293,8 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                     b.dv,
                     static_cast<float*>(b.dq),
                     dq_accum,
-                    MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, token_tables)};
+                    MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, token_tables),
+                    MakeDropoutArgs(p, b.dropout)};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, module, p, stream, &args));
   const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, sm80::kRowKernelThreads / 32);

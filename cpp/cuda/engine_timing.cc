@@ -143,6 +143,9 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   TE_JAX_RETURN_IF_ERROR(scratch.Alloc(4 * tokens, &positions));
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(ids, tokens, 1));
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(positions, tokens, 0));
+  void* dropout;  // the key (0, 0) at offsets (0, 0, 0, 0)
+  TE_JAX_RETURN_IF_ERROR(scratch.Alloc(6 * 4, &dropout));
+  TE_JAX_RETURN_IF_ERROR(scratch.Fill32(dropout, 6, 0));
 
   ForwardBuffers fb;
   fb.q = q;
@@ -153,6 +156,7 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   fb.alibi_slopes = static_cast<const float*>(alibi);
   fb.q_segment_ids = fb.kv_segment_ids = static_cast<const int32_t*>(ids);
   fb.q_positions = fb.kv_positions = static_cast<const int32_t*>(positions);
+  fb.dropout = static_cast<const uint32_t*>(dropout);
   fb.out = out;
   fb.lse = static_cast<float*>(lse);
   fb.workspace = workspace;
@@ -179,6 +183,7 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
     bb.alibi_slopes = fb.alibi_slopes;
     bb.q_segment_ids = bb.kv_segment_ids = fb.q_segment_ids;
     bb.q_positions = bb.kv_positions = fb.q_positions;
+    bb.dropout = fb.dropout;
     bb.dq = dq;
     bb.dk = dk;
     bb.dv = dv;

@@ -52,6 +52,14 @@ struct TokenArgs {
   int32_t* kv_span;
 };
 
+// Attention dropout (issue 12; kernels/common/dropout.h): the dropout operand (uint32 [6]: the PRNG key's two words,
+// then the global (b, h, i, j) of the call's element [0, 0, 0, 0]), the drop threshold and 1 / the keep probability.
+struct DropoutArgs {
+  const uint32_t* operand;
+  uint32_t threshold;
+  float keep_scale;
+};
+
 struct ForwardArgs {
   ShapeArgs shape;
   const void* q;
@@ -63,6 +71,7 @@ struct ForwardArgs {
   void* out;
   float* lse;
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
+  DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
 };
 
 // The decode kernels' parameters (kernels/decode/): the forward's, and the launch geometry the host chose. A CTA
@@ -143,6 +152,7 @@ struct BackwardArgs {
   // The non-deterministic backward's float [B, Sq, H, D] dq accumulator (the call's workspace); null otherwise.
   float* dq_accum;
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
+  DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
 };
 
 // The sm90 backward's parameters (both kernels): the backward's, and TMA tensor maps of q, k, v and dout as for the

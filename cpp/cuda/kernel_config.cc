@@ -60,7 +60,8 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  if (kind != ModuleKind::kAttention || arch != "sm_90a") return KernelFamily::kSm80;
+  // Dropout is on the sm80 family only so far.
+  if (kind != ModuleKind::kAttention || arch != "sm_90a" || dropout) return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
                                                        : sm90::ServesBackward(head_dim, head_dim_v);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
@@ -74,7 +75,7 @@ std::string KernelConfig::BaseName() const {
   const char* what = decode ? "dec" : direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
-                     VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + "_" + arch;
+                     VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + (dropout ? "_dropout" : "") + "_" + arch;
   if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
@@ -98,7 +99,8 @@ std::string KernelConfig::RenderSource() const {
   }
   const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
   const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
-                              (alibi ? "true" : "false") + ", " + (tokens ? "true" : "false") + ">";
+                              (alibi ? "true" : "false") + ", " + (tokens ? "true" : "false") + ", " +
+                              (dropout ? "true" : "false") + ">";
   const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
   std::string src = "// te_jax JIT translation unit: " + Name() + "\n" +
                     (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
@@ -184,6 +186,7 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.deterministic = direction == Direction::kBackward &&
                     (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
   c.tokens = UsesTokens(params);
+  c.dropout = params.dropout_threshold > 0;
   c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   c.arch = arch;
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");

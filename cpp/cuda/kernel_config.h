@@ -41,6 +41,9 @@ struct KernelConfig {
   // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. The sm80 family serves
   // them on every arch.
   bool tokens = false;
+  // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); the sm80
+  // family serves it on every arch.
+  bool dropout = false;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.

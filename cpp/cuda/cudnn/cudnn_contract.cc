@@ -20,6 +20,10 @@ Status CheckCudnnContract(const AttentionParams& p) {
     return Status::InvalidArgument("cuDNN's ALiBi uses fixed geometric slopes per head (and only with a causal "
                                    "mask); te_jax takes arbitrary alibi_slopes per (batch, head)");
   }
+  if (p.dropout_threshold > 0) {
+    // cuDNN draws its own mask: te_jax's dropout is the one mask its key defines on every backend (cpp/philox.h).
+    return Status::InvalidArgument("the cuDNN engine does not apply te_jax's dropout (its keep-mask differs)");
+  }
   if (p.has_segment_ids || p.has_positions) {
     // cuDNN has no per-token ids or positions for a padded (non-ragged) layout; ragged offsets would need te_jax to
     // repack the rows, which is not done yet (issue 11).

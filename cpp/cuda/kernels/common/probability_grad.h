@@ -16,9 +16,11 @@ struct Masked {
 // The per-element logit/probability/dS algebra shared by the dk/dv and dq kernels.
 template <typename Variant>
 struct ProbabilityGrad {
-  // p = exp(logit - lse) where visible, else 0; ds = p * (dp - delta') * dlogit/ddot. delta' = delta - dlse.
+  // p = exp(logit - lse) where visible, else 0; ds = p * (dp - delta') * dlogit/ddot. delta' = delta - dlse. With
+  // dropout, `keep` is the element's factor (1 / (1 - rate) or 0; dropout.h): x_to_p becomes p * keep (what dV takes)
+  // and ds = p * (keep * dp - delta') * dlogit/ddot; without it, keep is the constant 1 and folds away.
   static __device__ __forceinline__ void Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
-                                               int key, bool visible, float lse, float delta) {
+                                               int key, bool visible, float lse, float delta, float keep = 1.0f) {
     const float x = x_to_p;
     float p;
     if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
@@ -27,8 +29,8 @@ struct ProbabilityGrad {
     } else {
       p = visible ? Exp2(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
     }
-    x_to_p = p;
-    dp_to_ds = p * (dp_to_ds - delta) * variant.DLogitDDot(x);
+    x_to_p = p * keep;
+    dp_to_ds = p * (keep * dp_to_ds - delta) * variant.DLogitDDot(x);
   }
 };
 

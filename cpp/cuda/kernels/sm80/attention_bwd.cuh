@@ -16,6 +16,7 @@
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/common/bulk_reduce.h"
+#include "cpp/cuda/kernels/common/dropout.h"
 #include "cpp/cuda/kernels/common/dq_accum.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
@@ -271,6 +272,13 @@ struct BackwardDkDvKernel {
       WarpGemmABt<Element, 1, kDP, kBlockN>(sc, k_tile, warp * 16, qt, lane);
       WarpGemmABt<Element, 1, kDvP, kBlockN>(dp, v_tile, warp * 16, ot, lane);
 
+      // Dropout's keep bits of this warp's keys x the step's queries (the tile is transposed: keys along its rows).
+      [[maybe_unused]] KernelDropout dropout;
+      [[maybe_unused]] uint32_t keep_bits = 0;
+      if constexpr (Variant::kHasDropout) {
+        dropout = KernelDropout::Of(args.dropout);
+        keep_bits = dropout.TileBits<kBlockN / 8, true>(b, head, key[0], m0 + 2 * t);
+      }
       // Interior steps (every query sees every key of the CTA) skip the per-element mask.
       auto apply = [&](auto masked) {
 #pragma unroll
@@ -289,8 +297,10 @@ struct BackwardDkDvKernel {
               row_pos = row_token.w;
               key_pos = key_token[e >> 1].y;
             }
+            float keep = 1.0f;
+            if constexpr (Variant::kHasDropout) keep = dropout.Factor(keep_bits, 2 * ((e >> 1) * (kBlockN / 8) + j) + (e & 1));
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_pos, key_pos, visible, lse[qi],
-                                            delta[qi]);
+                                            delta[qi], keep);
           }
         }
       };
@@ -536,6 +546,17 @@ struct BackwardDqKernel {
         unmasked = unmasked && TokensAllSee(TokenSummaryOf(tokens.q_summary, m0, kBlockM, s.seqlen_q),
                                             TokenSummaryOf(tokens.kv_summary, n0, kBlockN, s.seqlen_kv));
       }
+      // Dropout's factor of element (row r, key n0 + 8 j + 2 t + c): 1 without dropout.
+      [[maybe_unused]] KernelDropout dropout;
+      [[maybe_unused]] uint32_t keep_bits = 0;
+      if constexpr (Variant::kHasDropout) {
+        dropout = KernelDropout::Of(args.dropout);
+        keep_bits = dropout.TileBits<kBlockN / 8, false>(b, head, row[0], n0 + 2 * t);
+      }
+      auto keep_of = [&](int r, int col) {
+        if constexpr (Variant::kHasDropout) return dropout.Factor(keep_bits, 2 * (r * (kBlockN / 8) + (col - n0) / 8) + (col & 1));
+        return 1.0f;
+      };
       // The two loops are written out: the dk/dv kernel's Masked<> lambda compiles to a different d = 64 schedule here
       // (nvcc 13.0), which no GPU run has checked; in the dk/dv kernel it gives byte-identical cubins.
       if constexpr (kTokens) {
@@ -549,7 +570,7 @@ struct BackwardDqKernel {
             const int2 key_token = stage_keys[col - n0];
             const bool visible = unmasked || (Visible(keys[r], col) && TokenSees(row_token[r], key_token));
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_token[r].w, key_token.y, visible,
-                                            row_lse[r], row_delta[r]);
+                                            row_lse[r], row_delta[r], keep_of(r, col));
           }
         }
       } else if (!unmasked) {
@@ -560,7 +581,7 @@ struct BackwardDqKernel {
             const int r = e >> 1;
             const int col = n0 + j * 8 + 2 * t + (e & 1);
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], pos[r], col, Visible(keys[r], col),
-                                            row_lse[r], row_delta[r]);
+                                            row_lse[r], row_delta[r], keep_of(r, col));
           }
         }
       } else {
@@ -571,7 +592,7 @@ struct BackwardDqKernel {
             const int r = e >> 1;
             const int col = n0 + j * 8 + 2 * t + (e & 1);
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], pos[r], col, true, row_lse[r],
-                                            row_delta[r]);
+                                            row_delta[r], keep_of(r, col));
           }
         }
       }

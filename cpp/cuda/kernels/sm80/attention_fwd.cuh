@@ -7,6 +7,7 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/dropout.h"
 #include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
@@ -30,6 +31,7 @@ struct ForwardKernel {
   using KTile = SmemTile<kBlockN, kDP>;
   using VTile = SmemTile<kBlockN, kDvP>;
   static constexpr bool kTokens = Variant::kHasTokens;
+  static constexpr bool kDropout = Variant::kHasDropout;
   // After the key ranges: the rows' token entries, each stage's keys' entries, the rows' "sees a key" flags.
   static constexpr int kRangesOffset = QTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes);
   static constexpr int kRowTokensOffset = kRangesOffset + 8 * kBlockM;
@@ -246,6 +248,22 @@ struct ForwardKernel {
             o[mt][j][2] *= rescale[1];
             o[mt][j][3] *= rescale[1];
           }
+        }
+      }
+
+      // Dropout scales the probabilities P.V takes, after the row sums (lse is dropout's not) have them.
+      if constexpr (kDropout) {
+        const KernelDropout dropout = KernelDropout::Of(args.dropout);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const uint32_t bits =
+              dropout.TileBits<kBlockN / 8, false>(b, head, m0 + (warp * kMT + mt) * 16 + g, n0 + 2 * t);
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) sc[mt][j][2 * r + c] *= dropout.Factor(bits, 2 * (r * (kBlockN / 8) + j) + c);
         }
       }
 
