@@ -38,8 +38,7 @@ struct KernelConfig {
   // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
   bool decode = false;
   // Segment ids or positions (packed sequences, issue 11): the kernels built with the variant's token mask, and the
-  // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. The sm80 family serves
-  // them on every arch.
+  // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. Both families serve them.
   bool tokens = false;
   // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); the sm80
   // family serves it on every arch.
