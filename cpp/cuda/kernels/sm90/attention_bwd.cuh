@@ -15,9 +15,9 @@
 // products (owned rows against the step's rows), the elementwise algebra (common/probability_grad.h), and one or two
 // register-A products into the accumulators.
 // Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family: a CTA steps only over the
-// tiles of its owned rows' token span; the producer copies each step's token entries and granule summary with its
-// tiles, the consumers hold their owned rows' entries in registers, skip the per-element test on steps the index range
-// and the tokens say are fully seen, and test ids and positions per element elsewhere; ALiBi sees positions.
+// tiles of its owned rows' token span; the producer copies the owned rows' token entries and granule summaries with
+// the owned tiles and each step's with its tiles; the consumers skip the per-element test on steps the index range and
+// the tokens say are fully seen, and test ids and positions per element elsewhere; ALiBi sees positions.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
