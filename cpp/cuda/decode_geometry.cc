@@ -14,9 +14,11 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-// Packed sequences (segment ids, positions) run on the sm80 family's token mask, which the decode kernels lack.
+// Packed sequences (segment ids, positions) run on the sm80 family's token mask, and a bias on its bias tiles, which
+// the decode kernels lack.
 bool UsesDecodeKernels(const AttentionParams& p) {
-  return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ && !p.has_segment_ids && !p.has_positions;
+  return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ && !p.has_segment_ids && !p.has_positions &&
+         !p.has_bias;
 }
 
 int DecodeKernelFor(const AttentionParams& p) {
