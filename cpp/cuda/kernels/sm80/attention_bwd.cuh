@@ -537,9 +537,10 @@ struct BackwardDqKernel {
     float* delta_s = reinterpret_cast<float*>(smem + kDeltaOffset);
     BiasRows bias{};
     if constexpr (kBias) bias = BiasRows::Of(args.bias, b, head);
+    const int bias_row0 = m0;  // the lambdas' copy (C++17 cannot capture a structured binding)
     auto bias_tile = [&](int stage) { return BiasStage{SmemAddress(smem + kBiasOffset) + stage * BiasStage::kBytes}; };
     auto load_bias = [&](int tile, int stage) {
-      if constexpr (kBias) bias_tile(stage).template Load<kThreads>(bias, m0, tile * kBlockN, s.seqlen_q, tid);
+      if constexpr (kBias) bias_tile(stage).template Load<kThreads>(bias, bias_row0, tile * kBlockN, s.seqlen_q, tid);
     };
     auto load_key_tokens = [&](int tile, int stage) {
       if constexpr (kTokens) {
@@ -617,7 +618,9 @@ struct BackwardDqKernel {
       const int2* stage_keys = key_tokens + stage * kBlockN;
       // The bias of row r's (0: g, 1: g + 8) key col (0 without a bias).
       auto bias_at = [&](int r, int col) {
-        if constexpr (kBias) return BiasStage::Value(bias_tile(stage).Row(bias, m0, warp * 16 + g + 8 * r), col - n0);
+        if constexpr (kBias) {
+          return BiasStage::Value(bias_tile(stage).Row(bias, bias_row0, warp * 16 + g + 8 * r), col - n0);
+        }
         return 0.0f;
       };
       bool unmasked = span.Unmasked(n0, kBlockN);
