@@ -8,7 +8,7 @@
 // its shared-memory row. The broadcast dims cost nothing: a query-broadcast bias ([.., 1, Skv], e.g. a key mask)
 // stages one row that every row reads; a key-broadcast one ([.., Sq, 1]: a constant per row, which moves only the lse
 // and the rows it makes -inf, so rare) stages each row's value replicated along the row by plain loads. The readers
-// thus never branch on the layout: Row() gives a row's first column, and the columns follow it.
+// thus never branch on the layout: Row() gives the address of a row's first column, and the columns follow it.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -18,8 +18,10 @@
 namespace te_jax::cuda::sm80 {
 
 // A bias element type's storage and conversions: 16-bit types (BFloat16, Float16) as uint16_t; Float32 as float.
-// Shared memory is read and written through 32-bit shared-window addresses: staged per stage and indexed at run time,
-// a generic pointer loses its state space, and the 64-bit generic loads cost the d = 128 forward its registers.
+// The bias and dbias tiles are read and written through 32-bit shared-window addresses by volatile asm: staged per
+// stage and indexed at run time, a generic pointer loses its state space, and the 64-bit generic loads cost the d =
+// 128 forward its registers. Only these asm statements touch the tiles, so they need no memory clobber (which would
+// make the compiler reload every shared-memory value of the fragment loop after each dS store).
 template <typename Bias>
 struct BiasElementOf {
   using Storage = uint16_t;
@@ -90,7 +92,7 @@ struct BiasTile {
                   : Storage(0));
         for (int c = 0; c < kCols / kChunk; ++c) {
           asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(base + (r * kPitch + c * kChunk) * kSize),
-                       "r"(x) : "memory");
+                       "r"(x));
         }
       }
       return;
@@ -166,7 +168,7 @@ struct BiasGradTile {
   uint32_t base;  // shared-window address
 
   __device__ __forceinline__ void Store(int query, int key, float x) const {
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(base + (query * kPitch + key) * 4), "f"(x) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(base + (query * kPitch + key) * 4), "f"(x));
   }
   __device__ __forceinline__ float Load(int query, int key) const {
     return BiasElementOf<Float32>::LoadShared(base + (query * kPitch + key) * 4);
