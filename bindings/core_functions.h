@@ -28,7 +28,7 @@ inline void DefineCoreFunctions(nb::module_& m) {
       [](const nb::dict& fields, int backend, const std::string& direction) {
         const AttentionParams params = ParamsFromDict(fields);
         ThrowIfError(ValidateAttentionParams(params, BackendFromInt(backend)));
-        if (!IsForward(direction)) ThrowIfError(ValidateBackwardParams(params));
+        if (!IsForward(direction)) ThrowIfError(ValidateBackwardParams(params, BackendFromInt(backend)));
       },
       nb::arg("fields"), nb::arg("backend"), nb::arg("direction") = "forward");
   m.def("pack_descriptor", [](const nb::dict& fields) {

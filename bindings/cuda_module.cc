@@ -55,8 +55,9 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 
 // {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
 // backward, optionally "deterministic" (bool, default false), for the forward optionally "decode" (bool, default
-// false: the decode kernels, cpp/cuda/decode_geometry.h), and optionally "tokens" (bool, default false: segment ids
-// or positions), "dropout" (bool, default false).
+// false: the decode kernels, cpp/cuda/decode_geometry.h), optionally "tokens" (bool, default false: segment ids
+// or positions), "dropout" (bool, default false), and "bias_dtype" (core code of the additive bias's dtype; absent or
+// None: no bias).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -92,6 +93,15 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   c.dropout = d.contains("dropout") && nb::cast<bool>(d["dropout"]);
   if (c.decode && c.dropout) throw nb::value_error("the decode kernels apply no dropout");
   if (c.decode && c.tokens) throw nb::value_error("the decode kernels take no tokens (segment ids, positions)");
+  c.bias = d.contains("bias_dtype") && !d["bias_dtype"].is_none();
+  if (c.bias) {
+    const int bias_dtype = nb::cast<int>(d["bias_dtype"]);
+    if (bias_dtype < 0 || bias_dtype >= kNumDTypes) {
+      throw nb::value_error("bias_dtype must be a core dtype code: float32 (0), bfloat16 (1) or float16 (2)");
+    }
+    c.bias_dtype = static_cast<DType>(bias_dtype);
+    if (c.decode) throw nb::value_error("the decode kernels take no bias");
+  }
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;
 }

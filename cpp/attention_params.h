@@ -48,7 +48,8 @@ struct AttentionParams {
   // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal (the CUDA backend: sm80-family kernels).
   bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding
   bool has_positions = false;    // causal masks, windows and ALiBi use these positions instead of the indices
-  // Additive logit bias (issue 12), CPU backend only so far: s = softcap(scale * q.k) + alibi + bias, before the mask.
+  // Additive logit bias (issue 12): s = softcap(scale * q.k) + alibi + bias, before the mask (the CUDA backend: sm80-family
+  // kernels; deterministic=True there only where dbias sums over no dim, cpp/bias.h BiasGradientSums).
   bool has_bias = false;
   DType bias_dtype = DType::kFloat32;
   uint8_t bias_broadcast = 0xF;  // cpp/bias.h: bit set = that dim of bias is 1 (batch, heads, Sq, Skv)

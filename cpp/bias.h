@@ -41,4 +41,12 @@ inline BiasLayout MakeBiasLayout(const AttentionParams& p) {
   return l;
 }
 
+// Whether dbias sums over some dim: one the bias broadcasts over whose full extent is more than 1, so that several
+// logits share a bias element. Otherwise each element of dbias is the gradient of exactly one logit.
+inline bool BiasGradientSums(const AttentionParams& p) {
+  const uint8_t bits = p.bias_broadcast;
+  return ((bits & kBroadcastBatch) && p.batch > 1) || ((bits & kBroadcastHeads) && p.num_heads > 1) ||
+         ((bits & kBroadcastQuery) && p.seqlen_q > 1) || ((bits & kBroadcastKey) && p.seqlen_kv > 1);
+}
+
 }  // namespace te_jax

@@ -120,10 +120,6 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   if (!p.has_bias && (p.bias_broadcast != kBroadcastAll || p.bias_dtype != DType::kFloat32)) {
     return Status::InvalidArgument("without a bias its operand must be the float32 [1, 1, 1, 1] placeholder");
   }
-  if (backend == Backend::kCuda && p.has_bias) {
-    return Status::InvalidArgument("bias runs on the CPU backend only so far (issue 12); the CUDA kernels (te and "
-                                   "cuDNN engines) do not read it yet");
-  }
   if (static_cast<int>(p.engine) >= kNumEngines) {
     return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));
   }
@@ -143,11 +139,20 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   return Status::Ok();
 }
 
-Status ValidateBackwardParams(const AttentionParams& p) {
+Status ValidateBackwardParams(const AttentionParams& p, Backend backend) {
   if (p.page_size != 0) {
     return Status::InvalidArgument("the backward takes no paged KV cache (page_size must be 0, got " +
                                    Str(p.page_size) + "): te_jax.paged_attention differentiates through the gathered "
                                    "pages");
+  }
+  if (backend == Backend::kCuda && p.has_bias && p.deterministic && BiasGradientSums(p)) {
+    const BiasLayout layout = MakeBiasLayout(p);
+    return Status::InvalidArgument(
+        "deterministic=True with a broadcast bias (shape [" + Str(layout.dims[0]) + ", " + Str(layout.dims[1]) + ", " +
+        Str(layout.dims[2]) + ", " + Str(layout.dims[3]) + "] for [B, H, Sq, Skv] = [" + Str(p.batch) + ", " +
+        Str(p.num_heads) + ", " + Str(p.seqlen_q) + ", " + Str(p.seqlen_kv) + "]) on the GPU: its gradient sums over "
+        "the broadcast dims with float atomics, in an order that varies between runs; pass the bias in full shape "
+        "(jnp.broadcast_to) or deterministic=False");
   }
   return Status::Ok();
 }

@@ -31,8 +31,9 @@ inline constexpr bool BackendServesPagesInPlace(Backend backend, int64_t seqlen_
 Status ValidateAttentionParams(const AttentionParams& params, Backend backend);
 
 // What only the backward refuses (on top of ValidateAttentionParams): a paged KV cache, whose gradient
-// te_jax.paged_attention takes through the gathered pages instead.
-Status ValidateBackwardParams(const AttentionParams& params);
+// te_jax.paged_attention takes through the gathered pages instead; on the CUDA backend deterministic=True with a bias
+// whose gradient sums over a dim (float atomics, in no fixed order).
+Status ValidateBackwardParams(const AttentionParams& params, Backend backend);
 
 // Runtime check of the per-batch lengths (they are data, so only a handler that can read them can check them).
 Status ValidateSeqlens(const AttentionParams& params, const int32_t* q_seqlens, const int32_t* kv_seqlens);

@@ -5,6 +5,9 @@
 // kTokensOn (CUDA kernels; issue 11) adds the packed-sequence mask: segment ids and positions through the token tables
 // (cpp/cuda/kernel_args.h), and p and j become the query's and the key's positions. kDropoutOn (CUDA kernels; issue
 // 12) applies attention dropout to the probabilities (cpp/cuda/kernels/common/dropout.h).
+// BiasElement (CUDA kernels; issue 12) is the additive logit bias's element type (te_jax::cuda::BFloat16, Float16,
+// Float32), or NoBias. The kernels add the bias after Logit, s = Logit(x) + bias, from a tile they stage per key tile
+// (cpp/cuda/kernels/sm80/bias_tile.h); its gradient is dS before DLogitDDot.
 #pragma once
 
 #include "cpp/host_device.h"
@@ -16,12 +19,20 @@
 
 namespace te_jax {
 
-template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false, bool kDropoutOn = false>
+// The BiasElement of a variant without a bias.
+struct NoBias {
+  static constexpr int kBytes = 0;
+};
+
+template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false, bool kDropoutOn = false,
+          typename BiasElement = NoBias>
 struct LogitsVariant {
   static constexpr bool kHasSoftcap = kSoftcapOn;
   static constexpr bool kHasAlibi = kAlibiOn;
   static constexpr bool kHasTokens = kTokensOn;
   static constexpr bool kHasDropout = kDropoutOn;
+  static constexpr bool kHasBias = BiasElement::kBytes > 0;
+  using Bias = BiasElement;
   float scale;
   float cap;    // read only with kHasSoftcap
   float slope;  // read only with kHasAlibi; per (batch, head)

@@ -48,6 +48,7 @@ ffi::Error BackwardCuda(CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, page_table, bias, dropout,
                                 attrs, &params);
+  if (status.ok()) status = ExpectDbiasLikeBias(bias, *dbias);
   if (!status.ok()) return ToFfiError(status);
   return ToFfiError(cuda::AttentionBackward(
       params,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|features|train|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|bias|features|train|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
@@ -36,7 +36,7 @@ for s in $SECTIONS; do
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_attention.py "$REPO"/tests/test_cuda_decode.py "$REPO"/tests/test_cuda_packed.py \
-      "$REPO"/tests/test_cuda_dropout.py 2>&1 \
+      "$REPO"/tests/test_cuda_dropout.py "$REPO"/tests/test_cuda_bias.py 2>&1 \
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
@@ -64,6 +64,15 @@ for s in $SECTIONS; do
   features)
     # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
     timeout 300 python3 "$REPO/scripts/feature_cost.py" 2>&1 | grep -v Warning | tee "$OUT/feature_cost.log" ;;
+  bias)
+    # The additive bias (issue 12): its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
+    t0=$(date +%s)
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
+      "$REPO"/tests/test_cuda_bias.py \
+      "$REPO"/tests/test_bias.py::test_cuda_refuses_deterministic_with_a_summed_dbias_at_lowering 2>&1 \
+      | tee "$OUT/bias_tests.log" \
+      | grep -E "passed|failed|FAILED|^E  " | tail -40
+    echo "bias tests: $(( $(date +%s) - t0 )) s" ;;
   stress)
     # The numerics tests of te_jax's kernels with a random sleep before every pipeline wait and hand-over
     # (kernels/sm90/mbarrier.h), STRESS_ROUNDS times: a missing wait shows up as a wrong result.

@@ -71,7 +71,33 @@ DROPOUT_CASES = [
     (("dr_d256",                "float16",  1, 130, 130, 2, 2,   256, 256, "causal",             (-1, -1), 0.0,  False, False), 0.7),
 ]
 
+# Additive-bias cases (the kernels built with a bias), tests/test_cuda_bias.py: the case as above, the bias's pattern
+# (which of [B, H, Sq, Skv] it keeps full; the others are 1) and its dtype. Lengths that are not multiples of 8 make
+# the bias rows start off 16-byte boundaries; Sq = 4 keeps a bias call off the decode kernels.
+BIAS_CASES = [
+    # name,                       dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,                  window,   cap,  alibi, ragged  pattern bias dtype
+    (("bias_bhqk_causal_d128",    "bfloat16", 2, 200, 200, 4, 2,   128, 128, "causal",              (-1, -1), 0.0,  False, False), "bhqk", "bfloat16"),
+    (("bias_1hqk_fp16_f32",       "float16",  2, 130, 150, 4, 4,   64,  64,  "no_mask",             (-1, -1), 0.0,  False, False), "1hqk", "float32"),
+    (("bias_b11k_padding_ragged", "bfloat16", 3, 160, 170, 4, 2,   64,  64,  "padding_causal",      (-1, -1), 0.0,  False, True),  "b11k", "bfloat16"),
+    (("bias_11qk_softcap_alibi",  "bfloat16", 2, 180, 180, 4, 4,   64,  64,  "causal",              (32, -1), 20.0, True,  False), "11qk", "float32"),
+    (("bias_111k_mqa_d_ne_dv",    "bfloat16", 2, 100, 120, 8, 1,   40,  72,  "no_mask",             (-1, -1), 0.0,  False, False), "111k", "bfloat16"),
+    (("bias_b1q1_bottom_right",   "float16",  2, 70,  190, 4, 1,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "b1q1", "float16"),
+    (("bias_bh11_causal",         "bfloat16", 2, 90,  90,  2, 2,   64,  64,  "causal",              (-1, -1), 0.0,  True,  False), "bh11", "float32"),
+    (("bias_1hqk_d256_b1",        "bfloat16", 1, 150, 150, 2, 2,   256, 256, "causal",              (-1, -1), 0.0,  False, False), "1hqk", "float32"),
+    (("bias_bhqk_odd_lengths",    "float16",  2, 77,  93,  2, 1,   96,  32,  "no_mask",             (17, 33), 0.0,  False, False), "bhqk", "bfloat16"),
+    (("bias_b11k_decode_shape",   "bfloat16", 2, 4,   300, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "b11k", "bfloat16"),
+    (("bias_1hqk_d192_dv128",     "bfloat16", 2, 120, 140, 4, 2,   192, 128, "padding",             (-1, -1), 5.0,  False, True),  "1hqk", "bfloat16"),
+]
+
+# Packed sequences with a bias (the kernels built with both): a packed case, its kind of tokens, the bias pattern and
+# dtype.
+BIAS_PACKED_CASES = [
+    (PACKED_CASES[0][0], "ids", "1hqk", "bfloat16"),
+    (PACKED_CASES[4][0], "ids+positions", "b11k", "float32"),
+]
+
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
+_BIAS_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 _DECODE_MAX_SEQLEN_Q = 16  # cpp/cuda/kernels/decode/tile_size.h
 
 # Both backward kinds: the GPU tests run every case with deterministic=False and True.
@@ -97,3 +123,11 @@ CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_d
                                                       for direction, deterministic in (("forward", False),
                                                                                        ("backward", False),
                                                                                        ("backward", True))})]
+CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
+                 alibi=al, tokens=tokens, bias_dtype=bias)
+            for dr, det, dt, d, dv, sc, al, tokens, bias in sorted(
+                {(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12], tokens,
+                  _BIAS_DTYPE_CODES[bias_dtype])
+                 for c, tokens, bias_dtype in [(c, False, b) for c, _, b in BIAS_CASES] +
+                                              [(c, True, b) for c, _, _, b in BIAS_PACKED_CASES]
+                 for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})]

@@ -16,6 +16,7 @@ import sys
 import time
 
 DTYPES = {"bfloat16": 1, "float16": 2}
+BIAS_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # an additive bias's dtype (core codes)
 VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
 COMMON_HEAD_DIMS = [(64, 64), (128, 128), (256, 256)]
 SETS = ("common", "all-head-dims", "ci", "bench", "tests")
@@ -29,16 +30,16 @@ def config_set(name: str, arch: str) -> list[dict]:
   """Named sets: 'common' (bf16/fp16, D = Dv in 64/128/256, every variant, every direction), 'all-head-dims' (bf16,
   every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'.
   Module kinds: forward, decode (the forward of few query positions), backward and the deterministic backward; and
-  with tokens (segment ids or positions) or dropout, forward and both backwards."""
-  def make(direction, dtype, d, dv, softcap=False, alibi=False, tokens=False, dropout=False):
+  with tokens (segment ids or positions), dropout or an additive bias (of a dtype), forward and both backwards."""
+  def make(direction, dtype, d, dv, softcap=False, alibi=False, tokens=False, dropout=False, bias=None):
     kind, _, det = direction.partition("-")
     return dict(direction="forward" if kind == "decode" else kind, decode=kind == "decode", dtype=DTYPES[dtype],
                 head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi, deterministic=det == "deterministic",
-                tokens=tokens, dropout=dropout, arch=arch)
+                tokens=tokens, dropout=dropout, bias_dtype=None if bias is None else BIAS_DTYPES[bias], arch=arch)
 
   # The backward's two module kinds: atomic dq (the default) and fused_attn(deterministic=True).
   both = ("forward", "decode", "backward", "backward-deterministic")
-  # Packed sequences (segment ids, positions) and dropout run kernels built with them; never the decode kernels.
+  # Packed sequences (segment ids, positions), dropout and a bias run kernels built with them; never the decode kernels.
   packed = ("forward", "backward", "backward-deterministic")
   if name == "common":
     return [make(dr, dt, d, dv, sc, al) for dr, dt, (d, dv), (sc, al) in
@@ -54,7 +55,9 @@ def config_set(name: str, arch: str) -> list[dict]:
              ("bfloat16", 256, 256, False, True), ("float16", 8, 8, False, False))] + \
            [make(dr, dt, d, dv, sc, al, tokens=True) for dr in packed for dt, d, dv, sc, al in
             (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True))] + \
-           [make(dr, "bfloat16", 128, 128, dropout=True) for dr in packed]
+           [make(dr, "bfloat16", 128, 128, dropout=True) for dr in packed] + \
+           [make(dr, dt, d, dv, sc, al, bias=bias) for dr in packed for dt, d, dv, sc, al, bias in
+            (("bfloat16", 128, 128, False, False, "bfloat16"), ("float16", 64, 64, True, True, "float32"))]
   if name == "bench":
     return [make(dr, "bfloat16", d, d) for dr in both for d in (64, 128, 256)]
   if name == "tests":

@@ -169,7 +169,9 @@ def test_without_bias_hlo_passes_the_placeholder():
 
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU (the refusal itself is "
                     "tested without one at the validation layer, tests/test_descriptor.py)")
-def test_cuda_refuses_a_bias_at_lowering():
-  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
-    jax.jit(lambda q, b: te_jax.fused_attn(q, q, q, bias=b)).lower(q, jnp.zeros((1, 2, 8, 8), jnp.bfloat16))
+def test_cuda_refuses_deterministic_with_a_summed_dbias_at_lowering():
+  q = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
+  loss = lambda q, b: jnp.sum(te_jax.fused_attn(q, q, q, bias=b, deterministic=True).astype(jnp.float32))  # noqa: E731
+  with pytest.raises(ValueError, match="deterministic=True with a broadcast bias"):
+    jax.jit(jax.grad(loss, argnums=1)).lower(q, jnp.zeros((1, 2, 8, 8), jnp.bfloat16))
+  jax.jit(jax.grad(loss, argnums=1)).lower(q, jnp.zeros((2, 2, 8, 8), jnp.bfloat16))  # full shape: deterministic

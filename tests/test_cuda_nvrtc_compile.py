@@ -127,3 +127,32 @@ def test_large_head_dims_run_the_deterministic_backward():
   assert names == ["bwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x64", "bwd_det_bf16_d128_dv128_scaled_sm_90a_sm90_128x64"]
   assert ext.kernel_name(dict(direction="backward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False,
                               arch="sm_80")) == "bwd_bf16_d128_dv128_scaled_sm_80"
+
+
+def test_bias_modules_are_sm80_family_with_32_row_tiles():
+  # A bias runs te_jax's sm80 family on every arch (its forward iterates 32-key tiles), never the decode kernels.
+  base = dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, arch="sm_90a")
+  assert ext.kernel_name(dict(base, direction="forward", bias_dtype=0)) == \
+      "fwd_bf16_d128_dv128_scaled_bias_f32_sm_90a_sm80_128x32"
+  assert ext.kernel_name(dict(base, direction="backward", bias_dtype=1)) == "bwd_bf16_d128_dv128_scaled_bias_bf16_sm_90a"
+  assert ext.kernel_name(dict(base, direction="backward", deterministic=True, bias_dtype=2, tokens=True)) == \
+      "bwd_det_bf16_d128_dv128_scaled_tokens_bias_fp16_sm_90a"
+  assert ext.kernel_name(dict(base, direction="forward", bias_dtype=None)) == "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
+  with pytest.raises(ValueError, match="decode kernels take no bias"):
+    ext.kernel_name(dict(base, direction="forward", decode=True, bias_dtype=1))
+  with pytest.raises(ValueError, match="bias_dtype must be"):
+    ext.kernel_name(dict(base, direction="forward", bias_dtype=7))
+
+
+def test_backward_workspace_holds_a_summed_dbias_accumulator():
+  # dbias sums over a broadcast dim: a float32 accumulator of the bias's shape after the dq accumulator (256-byte
+  # aligned); a full-shape bias is written directly and needs nothing.
+  def params(deterministic, broadcast):
+    return dict(_backward_params(64, 64, deterministic), has_bias=True, bias_dtype=1, bias_broadcast=broadcast)
+
+  dq_accum = ext.workspace_bytes(_backward_params(64, 64, False), "backward")
+  assert ext.workspace_bytes(params(False, 0), "backward") == dq_accum
+  assert ext.workspace_bytes(params(True, 0), "backward") == 0
+  bias_elements = 4 * 100 * 90  # [1, H, Sq, Skv] of [2, 4, 100, 90]
+  assert ext.workspace_bytes(params(False, 0b0001), "backward") == (dq_accum + 255) // 256 * 256 + 4 * bias_elements
+  assert ext.workspace_bytes(params(False, 0b1111), "backward") == (dq_accum + 255) // 256 * 256 + 4

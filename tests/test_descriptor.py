@@ -290,10 +290,18 @@ def test_validate_accepts_and_backend_rules():
   te_jax_cpu.validate(dict(no_bias, dropout_threshold=0), 1)  # bf16 on CUDA is fine
   for engine in (0, 1):  # the shared rules take dropout on CUDA (the cuDNN engine's own contract refuses it)
     te_jax_cpu.validate(dict(no_bias, engine=engine), 1)
-  with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
-    te_jax_cpu.validate(PARAMS, 1)  # CUDA refuses a bias (both engines)
-  with pytest.raises(ValueError, match="bias runs on the CPU backend only so far"):
-    te_jax_cpu.validate(dict(PARAMS, engine=1), 1)
+  with_bias = dict(PARAMS, dropout_threshold=0)  # bias [1, H, 1, Skv] of [3, 4, 37, 65], deterministic=True
+  for engine in (0, 1):  # CUDA takes a bias (te_jax's kernels; cuDNN's contract refuses it when the engine is chosen)
+    te_jax_cpu.validate(dict(with_bias, engine=engine), 1)
+  # The CUDA backward sums dbias over broadcast dims with float atomics: deterministic=True needs a bias whose
+  # gradient sums over no dim (full shape, or size-1 dims of extent 1). The CPU backward's sums are deterministic.
+  with pytest.raises(ValueError, match=r"deterministic=True with a broadcast bias \(shape \[1, 4, 1, 65\] for "
+                                       r"\[B, H, Sq, Skv\] = \[3, 4, 37, 65\]\) on the GPU.*full shape"):
+    te_jax_cpu.validate(with_bias, 1, "backward")
+  te_jax_cpu.validate(with_bias, 0, "backward")
+  te_jax_cpu.validate(dict(with_bias, deterministic=False), 1, "backward")
+  te_jax_cpu.validate(dict(with_bias, bias_broadcast=0), 1, "backward")
+  te_jax_cpu.validate(dict(with_bias, batch=1, seqlen_q=1), 1, "backward")
   with pytest.raises(ValueError, match="float32"):
     te_jax_cpu.validate(dict(PARAMS, dtype=0), 1)  # CUDA refuses float32
   te_jax_cpu.validate(dict(PARAMS, dtype=0), 0)

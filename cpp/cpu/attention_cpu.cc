@@ -795,7 +795,7 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
 
 Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& buffers, TaskScheduler* scheduler) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
-  TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(params));
+  TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
   const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);

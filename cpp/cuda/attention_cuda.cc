@@ -1,7 +1,10 @@
 #include "cpp/cuda/attention_cuda.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
+#include "cpp/bias.h"
 #include "cpp/cuda/cudnn/cudnn_attention.h"
 #include "cpp/cuda/decode_geometry.h"
 #include "cpp/cuda/dynamic_libs.h"
@@ -73,6 +76,25 @@ Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
   if (given >= needed) return Status::Ok();
   return Status::InvalidArgument(std::string("the ") + direction + "'s workspace has " + std::to_string(given) +
                                  " bytes; this call needs " + std::to_string(needed));
+}
+
+// The bias operand for the kernels (zeros without a bias). The kernels copy it in 16-byte chunks, so its buffer must
+// start on a 16-byte boundary, which XLA's buffers always do.
+Status MakeBiasArgs(const AttentionParams& p, const void* data, BiasArgs* args) {
+  *args = BiasArgs{};
+  if (!p.has_bias) return Status::Ok();
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) {
+    return Status::InvalidArgument("the CUDA kernels read the bias in 16-byte chunks: its buffer must be 16-byte "
+                                   "aligned");
+  }
+  const BiasLayout layout = MakeBiasLayout(p);
+  args->data = data;
+  args->batch_stride = layout.batch_stride;
+  args->head_stride = layout.head_stride;
+  args->query_stride = static_cast<int32_t>(layout.query_stride);  // Skv or 0: 32 bits (ValidateAttentionParams)
+  args->key_stride = static_cast<int32_t>(layout.key_stride);
+  args->elements = layout.elements();
+  return Status::Ok();
 }
 
 // The token tables of a packed-sequence call, built by the module's last two kernels (a warp per 64-token granule of
@@ -177,9 +199,12 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   CallModule call;
   TE_JAX_RETURN_IF_ERROR(Module(p, Direction::kForward, &call));
   TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, ForwardWorkspaceBytes(p), "forward"));
+  BiasArgs bias;
+  TE_JAX_RETURN_IF_ERROR(MakeBiasArgs(p, b.bias, &bias));
   ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse,
                    MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, b.workspace),
-                   MakeDropoutArgs(p, b.dropout)};
+                   MakeDropoutArgs(p, b.dropout),
+                   bias};
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
   if (call.family == KernelFamily::kDecode) {
     if (p.batch == 0 || p.num_heads == 0) return Status::Ok();
@@ -187,7 +212,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   if (call.family == KernelFamily::kSm80) {
     TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
-    const sm80::TileSize tile = sm80::ForwardTileSize(d, dv);
+    const sm80::TileSize tile = sm80::ForwardTileSize(d, dv, p.has_bias);
     return Launch(driver, call.module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
                   static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * tile.warps,
                   call.module->smem_bytes[0], stream, &args);
@@ -243,10 +268,6 @@ Status EncodeBackwardTensorMaps(const DriverApi* driver, const AttentionParams& 
   return Status::Ok();
 }
 
-}  // namespace
-
-namespace {
-
 // The float dq accumulator's bytes (0 when the call does not accumulate dq).
 int64_t DqAccumBytes(const AttentionParams& p) {
   if (!AccumulatesDq(p)) return 0;
@@ -256,17 +277,39 @@ int64_t DqAccumBytes(const AttentionParams& p) {
   return p.batch * p.num_heads * l.slices * rows * l.cols * static_cast<int64_t>(sizeof(float));
 }
 
+// The float dbias accumulator's bytes: a copy of the bias's shape where dbias sums over some dim (0 otherwise: the
+// dk/dv kernel writes each element of dbias once).
+int64_t DbiasAccumBytes(const AttentionParams& p) {
+  return p.has_bias && BiasGradientSums(p) ? MakeBiasLayout(p).elements() * static_cast<int64_t>(sizeof(float)) : 0;
+}
+
+// te_jax's backward scratch, in order: the dq accumulator, the dbias accumulator, the token tables, each from a
+// 256-byte boundary; a part the call does not use takes no bytes.
+struct BackwardWorkspace {
+  int64_t dbias_accum_offset;
+  int64_t token_tables_offset;
+  int64_t bytes;
+};
+
+BackwardWorkspace BackwardWorkspaceLayout(const AttentionParams& p) {
+  BackwardWorkspace w;
+  const int64_t dq = DqAccumBytes(p), dbias = DbiasAccumBytes(p);
+  w.dbias_accum_offset = (dq + 255) / 256 * 256;
+  w.token_tables_offset = TokenTablesOffset(w.dbias_accum_offset + dbias);
+  w.bytes = UsesTokens(p) ? w.token_tables_offset + TokenTablesBytes(p) : dbias > 0 ? w.dbias_accum_offset + dbias : dq;
+  return w;
+}
+
 }  // namespace
 
-// te_jax's kernels: the dq accumulator, then the token tables.
 int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
   if (p.engine == Engine::kCudnn) return cudnn::BackwardWorkspaceBytes(p);
-  if (!UsesTokens(p)) return DqAccumBytes(p);
-  return TokenTablesOffset(DqAccumBytes(p)) + TokenTablesBytes(p);
+  return BackwardWorkspaceLayout(p).bytes;
 }
 
 Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
+  TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(p, Backend::kCuda));
   TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, BackwardWorkspaceBytes(p), "backward"));
   if (p.engine == Engine::kCudnn) return cudnn::Backward(p, b, stream);
   const DriverApi* driver = nullptr;
@@ -276,7 +319,11 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   const LoadedModule* module = call.module;
   const bool accumulate_dq = AccumulatesDq(p);
   float* dq_accum = accumulate_dq ? static_cast<float*>(b.workspace) : nullptr;
-  void* token_tables = static_cast<char*>(b.workspace) + TokenTablesOffset(DqAccumBytes(p));
+  const BackwardWorkspace workspace = BackwardWorkspaceLayout(p);
+  void* token_tables = static_cast<char*>(b.workspace) + workspace.token_tables_offset;
+  BiasArgs bias;
+  TE_JAX_RETURN_IF_ERROR(MakeBiasArgs(p, b.bias, &bias));
+  const bool dbias_accum = DbiasAccumBytes(p) > 0;
   BackwardArgs args{MakeShape(p),
                     b.q,
                     b.k,
@@ -294,7 +341,18 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                     static_cast<float*>(b.dq),
                     dq_accum,
                     MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, token_tables),
-                    MakeDropoutArgs(p, b.dropout)};
+                    MakeDropoutArgs(p, b.dropout),
+                    bias,
+                    b.dbias,
+                    dbias_accum ? reinterpret_cast<float*>(static_cast<char*>(b.workspace) + workspace.dbias_accum_offset)
+                                : nullptr};
+  // Without a single (b, h, i, j) pair no kernel adds to dbias, whose elements (of size-1 dims) are then all 0.
+  const bool no_pairs = p.batch == 0 || p.seqlen_q == 0 || p.seqlen_kv == 0;
+  if (p.has_bias && no_pairs) {
+    const CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(b.dbias), 0,
+                                               static_cast<size_t>(args.bias.elements * DTypeSize(p.bias_dtype)), stream);
+    if (r != CUDA_SUCCESS) return Status::Internal("te_jax: zeroing dbias failed: " + driver->ErrorString(r));
+  }
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, module, p, stream, &args));
   const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, sm80::kRowKernelThreads / 32);
@@ -317,19 +375,25 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                   static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kBackwardThreads,
                   module->smem_bytes[2], stream, &tma);
   }
-  const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv, accumulate_dq);
+  const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv, accumulate_dq, p.has_bias);
   // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, dkdv.block_m),
                                 static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch * dkdv.slices),
                                 32 * dkdv.warps, module->smem_bytes[1], stream, &args));
   if (accumulate_dq) {
-    return Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
-                  sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args);
+    TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
+                                  sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args));
+  } else {
+    const sm80::TileSize dq = sm80::BackwardDqTileSize(d, dv, p.has_bias);
+    TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, dq.block_m),
+                                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * dq.warps,
+                                  module->smem_bytes[2], stream, &args));
   }
-  const sm80::TileSize dq = sm80::BackwardDqTileSize(d, dv);
-  return Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, dq.block_m),
-                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * dq.warps,
-                module->smem_bytes[2], stream, &args);
+  if (!dbias_accum || no_pairs) return Status::Ok();
+  // A grid-stride loop: enough blocks to fill the GPU, not one per 256 elements of a large bias.
+  const unsigned blocks = CeilDiv(std::min<int64_t>(args.bias.elements, int64_t{1} << 22), sm80::kRowKernelThreads);
+  return Launch(driver, module->kernels[3], "attention backward dbias conversion", blocks, 1, 1, sm80::kRowKernelThreads,
+                0, stream, &args);
 }
 
 }  // namespace te_jax::cuda

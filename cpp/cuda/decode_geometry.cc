@@ -14,11 +14,11 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-// Packed sequences (segment ids, positions) and dropout run on the sm80 family, which has them; the decode kernels do
-// not.
+// Packed sequences (segment ids, positions), dropout and a bias run on the families that have them; the decode kernels
+// have none of them.
 bool UsesDecodeKernels(const AttentionParams& p) {
   return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ && !p.has_segment_ids && !p.has_positions &&
-         p.dropout_threshold == 0;
+         p.dropout_threshold == 0 && !p.has_bias;
 }
 
 int DecodeKernelFor(const AttentionParams& p) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cpp/bias.h"
 #include "cpp/cuda/attention_cuda.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_registry.h"
@@ -146,6 +147,12 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   void* dropout;  // the key (0, 0) at offsets (0, 0, 0, 0)
   TE_JAX_RETURN_IF_ERROR(scratch.Alloc(6 * 4, &dropout));
   TE_JAX_RETURN_IF_ERROR(scratch.Fill32(dropout, 6, 0));
+  // A bias of the call's shape (zeros) and its gradient; one unread element without a bias.
+  const int64_t bias_bytes = (p.has_bias ? MakeBiasLayout(p).elements() : 1) * DTypeSize(p.bias_dtype);
+  void *bias, *dbias;
+  TE_JAX_RETURN_IF_ERROR(scratch.Alloc(bias_bytes, &bias));
+  TE_JAX_RETURN_IF_ERROR(scratch.Alloc(bias_bytes, &dbias));
+  TE_JAX_RETURN_IF_ERROR(scratch.Fill16(bias, bias_bytes / 2, 0));
 
   ForwardBuffers fb;
   fb.q = q;
@@ -157,6 +164,7 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   fb.q_segment_ids = fb.kv_segment_ids = static_cast<const int32_t*>(ids);
   fb.q_positions = fb.kv_positions = static_cast<const int32_t*>(positions);
   fb.dropout = static_cast<const uint32_t*>(dropout);
+  fb.bias = bias;
   fb.out = out;
   fb.lse = static_cast<float*>(lse);
   fb.workspace = workspace;
@@ -184,6 +192,8 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
     bb.q_segment_ids = bb.kv_segment_ids = fb.q_segment_ids;
     bb.q_positions = bb.kv_positions = fb.q_positions;
     bb.dropout = fb.dropout;
+    bb.bias = bias;
+    bb.dbias = dbias;
     bb.dq = dq;
     bb.dk = dk;
     bb.dv = dv;

@@ -60,6 +60,18 @@ struct DropoutArgs {
   float keep_scale;
 };
 
+// The additive logit bias (issue 12): the operand as given, [B|1, H|1, Sq|1, Skv|1] in the module's bias element type
+// (LogitsVariant::Bias), 16-byte aligned; element (b, h, i, j) at b * batch_stride + h * head_stride + i *
+// query_stride + j * key_stride, each stride 0 along a broadcast dim (cpp/bias.h's BiasLayout). Zeros without a bias.
+struct BiasArgs {
+  const void* data;
+  int64_t batch_stride;
+  int64_t head_stride;
+  int32_t query_stride;
+  int32_t key_stride;
+  int64_t elements;  // of the operand: reads stay below it
+};
+
 struct ForwardArgs {
   ShapeArgs shape;
   const void* q;
@@ -72,6 +84,7 @@ struct ForwardArgs {
   float* lse;
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
   DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
+  BiasArgs bias;     // read only by kernels built with a bias (LogitsVariant::kHasBias)
 };
 
 // The decode kernels' parameters (kernels/decode/): the forward's, and the launch geometry the host chose. A CTA
@@ -153,6 +166,12 @@ struct BackwardArgs {
   float* dq_accum;
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
   DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
+  BiasArgs bias;     // read only by kernels built with a bias (LogitsVariant::kHasBias), like the two below
+  // dbias, bias's shape and dtype. Where no dim of it is summed (each of its elements is one (b, h, i, j)), the dk/dv
+  // kernel writes it directly, every element once; otherwise it adds to dbias_accum, a float32 copy of bias's shape in
+  // the workspace (zeroed by the preprocess kernel), which the bias-gradient kernel then converts (null: direct).
+  void* dbias;
+  float* dbias_accum;
 };
 
 // The sm90 backward's parameters (both kernels): the backward's, and TMA tensor maps of q, k, v and dout as for the

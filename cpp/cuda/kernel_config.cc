@@ -18,6 +18,12 @@ const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", 
 const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
                                                      "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq",
                                                      "te_jax_token_tables", "te_jax_token_spans"};
+const char* const kBiasBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
+                                            "te_jax_attention_backward_dq_convert", "te_jax_bias_grad_convert",
+                                            "te_jax_token_tables", "te_jax_token_spans"};
+const char* const kBiasDeterministicBackwardEntries[] = {
+    "te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq",
+    "te_jax_bias_grad_convert", "te_jax_token_tables", "te_jax_token_spans"};
 
 const char* const kDecodeEntries[] = {"te_jax_attention_decode_rows16", "te_jax_attention_decode_rows64",
                                       "te_jax_attention_decode_combine"};
@@ -38,6 +44,16 @@ const char* VariantName(bool softcap, bool alibi) {
   return alibi ? "alibi" : "scaled";
 }
 
+// The bias's element type in module names and in the rendered source.
+const char* BiasName(DType dtype) {
+  return dtype == DType::kFloat32 ? "_bias_f32" : dtype == DType::kBFloat16 ? "_bias_bf16" : "_bias_fp16";
+}
+const char* BiasElement(DType dtype) {
+  return dtype == DType::kFloat32    ? "te_jax::cuda::Float32"
+         : dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16"
+                                     : "te_jax::cuda::Float16";
+}
+
 }  // namespace
 
 const char* const* KernelConfig::EntryPoints(int* count) const {
@@ -54,14 +70,18 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     *count = 1 + token_kernels;
     return kForwardEntries;
   }
+  if (bias) {
+    *count = 4 + token_kernels;
+    return deterministic ? kBiasDeterministicBackwardEntries : kBiasBackwardEntries;
+  }
   *count = 3 + token_kernels;
   return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
 }
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  // Dropout is on the sm80 family only so far.
-  if (kind != ModuleKind::kAttention || arch != "sm_90a" || dropout) return KernelFamily::kSm80;
+  // Dropout and a bias are on the sm80 family only so far.
+  if (kind != ModuleKind::kAttention || arch != "sm_90a" || dropout || bias) return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
                                                        : sm90::ServesBackward(head_dim, head_dim_v);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
@@ -75,7 +95,8 @@ std::string KernelConfig::BaseName() const {
   const char* what = decode ? "dec" : direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
-                     VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + (dropout ? "_dropout" : "") + "_" + arch;
+                     VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + (dropout ? "_dropout" : "") +
+                     (bias ? BiasName(bias_dtype) : "") + "_" + arch;
   if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
@@ -85,7 +106,7 @@ std::string KernelConfig::BaseName() const {
     const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens);
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
-  const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v);
+  const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v, bias);
   return name + "_sm80_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
 }
 
@@ -100,7 +121,7 @@ std::string KernelConfig::RenderSource() const {
   const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
   const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
                               (alibi ? "true" : "false") + ", " + (tokens ? "true" : "false") + ", " +
-                              (dropout ? "true" : "false") + ">";
+                              (dropout ? "true" : "false") + (bias ? std::string(", ") + BiasElement(bias_dtype) : "") + ">";
   const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
   std::string src = "// te_jax JIT translation unit: " + Name() + "\n" +
                     (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
@@ -157,7 +178,8 @@ std::string KernelConfig::RenderSource() const {
   } else {
     const std::string dq_kernel = deterministic ? "Dq" : "DqConvert";
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
-           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims + ">;\n"
+           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims +
+           (bias ? ", true" : "") + ">;\n"
            "using DkDv = te_jax::cuda::sm80::BackwardDkDvKernel<" + element + ", " + dims + ", " + variant + ", " +
            (deterministic ? "false" : "true") + ">;\n";
     src += deterministic
@@ -169,6 +191,12 @@ std::string KernelConfig::RenderSource() const {
     for (int i = 0; i < 3; ++i) {
       src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
              "(const te_jax::cuda::BackwardArgs args) { " + kernels[i] + "::Run(args); }\n";
+    }
+    if (bias) {
+      src += std::string("using BiasGradConvert = te_jax::cuda::sm80::BiasGradConvertKernel<") +
+             BiasElement(bias_dtype) + ">;\n"
+             "extern \"C\" __global__ void __launch_bounds__(BiasGradConvert::kThreads)\n" + entries[3] +
+             "(const te_jax::cuda::BackwardArgs args) { BiasGradConvert::Run(args); }\n";
     }
     if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
   }
@@ -187,6 +215,8 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
                     (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
   c.tokens = UsesTokens(params);
   c.dropout = params.dropout_threshold > 0;
+  c.bias = params.has_bias;
+  c.bias_dtype = params.has_bias ? params.bias_dtype : DType::kFloat32;
   c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   c.arch = arch;
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");

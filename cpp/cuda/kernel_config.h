@@ -43,6 +43,11 @@ struct KernelConfig {
   // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); the sm80
   // family serves it on every arch.
   bool dropout = false;
+  // An additive logit bias (issue 12) of element type bias_dtype: the kernels built with the variant's bias, their
+  // 32-row iteration tiles (sm80/tile_size.h), and in the backward the dbias conversion kernel as the entry after the
+  // attention kernels. The sm80 family serves it on every arch.
+  bool bias = false;
+  DType bias_dtype = DType::kFloat32;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.
@@ -53,8 +58,8 @@ struct KernelConfig {
   std::string BaseName() const;  // the name without the stress suffix
   std::string RenderSource() const;
   // Entry points of the module (forward: 1; decode: the 16-row and 64-row kernels, the combine; backward:
-  // preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv, dq), then with tokens the
-  // token tables and spans kernels, which run first.
+  // preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv, dq), then in a backward with a
+  // bias the dbias conversion, then with tokens the token tables and spans kernels, which run first.
   const char* const* EntryPoints(int* count) const;
 };
 

@@ -93,10 +93,13 @@ int SmemBytes(const KernelConfig& c, int index) {
     if (index == 1) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens);
     return index == 2 && c.deterministic ? sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, false, c.tokens) : 0;
   }
-  // The token-table kernels (the last two entries with tokens) take no dynamic shared memory.
-  if (c.direction == Direction::kForward) return index == 0 ? sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;
-  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens);
-  if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v, c.tokens);
+  // The token-table kernels (the last two entries with tokens) and the dbias conversion take no dynamic shared memory.
+  const int bias_bytes = c.bias ? DTypeSize(c.bias_dtype) : 0;
+  if (c.direction == Direction::kForward) {
+    return index == 0 ? sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, bias_bytes) : 0;
+  }
+  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens, bias_bytes);
+  if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v, c.tokens, bias_bytes);
   return 0;
 }
 

@@ -26,7 +26,8 @@ struct JitReport {
 Status EnsureCubin(const KernelConfig& config, JitReport* report);
 
 struct LoadedModule {
-  static constexpr int kMaxKernels = 5;  // KernelConfig::EntryPoints: at most 3, and the 2 token-table kernels
+  // KernelConfig::EntryPoints: at most 3, the dbias conversion, and the 2 token-table kernels.
+  static constexpr int kMaxKernels = 6;
   CUkernel kernels[kMaxKernels] = {};
   int count = 0;
   int smem_bytes[kMaxKernels] = {};

@@ -32,6 +32,10 @@ Status CheckCudnnContract(const AttentionParams& p) {
   if (p.page_size > 0) {
     return Status::InvalidArgument("the cuDNN engine does not read a paged KV cache (te_jax's decode kernels do)");
   }
+  if (p.has_bias) {
+    // cuDNN's SDPA takes a bias (and gives dbias for some broadcast shapes), not wired up yet; te_jax's kernels serve it.
+    return Status::InvalidArgument("the cuDNN engine does not take a bias yet (issue 12; te_jax's kernels do)");
+  }
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return Status::InvalidArgument("cuDNN's graphs need non-empty tensors (batch, seqlen_q and seqlen_kv >= 1)");
   }

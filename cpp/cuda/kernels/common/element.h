@@ -1,5 +1,6 @@
 // The 16-bit element types the kernels read and write, as tags: storage is uint16_t, arithmetic is float32, and the
-// conversions are single PTX instructions, so the kernels need none of the CUDA half/bfloat16 headers.
+// conversions are single PTX instructions, so the kernels need none of the CUDA half/bfloat16 headers. A logit bias
+// (issue 12) may also be float32 (Float32, a bias element type only).
 #pragma once
 
 #include "cpp/host_device.h"
@@ -7,6 +8,7 @@
 namespace te_jax::cuda {
 
 struct BFloat16 {
+  static constexpr int kBytes = 2;
   static constexpr bool kIsBf16 = true;
   static constexpr uint16_t kExponentBits = 0x7F80;  // all set: inf or NaN
   // Two floats -> one register holding {lo, hi} (lo in the low half), rounded to nearest even.
@@ -19,6 +21,7 @@ struct BFloat16 {
 };
 
 struct Float16 {
+  static constexpr int kBytes = 2;
   static constexpr bool kIsBf16 = false;
   static constexpr uint16_t kExponentBits = 0x7C00;
   static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
@@ -31,6 +34,10 @@ struct Float16 {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
     return f;
   }
+};
+
+struct Float32 {
+  static constexpr int kBytes = 4;
 };
 
 // A compile-time bool as a type, for generic lambdas instantiated both ways (NVRTC has no <type_traits>).

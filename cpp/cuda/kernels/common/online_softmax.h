@@ -77,6 +77,15 @@ struct OnlineSoftmax {
       lse[r] = sees_keys[r] ? max[r] * kLn2 + logf(l) : -__int_as_float(0x7f800000);
     }
   }
+
+  // Finish where an additive bias can leave a row that sees keys no probability: every visible logit -inf (a -inf
+  // bias used as a mask) makes its sum 0 (a NaN logit makes it NaN), and the row gets out = 0 and lse = -inf like a
+  // row that sees no key; sees_keys says so afterwards.
+  __device__ __forceinline__ void FinishWithBias(bool (&sees_keys)[2], float (&inv_sum)[2], float (&lse)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sees_keys[r] = sees_keys[r] && QuadSum(sum[r]) != 0.0f;
+    Finish(sees_keys, inv_sum, lse);
+  }
 };
 
 }  // namespace te_jax::cuda

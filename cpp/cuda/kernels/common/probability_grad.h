@@ -16,21 +16,34 @@ struct Masked {
 // The per-element logit/probability/dS algebra shared by the dk/dv and dq kernels.
 template <typename Variant>
 struct ProbabilityGrad {
-  // p = exp(logit - lse) where visible, else 0; ds = p * (dp - delta') * dlogit/ddot. delta' = delta - dlse. With
-  // dropout, `keep` is the element's factor (1 / (1 - rate) or 0; dropout.h): x_to_p becomes p * keep (what dV takes)
-  // and ds = p * (keep * dp - delta') * dlogit/ddot; without it, keep is the constant 1 and folds away.
-  static __device__ __forceinline__ void Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
-                                               int key, bool visible, float lse, float delta, float keep = 1.0f) {
+  // p = exp(logit - lse) where visible, else 0; ds = p * (dp - delta') * dlogit/ddot. delta' = delta - dlse. With an
+  // additive bias the logit is Logit(x) + bias. With dropout, `keep` is the element's factor (1 / (1 - rate) or 0;
+  // dropout.h): x_to_p becomes p * keep (what dV takes) and the logit's gradient p * (keep * dp - delta'); without it
+  // keep is the constant 1 and folds away. Returns the logit's gradient (and so the bias's).
+  static __device__ __forceinline__ float Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
+                                                int key, bool visible, float lse, float delta, float bias = 0.0f,
+                                                float keep = 1.0f) {
     const float x = x_to_p;
     float p;
-    if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi) {
+    if constexpr (!Variant::kHasSoftcap && !Variant::kHasAlibi && !Variant::kHasBias) {
       // The plain scaled dot product: scale * log2 e folds into the one FMA (both factors are loop invariant).
       p = visible ? Exp2(fmaf(x, variant.scale * kLog2e, -lse * kLog2e)) : 0.0f;
     } else {
-      p = visible ? Exp2(fmaf(variant.Logit(x, pos, key), kLog2e, -lse * kLog2e)) : 0.0f;
+      if constexpr (Variant::kHasBias) {
+        // A row whose every visible logit is -inf (a -inf bias) has lse = -inf: its p is 0, not exp(-inf + inf) = NaN.
+        if (lse == -__int_as_float(0x7f800000)) lse = __int_as_float(0x7f800000);
+      }
+      p = visible ? Exp2(fmaf(Logit(variant, x, pos, key, bias), kLog2e, -lse * kLog2e)) : 0.0f;
     }
     x_to_p = p * keep;
-    dp_to_ds = p * (keep * dp_to_ds - delta) * variant.DLogitDDot(x);
+    const float dlogit = p * (keep * dp_to_ds - delta);
+    dp_to_ds = dlogit * variant.DLogitDDot(x);
+    return dlogit;
+  }
+
+  static __device__ __forceinline__ float Logit(const Variant& variant, float x, int64_t pos, int key, float bias) {
+    if constexpr (Variant::kHasBias) return variant.Logit(x, pos, key) + bias;
+    return variant.Logit(x, pos, key);
   }
 };
 

@@ -11,6 +11,10 @@
 //        accumulator with float atomics (FlashAttention-2's scheme): s and dp are computed once, not twice, at the
 //        price of an addition order, and so dq's last bits, that vary between runs.
 //     3. DqConvert: the accumulator to dq's element type.
+//   With an additive bias (the variant's Bias) both add it to each recomputed logit, and the DkDv kernel turns each
+//   step's dS before the logit's derivative into dbias (kernels/sm80/bias_tile.h): written directly when no dim of the
+//   bias is broadcast, else added to a float accumulator of the bias's shape that the preprocess zeroes and a last
+//   kernel (BiasGradConvert) converts.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -21,6 +25,7 @@
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
+#include "cpp/cuda/kernels/sm80/bias_tile.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
@@ -73,7 +78,8 @@ __device__ __forceinline__ float WarpRowDot(const uint16_t* out_row, const uint1
   return acc;
 }
 
-template <typename Element, int kD, int kDv>
+// kBias: the module takes a bias, whose float dbias accumulator (when the call has one) this kernel zeroes too.
+template <typename Element, int kD, int kDv, bool kBias = false>
 struct BackwardPreprocessKernel {
   static constexpr int kThreads = kRowKernelThreads;
   // Writes scratch[(b * H + h) * Sq + i] = rowsum(dout * out) - dlse and, when the call accumulates dq in float,
@@ -92,10 +98,27 @@ struct BackwardPreprocessKernel {
         for (int c = w.lane; c < Accum::kLayout.cols / 4; c += 32) row[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
+    if constexpr (kBias) {
+      if (args.dbias_accum != nullptr) ZeroBiasGradRow(args, w);
+    }
     if (w.lane == 0) {
       const int64_t at = (static_cast<int64_t>(w.b) * s.num_heads + w.h) * s.seqlen_q + w.i;
       args.delta_scratch[at] = acc - args.dlse[at];
     }
+  }
+
+  // The dbias accumulator row of (b, h, i), zeroed by the one warp whose coordinates along the bias's broadcast dims
+  // are 0.
+  static __device__ __forceinline__ void ZeroBiasGradRow(const BackwardArgs& args, const RowOfWarp& w) {
+    const BiasArgs& bias = args.bias;
+    if ((bias.batch_stride == 0 && w.b != 0) || (bias.head_stride == 0 && w.h != 0) ||
+        (bias.query_stride == 0 && w.i != 0)) {
+      return;
+    }
+    float* row = args.dbias_accum + w.b * bias.batch_stride + w.h * bias.head_stride +
+                 static_cast<int64_t>(w.i) * bias.query_stride;
+    const int keys = bias.key_stride == 0 ? 1 : args.shape.seqlen_kv;
+    for (int j = w.lane; j < keys; j += 32) row[j] = 0.0f;
   }
 };
 
@@ -119,9 +142,24 @@ struct BackwardDqConvertKernel {
   }
 };
 
+// The last step where dbias sums over some dim: its float accumulator to the bias's element type.
+template <typename Bias>
+struct BiasGradConvertKernel {
+  static constexpr int kThreads = kRowKernelThreads;
+  static __device__ __forceinline__ void Run(const BackwardArgs& args) {
+    using Element = BiasElementOf<Bias>;
+    auto* dbias = static_cast<typename Element::Storage*>(args.dbias);
+    const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < args.bias.elements; i += step) {
+      Element::StoreGlobal(dbias + i, args.dbias_accum[i]);
+    }
+  }
+};
+
 template <typename Element, int kD, int kDv, typename Variant, bool kAccumulateDq>
 struct BackwardDkDvKernel {
-  static constexpr TileSize kTile = BackwardDkDvTileSize(kD, kDv, kAccumulateDq);
+  static constexpr bool kBias = Variant::kHasBias;
+  static constexpr TileSize kTile = BackwardDkDvTileSize(kD, kDv, kAccumulateDq, kBias);
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kTile.block_m;  // keys
@@ -139,12 +177,17 @@ struct BackwardDkDvKernel {
   using OTile = SmemTile<kBlockN, kDvP>;
   using DsTile = SmemTile<kBlockM, kBlockN>;  // ds^T of the step, [key][query]
   static constexpr bool kTokens = Variant::kHasTokens;
-  // A stage: q, dout, the rows' lse and delta', and with tokens the rows' token entries (kernels/common/token_mask.h).
-  static constexpr int kStageBytes = QTile::kBytes + OTile::kBytes + 2 * 4 * kBlockN + (kTokens ? 16 * kBlockN : 0);
-  static constexpr int kSmemBytes =
-      KTile::kBytes + VTile::kBytes + 2 * kStageBytes + (kAccumulateDq ? DsTile::kBytes : 0);
+  // The step's bias tile [queries][keys], and its dS for dbias (kernels/sm80/bias_tile.h).
+  using BiasStage = BiasTile<typename Variant::Bias, kBlockN, kBlockM>;
+  using BiasGrad = BiasGradTile<typename Variant::Bias, kBlockN, kBlockM, kThreads>;
+  // A stage: q, dout, the rows' lse and delta', with tokens the rows' token entries (kernels/common/token_mask.h), with
+  // a bias its tile.
+  static constexpr int kStageBytes = QTile::kBytes + OTile::kBytes + 2 * 4 * kBlockN + (kTokens ? 16 * kBlockN : 0) +
+                                     (kBias ? BiasStage::kBytes : 0);
+  static constexpr int kSmemBytes = KTile::kBytes + VTile::kBytes + 2 * kStageBytes +
+                                    (kAccumulateDq ? DsTile::kBytes : 0) + (kBias ? BiasGrad::kBytes : 0);
   static_assert(kBlockM == 16 * kWarps, "a warp owns 16 keys");
-  static_assert(kSmemBytes == BackwardDkDvSmemBytes(kD, kDv, kAccumulateDq, kTokens),
+  static_assert(kSmemBytes == BackwardDkDvSmemBytes(kD, kDv, kAccumulateDq, kTokens, kBias ? Variant::Bias::kBytes : 0),
                 "tile_size.h and the kernel disagree on shared memory");
 
   // The step's dq product [kBlockN queries x kDkCols] = ds [kBlockN x kBlockM keys] k [kBlockM x kDkCols] is split
@@ -156,7 +199,7 @@ struct BackwardDkDvKernel {
   static_assert(kBlockN % 32 == 0 && kWarps % kDqWarpsM == 0, "dq warp layout");
   using Accum = DqAccum<kD, kDv>;
   static_assert(!kAccumulateDq || (Accum::kLayout.slices == kSlices && Accum::kLayout.cols == kDkCols &&
-                                   Accum::kLayout.row_block == kBlockN),
+                                   Accum::kLayout.row_block % kBlockN == 0),
                 "tile_size.h's dq accumulator layout and the kernel disagree");
   // Each step's dq block goes through shared memory (the step's q/dout space, free by then) to one bulk reduction where
   // the GPU has it and the block fits; otherwise every thread adds its fragments with atomics.
@@ -214,6 +257,8 @@ struct BackwardDkDvKernel {
     };
     auto delta_s = [&](int st) { return lse_s(st) + kBlockN; };
     auto row_tokens_s = [&](int st) { return reinterpret_cast<int4*>(delta_s(st) + kBlockN); };
+    auto bias_s = [&](int st) { return BiasStage{SmemAddress(row_tokens_s(st) + (kTokens ? kBlockN : 0))}; };
+    const BiasGrad bias_grad{SmemAddress(stage_base + 2 * kStageBytes + (kAccumulateDq ? DsTile::kBytes : 0))};
 
     // Loads the q, dout, lse and delta' of step `step` into stage `st`.
     auto load_step = [&](int step, int st) {
@@ -229,6 +274,7 @@ struct BackwardDkDvKernel {
         // A row past Sq is zero-filled; the index range already hides every key from it.
         if constexpr (kTokens) CpAsync16(SmemAddress(row_tokens_s(st) + i), tokens.q_rows + (valid ? m0 + i : 0), valid);
       }
+      if constexpr (kBias) bias_s(st).template Load<kThreads>(BiasRows::Of(args.bias, b, head), m0, n0, s.seqlen_q, tid);
     };
 
     k_tile.template AsyncLoad<kThreads>(k, k_stride, n0, len.kv_len, kD, tid);
@@ -237,6 +283,7 @@ struct BackwardDkDvKernel {
     CpAsyncCommit();
 
     const int key[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
+    const int key_local[2] = {warp * 16 + g, warp * 16 + g + 8};
     float dk[1][kDkCols / 8][4], dv[1][kDvCols / 8][4];
     ZeroFragments(dk);
     ZeroFragments(dv);
@@ -264,6 +311,9 @@ struct BackwardDkDvKernel {
       const float* lse = lse_s(st);
       const float* delta = delta_s(st);
       const int4* row_tokens = row_tokens_s(st);
+      BiasRows bias{};
+      if constexpr (kBias) bias = BiasRows::Of(args.bias, b, head);
+      const BiasStage bias_tile = bias_s(st);
 
       // s^T = k q^T and dp^T = v dout^T: this warp's 16 keys x kBlockN queries.
       float sc[1][kBlockN / 8][4], dp[1][kBlockN / 8][4];
@@ -299,8 +349,11 @@ struct BackwardDkDvKernel {
             }
             float keep = 1.0f;
             if constexpr (Variant::kHasDropout) keep = dropout.Factor(keep_bits, 2 * ((e >> 1) * (kBlockN / 8) + j) + (e & 1));
-            ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_pos, key_pos, visible, lse[qi],
-                                            delta[qi], keep);
+            float bias_value = 0.0f;
+            if constexpr (kBias) bias_value = BiasStage::Value(bias_tile.Row(bias, m0, qi), key_local[e >> 1]);
+            const float dlogit = ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_pos, key_pos,
+                                                                 visible, lse[qi], delta[qi], bias_value, keep);
+            if constexpr (kBias) bias_grad.Store(qi, key_local[e >> 1], dlogit);
           }
         }
       };
@@ -336,6 +389,23 @@ struct BackwardDkDvKernel {
         __syncthreads();  // ds^T is complete, and this stage's q and dout have been read
         AddStepDq(ds_tile, k_tile, reinterpret_cast<float*>(stage_base + st * kStageBytes),
                   args.dq_accum + Accum::Offset(s, b, head, slice, m0), len.q_len - m0, dk0, tid);
+      } else if constexpr (kBias) {
+        __syncthreads();  // the step's dS for dbias is complete
+      }
+      // The next step's first barrier keeps its stores from overwriting the tile before this flush has read it. Column
+      // slices recompute the same dS: the first one adds it.
+      if constexpr (kBias) {
+        if (slice == 0) bias_grad.Flush(BiasGradTarget<typename Variant::Bias>::Of(args, b, head), m0, n0, s.seqlen_q,
+                                        s.seqlen_kv, len.invalid, tid);
+      }
+    }
+    if constexpr (kBias) {
+      if (slice == 0 && args.dbias_accum == nullptr) {
+        for (int i = 0; i < group; ++i) {
+          ZeroUnvisitedBiasGrad<typename Variant::Bias, kBlockM, kThreads>(
+              BiasGradTarget<typename Variant::Bias>::Of(args, b, kv_head * group + i), tile_begin * kBlockN,
+              tile_end * kBlockN, n0, s.seqlen_q, s.seqlen_kv, len.invalid, tid);
+        }
       }
     }
     CpAsyncWait<0>();
@@ -416,7 +486,8 @@ struct BackwardDkDvKernel {
 
 template <typename Element, int kD, int kDv, typename Variant>
 struct BackwardDqKernel {
-  static constexpr TileSize kTile = BackwardDqTileSize(kD, kDv);
+  static constexpr bool kBias = Variant::kHasBias;
+  static constexpr TileSize kTile = BackwardDqTileSize(kD, kDv, kBias);
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kTile.block_m;  // queries
@@ -428,12 +499,17 @@ struct BackwardDqKernel {
   using KTile = SmemTile<kBlockN, kDP>;
   using VTile = SmemTile<kBlockN, kDvP>;
   static constexpr bool kTokens = Variant::kHasTokens;
-  // After the k/v stages: each stage's keys' token entries (with tokens), then the rows' delta'.
+  using BiasStage = BiasTile<typename Variant::Bias, kBlockM, kBlockN>;
+  // After the k/v stages: each stage's keys' token entries (with tokens), each stage's bias tile (with a bias), then
+  // the rows' delta'.
   static constexpr int kKeyTokensOffset = QTile::kBytes + OTile::kBytes + 2 * (KTile::kBytes + VTile::kBytes);
-  static constexpr int kDeltaOffset = kKeyTokensOffset + (kTokens ? 2 * 8 * kBlockN : 0);
+  static constexpr int kBiasOffset = kKeyTokensOffset + (kTokens ? 2 * 8 * kBlockN : 0);
+  static constexpr int kDeltaOffset = kBiasOffset + (kBias ? 2 * BiasStage::kBytes : 0);
   static constexpr int kSmemBytes = kDeltaOffset + 4 * kBlockM;
   static_assert(kBlockM == 16 * kWarps, "a warp owns 16 query rows");
-  static_assert(kSmemBytes == BackwardDqSmemBytes(kD, kDv, kTokens), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kBiasOffset % 16 == 0, "cp.async needs 16-byte aligned bias stages");
+  static_assert(kSmemBytes == BackwardDqSmemBytes(kD, kDv, kTokens, kBias ? Variant::Bias::kBytes : 0),
+                "tile_size.h and the kernel disagree on shared memory");
 
   static __device__ __forceinline__ void Run(const BackwardArgs& args) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -469,6 +545,13 @@ struct BackwardDqKernel {
                        {reinterpret_cast<uint16_t*>(kv_base + 2 * KTile::kBytes + VTile::kBytes)}};
     int2* key_tokens = reinterpret_cast<int2*>(smem + kKeyTokensOffset);
     float* delta_s = reinterpret_cast<float*>(smem + kDeltaOffset);
+    BiasRows bias{};
+    if constexpr (kBias) bias = BiasRows::Of(args.bias, b, head);
+    const int bias_row0 = m0;  // the lambdas' copy (C++17 cannot capture a structured binding)
+    auto bias_tile = [&](int stage) { return BiasStage{SmemAddress(smem + kBiasOffset) + stage * BiasStage::kBytes}; };
+    auto load_bias = [&](int tile, int stage) {
+      if constexpr (kBias) bias_tile(stage).template Load<kThreads>(bias, bias_row0, tile * kBlockN, s.seqlen_q, tid);
+    };
     auto load_key_tokens = [&](int tile, int stage) {
       if constexpr (kTokens) {
         for (int i = tid; i < kBlockN; i += kThreads) {
@@ -485,6 +568,7 @@ struct BackwardDqKernel {
       k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
       v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
       load_key_tokens(tile_begin, 0);
+      load_bias(tile_begin, 0);
     }
     CpAsyncCommit();
 
@@ -530,6 +614,7 @@ struct BackwardDqKernel {
         k_tile[stage ^ 1].template AsyncLoad<kThreads>(k, k_stride, (tile + 1) * kBlockN, len.kv_len, kD, tid);
         v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
         load_key_tokens(tile + 1, stage ^ 1);
+        load_bias(tile + 1, stage ^ 1);
       }
       CpAsyncCommit();
 
@@ -541,6 +626,13 @@ struct BackwardDqKernel {
 
       const int n0 = tile * kBlockN;
       const int2* stage_keys = key_tokens + stage * kBlockN;
+      // The bias of row r's (0: g, 1: g + 8) key col (0 without a bias).
+      auto bias_at = [&](int r, int col) {
+        if constexpr (kBias) {
+          return BiasStage::Value(bias_tile(stage).Row(bias, bias_row0, warp * 16 + g + 8 * r), col - n0);
+        }
+        return 0.0f;
+      };
       bool unmasked = span.Unmasked(n0, kBlockN);
       if constexpr (kTokens) {
         unmasked = unmasked && TokensAllSee(TokenSummaryOf(tokens.q_summary, m0, kBlockM, s.seqlen_q),
@@ -570,7 +662,7 @@ struct BackwardDqKernel {
             const int2 key_token = stage_keys[col - n0];
             const bool visible = unmasked || (Visible(keys[r], col) && TokenSees(row_token[r], key_token));
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], row_token[r].w, key_token.y, visible,
-                                            row_lse[r], row_delta[r], keep_of(r, col));
+                                            row_lse[r], row_delta[r], bias_at(r, col), keep_of(r, col));
           }
         }
       } else if (!unmasked) {
@@ -581,7 +673,7 @@ struct BackwardDqKernel {
             const int r = e >> 1;
             const int col = n0 + j * 8 + 2 * t + (e & 1);
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], pos[r], col, Visible(keys[r], col),
-                                            row_lse[r], row_delta[r], keep_of(r, col));
+                                            row_lse[r], row_delta[r], bias_at(r, col), keep_of(r, col));
           }
         }
       } else {
@@ -592,7 +684,7 @@ struct BackwardDqKernel {
             const int r = e >> 1;
             const int col = n0 + j * 8 + 2 * t + (e & 1);
             ProbabilityGrad<Variant>::Apply(variant, sc[0][j][e], dp[0][j][e], pos[r], col, true, row_lse[r],
-                                            row_delta[r], keep_of(r, col));
+                                            row_delta[r], bias_at(r, col), keep_of(r, col));
           }
         }
       }

@@ -3,6 +3,8 @@
 // k/v tiles of the visible key range stream through two stages: tile t+1 is in flight while tile t is multiplied.
 // The logits come from the Variant (cpp/variants.h), so every variant shares this body; masks are run-time key ranges,
 // and with the variant's tokens (packed sequences) also per-element id/position tests (kernels/common/token_mask.h).
+// With the variant's bias, a bias tile (kernels/sm80/bias_tile.h) streams through two stages beside k/v and is added
+// to each logit.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -11,6 +13,7 @@
 #include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
+#include "cpp/cuda/kernels/sm80/bias_tile.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
@@ -19,7 +22,8 @@ namespace te_jax::cuda::sm80 {
 
 template <typename Element, int kD, int kDv, typename Variant>
 struct ForwardKernel {
-  static constexpr TileSize kTile = ForwardTileSize(kD, kDv);
+  static constexpr bool kBias = Variant::kHasBias;
+  static constexpr TileSize kTile = ForwardTileSize(kD, kDv, kBias);
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = kTile.block_m;
@@ -37,9 +41,14 @@ struct ForwardKernel {
   static constexpr int kRowTokensOffset = kRangesOffset + 8 * kBlockM;
   static constexpr int kKeyTokensOffset = kRowTokensOffset + 16 * kBlockM;
   static constexpr int kSeenOffset = kKeyTokensOffset + 2 * 8 * kBlockN;
-  static constexpr int kSmemBytes = kTokens ? kSeenOffset + 4 * kBlockM : kRowTokensOffset;
+  // Then, with a bias, its two stages.
+  using BiasStage = BiasTile<typename Variant::Bias, kBlockM, kBlockN>;
+  static constexpr int kBiasOffset = kTokens ? kSeenOffset + 4 * kBlockM : kRowTokensOffset;
+  static constexpr int kSmemBytes = kBiasOffset + (kBias ? 2 * BiasStage::kBytes : 0);
   static_assert(kBlockM == 16 * kWarps * kMT, "a warp owns 16 * kMT query rows");
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kBiasOffset % 16 == 0, "cp.async needs 16-byte aligned bias stages");
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kBias ? Variant::Bias::kBytes : 0),
+                "tile_size.h and the kernel disagree on shared memory");
 
   // Whether a row's range holds a key. Read with a volatile load so the compiler keeps it here, after the main loop:
   // hoisted above it, the two flags held through the loop made the d = 128 kernel spill.
@@ -117,14 +126,21 @@ struct ForwardKernel {
       }
     };
     bool saw_full_tile = false;
+    // The bias of this (batch, head), staged per key tile with k and v.
+    BiasRows bias{};
+    if constexpr (kBias) bias = BiasRows::Of(args.bias, b, head);
+    auto bias_tile = [&](int stage) { return BiasStage{SmemAddress(smem + kBiasOffset) + stage * BiasStage::kBytes}; };
+    auto load_bias = [&](int tile, int stage) {
+      if constexpr (kBias) bias_tile(stage).template Load<kThreads>(bias, m0, tile * kBlockN, s.seqlen_q, tid);
+    };
     const int diag = static_cast<int>(mask.diag_offset);
     // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
     const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
     // The softmax takes the max on unscaled scores and folds the factor to log2 units into its exp2 FMA: the plain scaled
     // dot product keeps raw q.k (the factor is scale * log2 e; scale > 0 is validated on the host), the other variants
-    // keep natural-unit logits (factor log2 e).
-    constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+    // keep natural-unit logits (factor log2 e), as does a bias.
+    constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kBias;
     constexpr bool kSkipSteadyRescale = kMT == 2 && kDvP == 128;
     const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
 
@@ -148,6 +164,7 @@ struct ForwardKernel {
         k_tile[0].template AsyncLoad<kThreads>(k, k_stride, tile_begin * kBlockN, len.kv_len, kD, tid);
         v_tile[0].template AsyncLoad<kThreads>(v, v_stride, tile_begin * kBlockN, len.kv_len, kDv, tid);
         load_key_tokens(tile_begin, 0);
+        load_bias(tile_begin, 0);
       }
       CpAsyncCommit();
     for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -158,6 +175,7 @@ struct ForwardKernel {
         k_tile[stage ^ 1].template AsyncLoad<kThreads>(k, k_stride, (tile + 1) * kBlockN, len.kv_len, kD, tid);
         v_tile[stage ^ 1].template AsyncLoad<kThreads>(v, v_stride, (tile + 1) * kBlockN, len.kv_len, kDv, tid);
         load_key_tokens(tile + 1, stage ^ 1);
+        load_bias(tile + 1, stage ^ 1);
       }
       CpAsyncCommit();
       const int n0 = tile * kBlockN;
@@ -172,6 +190,11 @@ struct ForwardKernel {
       // The positions the variant sees: the tokens' with packed sequences, else the diagonal's and the key's index.
       auto row_position = [&](int local) { return kTokens ? row_tokens[local].w : m0 + local + diag; };
       auto key_position = [&](int col) { return kTokens ? stage_keys[col - n0].y : col; };
+      // The bias of row `local`'s key col, added after the variant's logit.
+      auto bias_at = [&](int local, int col) {
+        if constexpr (kBias) return BiasStage::Value(bias_tile(stage).Row(bias, m0, local), col - n0);
+        return 0.0f;
+      };
       // Poisoning o before this tile's rescale and product is the same as after: NaN stays NaN.
       if constexpr (kCareful) {
         if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(v_tile[stage], tid))) {
@@ -202,6 +225,7 @@ struct ForwardKernel {
               for (int e = 0; e < 4; ++e) {
                 const int r = (warp * kMT + mt) * 16 + g + 8 * (e >> 1);
                 sc[mt][j][e] = variant.Logit(sc[mt][j][e], row_position(r), key_position(n0 + j * 8 + 2 * t + (e & 1)));
+                if constexpr (kBias) sc[mt][j][e] += bias_at(r, n0 + j * 8 + 2 * t + (e & 1));
               }
         }
       } else {
@@ -221,6 +245,7 @@ struct ForwardKernel {
                 const int col = n0 + j * 8 + 2 * t + c;
                 float logit = sc[mt][j][2 * r + c];
                 if constexpr (!kRawScores) logit = variant.Logit(logit, row_position(local), key_position(col));
+                if constexpr (kBias) logit += bias_at(local, col);
                 bool visible = col >= keys.x && col < keys.y;
                 if constexpr (kTokens) {
                   visible = visible && TokenSees(row_token, stage_keys[col - n0]);
@@ -300,7 +325,11 @@ struct ForwardKernel {
         sees_keys[1] = saw_full_tile || row_seen[local_row + 8] != 0;
       }
       float inv_sum[2], lse[2];
-      softmax[mt].Finish(sees_keys, inv_sum, lse);
+      if constexpr (kBias) {
+        softmax[mt].FinishWithBias(sees_keys, inv_sum, lse);
+      } else {
+        softmax[mt].Finish(sees_keys, inv_sum, lse);
+      }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = m0 + local_row + 8 * r;

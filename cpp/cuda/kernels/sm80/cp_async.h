@@ -10,6 +10,11 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* gmem, 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
+// Copies the first `bytes` (0 to 16) of a 16-byte chunk and zero-fills the rest (both addresses 16-byte aligned).
+__device__ __forceinline__ void CpAsync16Partial(uint32_t smem_addr, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(bytes));
+}
+
 __device__ __forceinline__ void CpAsync8(uint32_t smem_addr, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 8 : 0));
 }
