@@ -66,8 +66,8 @@ struct BackwardKernel {
   static constexpr int kDqOffset = kDsOffset + (kAccumulateDq ? DsTile::kBytes : 0);
   // Tokens: the owned rows' entries and granule summaries, which land with the owned tiles, then per stage the step
   // rows' entries and granule summary, which land with the step's tiles (an entry: a query's 16 bytes, a key's 8, in a
-  // 16-byte slot). The consumers read the owned rows' entries each step rather than hold them: in registers, they made
-  // the d = 128 dk/dv kernel that accumulates dq spill more (the forward, by contrast, holds its rows' in registers).
+  // 16-byte slot). The consumers read the entries where a step needs them (held in registers, the owned rows' made the
+  // kernels spill, as in the forward).
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr int kStepTokenBytes = 16 * kStep + kTokenSummaryBytes;
   static constexpr int kTokensOffset = kDqOffset + (kAccumulateDq ? kStep * kDP * 4 : 0);
@@ -402,8 +402,8 @@ struct BackwardKernel {
       auto apply = [&](auto masked) {
         // Tokens: the entries of the thread's two owned rows (loaded once a step), and of element e of n8 tile j's
         // query and key; the step's are the thread's columns 8 j + 2 t (+ 1), a pair of keys in one 16-byte load.
-        [[maybe_unused]] int4 owned_rows[2] = {};  // dq: the owned queries'
-        [[maybe_unused]] int2 owned_keys[2] = {};  // dk/dv: the owned keys'
+        [[maybe_unused]] int4 owned_rows[2];  // dq: the owned queries'
+        [[maybe_unused]] int2 owned_keys[2];  // dk/dv: the owned keys'
         if constexpr (kTokens) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {

@@ -11,9 +11,9 @@
 // per-element mask, and a CTA whose tiles straddle a range edge and whose result holds NaN runs its pass again with
 // the careful product below.
 // Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family too: a CTA walks only the
-// key tiles of its rows' token span; the producer copies each tile's key entries and granule summaries with its k; the
-// consumers hold their rows' entries in registers, skip the per-element test where the index range and the tokens say
-// every row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
+// key tiles of its rows' token span; the producer copies the rows' token entries with q and each tile's key entries and
+// granule summaries with its k; the consumers skip the per-element test where the index range and the tokens say every
+// row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -64,18 +64,18 @@ struct ForwardKernel {
   using VTile = SwizzledTile<kBlockN, kDvP>;
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
-  // Tokens: after the v ring, the CTA's query rows' "saw a key" flags (set where a tile shows a row a key: three flags
-  // carried in registers through the loop made the d = 256 kernels spill) and granule summaries, then the token ring,
-  // each stage a key tile's entries and granule summaries. A tile's tokens land with its k (counted on the k stage's
-  // full barrier) but are read until its logits are done, after the k stage went back (right after q k^T). So the ring
-  // has a stage more than k's: the producer, which waits for each v stage's release in order, has seen ring position
-  // i - kStages - 1 (the previous tenant of position i's token stage, done with its logits before it released its v)
-  // released by the time it copies position i's tokens.
+  // Tokens: after the v ring, the CTA's query rows' entries, "saw a key" flags and granule summaries, then the token
+  // ring, each stage a key tile's entries and granule summaries. The rows' state stays in shared memory, read or set
+  // where a tile needs it: held in registers through the loop, it made the d = 128 and d = 256 kernels spill.
+  // A tile's tokens land with its k (counted on the k stage's full barrier) but are read until its logits are done,
+  // after the k stage went back (right after q k^T). So the ring has a stage more than k's: the producer, which waits
+  // for each v stage's release in order, has seen ring position i - kStages - 1 (the previous tenant of position i's
+  // token stage, done with its logits before it released its v) released by the time it copies position i's tokens.
   static constexpr int kTokenStages = kStages + 1;
   static constexpr int kKeyGranules = kBlockN / kTokenGranule;
   static constexpr int kKeyGranuleBytes = 8 * kTokenGranule + kTokenSummaryBytes;  // a granule's entries and summary
   static constexpr int kTokensOffset = kVOffset + kStages * VTile::kBytes;
-  static constexpr int kRowSeenOffset = kTokensOffset;
+  static constexpr int kRowSeenOffset = kTokensOffset + 16 * kBlockM;
   static constexpr int kRowSummariesOffset = kRowSeenOffset + 4 * kBlockM;
   static constexpr int kTokenRingOffset = kRowSummariesOffset + kBlockM / kTokenGranule * kTokenSummaryBytes;
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
@@ -102,8 +102,9 @@ struct ForwardKernel {
     __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
     __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
     __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
-    // Tokens: the query rows' flags and granule summaries; token stage ts: a key tile's entries, then its granules'
-    // summaries.
+    // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
+    // granules' summaries.
+    __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
     __device__ __forceinline__ uint32_t RowSeen() const { return base + kRowSeenOffset; }
     __device__ __forceinline__ uint32_t RowSummaries() const { return base + kRowSummariesOffset; }
     __device__ __forceinline__ uint32_t KeyEntries(int ts) const {
@@ -118,16 +119,20 @@ struct ForwardKernel {
   static __device__ __forceinline__ int TokenStageOf(int i) { return i % kTokenStages; }
 
   // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`. With
-  // tokens, the query rows' granule summaries come with q and each tile's key entries and granule summaries with its k
-  // (the granules past Skv are not copied; the keys table's padding fills the last one).
+  // tokens, the query rows' entries and granule summaries come with q and each tile's key entries and granule summaries
+  // with its k (the rows past Sq are not copied: the index range hides every key from them; the granules past Skv are
+  // not copied either, and the keys table's padding fills the last one).
   static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
                                                  bool load_q, int i) {
     const ShapeArgs& s = a.args.shape;
     if (load_q) {
+      const int q_rows = kTokens ? min(kBlockM, s.seqlen_q - cta.m0) : 0;
       const int q_granules = kTokens ? TokenGranuleEnd(cta.m0, kBlockM, s.seqlen_q) - cta.m0 / kTokenGranule : 0;
-      LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b, q_granules * kTokenSummaryBytes);
+      LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b,
+                        16 * q_rows + q_granules * kTokenSummaryBytes);
       if constexpr (kTokens) {
         const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, cta.b);
+        BulkLoad(sm.RowTokens(), tokens.q_rows + cta.m0, 16 * q_rows, sm.QFull());
         BulkLoad(sm.RowSummaries(), tokens.q_summary + cta.m0 / kTokenGranule * kTokenSummaryInts,
                  q_granules * kTokenSummaryBytes, sm.QFull());
       }
@@ -289,18 +294,9 @@ struct ForwardKernel {
       const KeyRange k = cta.mask.Keys(cta.m0 + local_row + 8 * r);
       keys[r] = make_int2(static_cast<int>(k.begin), static_cast<int>(k.end));
     }
-    // Tokens: the thread's rows' entries (a row past Sq sees nothing), and a row's flag of whether a tile showed it a
-    // key (set by any thread of its quad; read after the passes). The flags start cleared: the quad's own warp orders
-    // the clearing before its other threads' sets.
-    [[maybe_unused]] int4 row_tokens[2] = {};
-    if constexpr (kTokens) {
-      const BatchTokens tokens = BatchTokens::Of(args.tokens, s, cta.b);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = cta.m0 + local_row + 8 * r;
-        row_tokens[r] = row < s.seqlen_q ? tokens.q_rows[row] : make_int4(0, kTokenMax, kTokenMin, 0);
-      }
-    }
+    // Tokens: row r's entry, and its flag of whether a tile showed it a key (set by any thread of its quad; read after
+    // the passes). The flags start cleared: the quad's own warp orders the clearing before its other threads' sets.
+    auto row_token = [&](int r) { return SharedPointer<const int4>(sm.RowTokens())[local_row + 8 * r]; };
     auto row_seen = [&](int r) -> int& { return SharedPointer<int>(sm.RowSeen())[local_row + 8 * r]; };
     if constexpr (kTokens) {
       if (t == 0) row_seen(0) = row_seen(1) = 0;
@@ -316,7 +312,7 @@ struct ForwardKernel {
     // The row position the variant sees: the token's with packed sequences, else the diagonal's.
     auto row_position = [&](int r) {
       if constexpr (kTokens) {
-        return row_tokens[r].w;
+        return row_token(r).w;
       } else {
         return cta.m0 + local_row + 8 * r + diag;
       }
@@ -342,7 +338,7 @@ struct ForwardKernel {
     // (unnormalised, float). With tokens, `interior` is tokens_interior's answer; in the careful pass, the p of a key a
     // row does not see becomes -0 (CarefulPV).
     auto logits_to_probabilities = [&](int tile, int at, bool interior, float (&rescale)[2], auto careful) {
-      [[maybe_unused]] constexpr bool kMarkUnseen = kTokens && decltype(careful)::kValue;
+      constexpr bool kMarkUnseen = kTokens && decltype(careful)::kValue;
       const int n0 = tile * kBlockN;
       // Tokens: pairs[4 j + t] holds the entries of the thread's two keys of n8 tile j (columns 8 j + 2 t, + 1).
       [[maybe_unused]] const int4* pairs = nullptr;
@@ -359,11 +355,11 @@ struct ForwardKernel {
           return n0 + 8 * j + 2 * t + (e & 1);
         }
       };
-      // Tokens: whether the thread's row of element e of n8 tile j sees its key, by the index range and the tokens. No
-      // short cut: a load behind one is predicated and not shared between elements.
-      auto sees = [&](int j, int e) {
+      // Tokens: whether the thread's row of element e of n8 tile j (entry rows[e / 2]) sees its key, by the index range
+      // and the tokens. No short cut: a load behind one is predicated and not shared between elements.
+      auto sees = [&](int j, int e, const int4 (&rows)[2]) {
         const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
-        return (col >= keys[r].x) & (col < keys[r].y) & TokenSees(row_tokens[r], key_token(j, e));
+        return (col >= keys[r].x) & (col < keys[r].y) & TokenSees(rows[r], key_token(j, e));
       };
       // A tile every row fully sees: the variant alone (raw scores need nothing).
       auto interior_tile = [&]() {
@@ -378,6 +374,11 @@ struct ForwardKernel {
       // Any other tile: the per-element mask, -inf where a row does not see a key.
       auto masked_tile = [&]() {
         [[maybe_unused]] bool seen[2] = {false, false};
+        [[maybe_unused]] int4 rows[2];
+        if constexpr (kTokens) {
+          rows[0] = row_token(0);
+          rows[1] = row_token(1);
+        }
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -387,7 +388,7 @@ struct ForwardKernel {
             if constexpr (!kRawScores) logit = variant.Logit(logit, row_position(r), key_position(j, e));
             bool visible = col >= keys[r].x && col < keys[r].y;
             if constexpr (kTokens) {
-              visible = sees(j, e);
+              visible = sees(j, e, rows);
               seen[r] |= visible;
             }
             sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
@@ -409,10 +410,11 @@ struct ForwardKernel {
         softmax.Update(sc, log2_scale, rescale);
         if constexpr (kMarkUnseen) {
           if (!interior) {
+            const int4 rows[2] = {row_token(0), row_token(1)};
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) sc[j][e] = sees(j, e) ? sc[j][e] : -0.0f;
+              for (int e = 0; e < 4; ++e) sc[j][e] = sees(j, e, rows) ? sc[j][e] : -0.0f;
           }
         }
       } else {

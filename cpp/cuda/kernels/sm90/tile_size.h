@@ -11,7 +11,7 @@ namespace te_jax::cuda::sm90 {
 TE_JAX_HOST_DEVICE constexpr int PadTo64(int d) { return (d + 63) / 64 * 64; }
 
 // With segment ids or positions (tokens) the kernels also stage token tables (kernels/common/token_mask.h): granule
-// summaries (32 bytes each), key entries (8 bytes) and, in the backward, query rows' entries (16 bytes).
+// summaries (32 bytes each), key entries (8 bytes) and query rows' entries (16 bytes).
 inline constexpr int kTokenSummaryBytes = kTokenSummaryInts * 4;
 
 // A producer warpgroup (one thread issues the TMA copies) and two consumer warpgroups of 64 query rows each.
@@ -25,10 +25,10 @@ struct ForwardTile {
   int stages;   // k and v each have a ring of this many stages
 };
 
-// The forward's token tables: the CTA's query rows' "saw a key" flags and granule summaries, and a ring of a stage more
-// than k's (attention_fwd.cuh says why), each a key tile's entries and its granules' summaries.
+// The forward's token tables: the CTA's query rows' entries, "saw a key" flags and granule summaries, and a ring of a
+// stage more than k's (attention_fwd.cuh says why), each a key tile's entries and its granules' summaries.
 TE_JAX_HOST_DEVICE constexpr int ForwardTokenBytes(ForwardTile t) {
-  return 4 * t.block_m + t.block_m / kTokenGranule * kTokenSummaryBytes +
+  return (16 + 4) * t.block_m + t.block_m / kTokenGranule * kTokenSummaryBytes +
          (t.stages + 1) * (8 * t.block_n + t.block_n / kTokenGranule * kTokenSummaryBytes);
 }
 
