@@ -100,34 +100,23 @@ _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
 _BIAS_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 _DECODE_MAX_SEQLEN_Q = 16  # cpp/cuda/kernels/decode/tile_size.h
 
-# Both backward kinds: the GPU tests run every case with deterministic=False and True.
-CONFIGS = sorted({(direction, deterministic, direction == "forward" and c[3] <= _DECODE_MAX_SEQLEN_Q,
-                   _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
-                  for c in CASES + DECODE_CASES
-                  for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})
-CONFIGS = [dict(direction=dr, deterministic=det, decode=dec, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al)
-           for dr, det, dec, dt, d, dv, sc, al in CONFIGS]
-CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
-                 alibi=al, dropout=True)
-            for dr, det, dt, d, dv, sc, al in sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0,
-                                                       c[12])
-                                                      for c, _ in DROPOUT_CASES
-                                                      for direction, deterministic in (("forward", False),
-                                                                                       ("backward", False),
-                                                                                       ("backward", True))})]
-CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
-                 alibi=al, tokens=True)
-            for dr, det, dt, d, dv, sc, al in sorted({(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0,
-                                                       c[12])
-                                                      for c, _ in PACKED_CASES
-                                                      for direction, deterministic in (("forward", False),
-                                                                                       ("backward", False),
-                                                                                       ("backward", True))})]
-CONFIGS += [dict(direction=dr, deterministic=det, decode=False, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc,
-                 alibi=al, tokens=tokens, bias_dtype=bias)
-            for dr, det, dt, d, dv, sc, al, tokens, bias in sorted(
-                {(direction, deterministic, _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12], tokens,
-                  _BIAS_DTYPE_CODES[bias_dtype])
-                 for c, tokens, bias_dtype in [(c, False, b) for c, _, b in BIAS_CASES] +
-                                              [(c, True, b) for c, _, _, b in BIAS_PACKED_CASES]
-                 for direction, deterministic in (("forward", False), ("backward", False), ("backward", True))})]
+# The modules the GPU tests run: each case's configuration in the forward and both backward kinds (the tests run every
+# case with deterministic=False and True), with the kernel features its list adds (tokens, dropout, a bias dtype). A
+# forward of at most 16 query positions without such features takes the decode kernels.
+_KINDS = (("forward", False), ("backward", False), ("backward", True))
+
+
+def _configs(cases, **features) -> list[dict]:
+  keys = sorted({(direction, deterministic, direction == "forward" and not features and c[3] <= _DECODE_MAX_SEQLEN_Q,
+                  _DTYPE_CODES[c[1]], c[7], c[8], c[11] > 0, c[12])
+                 for c in cases for direction, deterministic in _KINDS})
+  return [dict(direction=dr, deterministic=det, decode=dec, dtype=dt, head_dim=d, head_dim_v=dv, softcap=sc, alibi=al,
+               **features) for dr, det, dec, dt, d, dv, sc, al in keys]
+
+
+CONFIGS = (_configs(CASES + DECODE_CASES) + _configs([c for c, _ in DROPOUT_CASES], dropout=True) +
+           _configs([c for c, _ in PACKED_CASES], tokens=True) +
+           [config for case, tokens, bias in [(c, False, b) for c, _, b in BIAS_CASES] +
+                                             [(c, True, b) for c, _, _, b in BIAS_PACKED_CASES]
+            for config in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias])])
+CONFIGS = [c for i, c in enumerate(CONFIGS) if c not in CONFIGS[:i]]  # bias cases may share a module

@@ -270,6 +270,21 @@ def assert_bitwise_equal(a: dict, b: dict, what: str = "ffi vs legacy") -> None:
 
 
 
+def check_both_paths(case: Case, bitwise=("out", "lse", "dq", "dk", "dv")) -> None:
+  """Runs `case` on both custom-call paths, checks each against the reference, and the results named in `bitwise`
+  for bitwise equality between the paths."""
+  inputs = make_inputs(case)
+  ref = reference(case, inputs)
+  results = {path: run_on_path(case, inputs, path) for path in PATHS}
+  for path, got in results.items():
+    try:
+      check_against_reference(case, inputs, got, ref)
+    except AssertionError as e:
+      raise AssertionError(f"[{path} path] {e}") from None
+  compared = {path: {n: got[n] for n in bitwise} for path, got in results.items()}
+  assert_bitwise_equal(compared["ffi"], compared["legacy"])
+
+
 # Runs the cases `module.cases_name` on the FFI path, whose pool XLA sizes by PJRT_NPROC, saves their bits and reports
 # the size of XLA's intra-op pool (threads named "...XLAEigen"), so the caller can tell that the setting took.
 _POOL_SCRIPT = textwrap.dedent("""

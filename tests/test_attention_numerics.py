@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import (Case, assert_bitwise_equal, assert_same_bits_with_pools_of, check_against_reference, make_inputs,
-                     reference, run_on_path, visibility)
+from helpers import (Case, assert_bitwise_equal, assert_same_bits_with_pools_of, check_against_reference,
+                     check_both_paths, make_inputs, reference, run_on_path, visibility)
 
 # The base shape: GQA (4 q heads on 2 kv heads), lengths that are not multiples of any tile, Sq < Skv.
 BASE = Case(batch=3, seqlen_q=37, seqlen_kv=65, heads=4, kv_heads=2, head_dim=32)
@@ -96,26 +96,14 @@ LOW_PRECISION_BASES = [
 LOW_PRECISION_CASES = [c.replace(dtype=dt) for dt in ("bfloat16", "float16") for c in LOW_PRECISION_BASES]
 
 
-def _check_both_paths(case: Case) -> None:
-  inputs = make_inputs(case)
-  ref = reference(case, inputs)
-  results = {path: run_on_path(case, inputs, path) for path in ("ffi", "legacy")}
-  for path, got in results.items():
-    try:
-      check_against_reference(case, inputs, got, ref)
-    except AssertionError as e:
-      raise AssertionError(f"[{path} path] {e}") from None
-  assert_bitwise_equal(results["ffi"], results["legacy"])
-
-
 @pytest.mark.parametrize("case", F32_CASES, ids=Case.id)
 def test_float32_matches_reference(case):
-  _check_both_paths(case)
+  check_both_paths(case)
 
 
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=Case.id)
 def test_low_precision_matches_reference(case):
-  _check_both_paths(case)
+  check_both_paths(case)
 
 
 # Gradients through lse: a loss that uses both out and lse (random dout and dlse cotangents).
@@ -130,7 +118,7 @@ DLSE_CASES = [
 
 @pytest.mark.parametrize("case", DLSE_CASES, ids=Case.id)
 def test_gradients_through_lse_match_reference(case):
-  _check_both_paths(case)
+  check_both_paths(case)
 
 
 # deterministic=True: the CPU backward adds dq up in an order fixed by the problem alone (chunks of KV tiles, see

@@ -17,7 +17,7 @@ import pytest
 
 import te_jax
 from helpers import (Case, assert_bitwise_equal, assert_same_bits_with_pools_of, attn_kwargs, check_against_reference,
-                     make_inputs, reference, run_on_path)
+                     check_both_paths, make_inputs, reference, run_on_path)
 from te_jax.reference import attention_reference
 
 # 150 keys: two KV tiles of the kernels (128), the second partial. Bottom-right causal: the queries are the last ones.
@@ -69,17 +69,8 @@ LOW_PRECISION_CASES = [c.replace(dtype=dt) for dt in ("bfloat16", "float16") for
 
 @pytest.mark.parametrize("case", F32_CASES + LOW_PRECISION_CASES, ids=Case.id)
 def test_decode_shapes_match_reference(case):
-  inputs = make_inputs(case)
-  ref = reference(case, inputs)
-  results = {path: run_on_path(case, inputs, path) for path in ("ffi", "legacy")}
-  for path, got in results.items():
-    try:
-      check_against_reference(case, inputs, got, ref)
-    except AssertionError as e:
-      raise AssertionError(f"[{path} path] {e}") from None
   # The forward's bits; the default backward sums dq over the two KV tiles in an order that follows the threads.
-  forward = {path: {n: got[n] for n in ("out", "lse")} for path, got in results.items()}
-  assert_bitwise_equal(forward["ffi"], forward["legacy"])
+  check_both_paths(case, bitwise=("out", "lse"))
 
 
 def _paged_inputs(seed, *, b, sq, h, hkv, d, dv, page_size, max_pages, dtype):
