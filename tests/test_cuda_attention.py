@@ -76,6 +76,21 @@ def _run(q, k, v, kwargs, dout, dlse, device, lse_grad=True):
   return [np.asarray(x) for x in f(*args)]
 
 
+def _run_on_both_paths(q, k, v, kwargs, dout, dlse, lse_grad=True):
+  """_run's results on the FFI and on the legacy path, checked bitwise equal: all of them with
+  kwargs["deterministic"], else all but dq (an atomic dq's float additions land in any order)."""
+  results = []
+  for path in ("ffi", "legacy"):
+    with te_jax.custom_call_path(path):
+      results.append(_run(q, k, v, kwargs, dout, dlse, _GPUS[0], lse_grad))
+  te_jax.raise_legacy_failures()
+  ffi, legacy = results
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ffi, legacy):
+    if kwargs.get("deterministic") or name != "dq":
+      assert a.tobytes() == b.tobytes(), f"FFI and legacy {name} differ"
+  return ffi, legacy
+
+
 def _rel(x, ref):
   x = np.asarray(x, np.float64)
   num = np.linalg.norm(x - ref)
@@ -134,17 +149,9 @@ def test_matches_reference_and_paths_agree(case, engine, deterministic):
     with pytest.raises(te_jax.EngineUnavailableError, match=CUDNN_REFUSES[case[0]]):
       _run(q, k, v, kwargs, dout, dlse, gpu, lse_grad)
     return
-  with te_jax.custom_call_path("ffi"):
-    ffi = _run(q, k, v, kwargs, dout, dlse, gpu, lse_grad)
+  ffi, legacy = _run_on_both_paths(q, k, v, kwargs, dout, dlse, lse_grad)
   errors = _check_against_reference(case, ffi, q, k, v, kwargs, dout, dlse, lse_grad)
-  with te_jax.custom_call_path("legacy"):
-    legacy = _run(q, k, v, kwargs, dout, dlse, gpu, lse_grad)
-  te_jax.raise_legacy_failures()
   _check_against_reference(case, legacy, q, k, v, kwargs, dout, dlse, lse_grad)
-  # Only dq of an atomic backward may differ between runs (its float additions land in any order).
-  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ffi, legacy):
-    if deterministic or name != "dq":
-      assert a.tobytes() == b.tobytes(), f"FFI and legacy {name} differ"
   print(f"{case[0]} {engine} deterministic={deterministic}: " +
         " ".join(f"{key}={val:.2e}" for key, val in errors.items()))
 
