@@ -36,7 +36,6 @@ row and first key added (_block_dropout), forward and backward, so the kept elem
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

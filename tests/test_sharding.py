@@ -27,7 +27,6 @@ except Exception:  # the backend is already initialised  # noqa: BLE001
   pass
 _IN_PROCESS = jax.device_count() >= _NEEDED and jax.default_backend() == "cpu"
 
-import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import te_jax  # noqa: E402
