@@ -167,9 +167,7 @@ def test_without_bias_hlo_passes_the_placeholder():
   assert "has_bias = true" in hlo
 
 
-@pytest.mark.skip(reason="bias on the GPU awaits its first GPU test run (RefuseUnverifiedBias in "
-                  "cpp/cuda/attention_cuda.cc); on a GPU this refusal comes first. The validation layer's refusal is "
-                  "tested without a GPU in tests/test_descriptor.py")
+@pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU (the CPU serves it)")
 def test_cuda_refuses_deterministic_with_a_summed_dbias_at_lowering():
   q = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
   loss = lambda q, b: jnp.sum(te_jax.fused_attn(q, q, q, bias=b, deterministic=True).astype(jnp.float32))  # noqa: E731

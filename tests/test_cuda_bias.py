@@ -15,10 +15,6 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-# cpp/cuda/attention_cuda.cc refuses a bias on the GPU until these tests have passed on one (RefuseUnverifiedBias):
-# the next device run removes both that refusal and this skip.
-pytest.skip("bias on the GPU awaits its first GPU test run (RefuseUnverifiedBias)", allow_module_level=True)
-
 # The CUDA tests' GPU list (importing it skips this module without a GPU), inputs and tolerances.
 from test_cuda_attention import _GPUS, TOL, _inputs, _rel  # noqa: E402
 from test_cuda_packed import _tokens  # noqa: E402

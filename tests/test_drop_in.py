@@ -94,7 +94,7 @@ def _mask(kind, batch, heads, seqlen_q, seqlen_kv, seed=6):
 
 
 def _compare(shape, is_causal, window, lengths, *, scale=None, return_residual=False, unbatched=False,
-             implementation=None, dtype_name="float32", bias_shape=None, mask_kind=None):
+             implementation=None, dtype_name="float32", bias_shape=None, mask_kind=None, peer="xla"):
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype_name]
   b, t, s, n, kh, h = shape
   if unbatched:
@@ -110,7 +110,7 @@ def _compare(shape, is_causal, window, lengths, *, scale=None, return_residual=F
   kw = dict(is_causal=is_causal, local_window_size=window, scale=scale, bias=bias, mask=mask)
   got = _run(te_jax.dot_product_attention, q, k, v, dout, q_len, kv_len, return_residual, implementation=implementation,
              **kw)
-  want = _run(jax.nn.dot_product_attention, q, k, v, dout, q_len, kv_len, return_residual, implementation="xla", **kw)
+  want = _run(jax.nn.dot_product_attention, q, k, v, dout, q_len, kv_len, return_residual, implementation=peer, **kw)
   for name, g, w in zip(("out", "residual", "dq", "dk", "dv", "dbias"), got, want):
     if w is None:
       assert g is None

@@ -114,17 +114,10 @@ Status LaunchTokenTables(const DriverApi* driver, const LoadedModule* module, co
 
 // The bias kernels (issue 12) are built and compile-checked but have not yet run on a GPU: until a device run passes
 // tests/test_cuda_bias.py, a bias on the GPU is refused rather than risk a silently wrong result.
-Status RefuseUnverifiedBias(const AttentionParams& p) {
-  if (!p.has_bias || p.engine == Engine::kCudnn) return Status::Ok();
-  return Status::InvalidArgument("bias on the GPU awaits its first GPU test run (issue 12: te_jax's bias kernels are "
-                                 "built but not yet verified on a GPU); run on the CPU backend or pass no bias");
-}
-
 }  // namespace
 
 Status Prepare(const AttentionParams& params, Direction direction, JitReport* report) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCuda));
-  TE_JAX_RETURN_IF_ERROR(RefuseUnverifiedBias(params));
   if (params.engine == Engine::kCudnn) {
     report->name = std::string("cudnn_sdpa_") + (direction == Direction::kForward ? "fwd" : "bwd");
     report->origin = "cudnn";
@@ -199,7 +192,6 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
 
 Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
-  TE_JAX_RETURN_IF_ERROR(RefuseUnverifiedBias(p));
   if (p.engine == Engine::kCudnn) {
     TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, cudnn::ForwardWorkspaceBytes(p), "forward"));
     return cudnn::Forward(p, b, stream);
@@ -320,7 +312,6 @@ int64_t BackwardWorkspaceBytes(const AttentionParams& p) {
 Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
   TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(p, Backend::kCuda));
-  TE_JAX_RETURN_IF_ERROR(RefuseUnverifiedBias(p));
   TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, BackwardWorkspaceBytes(p), "backward"));
   if (p.engine == Engine::kCudnn) return cudnn::Backward(p, b, stream);
   const DriverApi* driver = nullptr;
