@@ -80,8 +80,8 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  // Dropout and a bias are on the sm80 family only so far.
-  if (kind != ModuleKind::kAttention || arch != "sm_90a" || dropout || bias) return KernelFamily::kSm80;
+  // A bias is on the sm80 family only so far.
+  if (kind != ModuleKind::kAttention || arch != "sm_90a" || bias) return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
                                                        : sm90::ServesBackward(head_dim, head_dim_v);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;

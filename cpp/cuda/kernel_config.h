@@ -40,8 +40,8 @@ struct KernelConfig {
   // Segment ids or positions (packed sequences, issue 11): the kernels built with the variant's token mask, and the
   // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. Both families serve them.
   bool tokens = false;
-  // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); the sm80
-  // family serves it on every arch.
+  // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); both
+  // families serve it.
   bool dropout = false;
   // An additive logit bias (issue 12) of element type bias_dtype: the kernels built with the variant's bias, their
   // 32-row iteration tiles (sm80/tile_size.h), and in the backward the dbias conversion kernel as the entry after the

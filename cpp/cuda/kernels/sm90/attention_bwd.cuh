@@ -18,12 +18,15 @@
 // tiles of its owned rows' token span; the producer copies the owned rows' token entries and granule summaries with
 // the owned tiles and each step's with its tiles; the consumers skip the per-element test on steps the index range and
 // the tokens say are fully seen, and test ids and positions per element elsewhere; ALiBi sees positions.
+// Dropout (Variant::kHasDropout; kernels/common/dropout.h): a step's keep bits are drawn while its products run and
+// enter the algebra as each element's factor.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/common/bulk_reduce.h"
 #include "cpp/cuda/kernels/common/dq_accum.h"
+#include "cpp/cuda/kernels/common/dropout.h"
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
@@ -69,6 +72,7 @@ struct BackwardKernel {
   // 16-byte slot). The consumers read the entries where a step needs them (held in registers, the owned rows' made the
   // kernels spill, as in the forward).
   static constexpr bool kTokens = Variant::kHasTokens;
+  static constexpr bool kDropout = Variant::kHasDropout;
   static constexpr int kStepTokenBytes = 16 * kStep + kTokenSummaryBytes;
   static constexpr int kTokensOffset = kDqOffset + (kAccumulateDq ? kStep * kDP * 4 : 0);
   static constexpr int kOwnedSummariesOffset = kTokensOffset + 16 * kOwned;
@@ -356,6 +360,8 @@ struct BackwardKernel {
     }
     if constexpr (Variant::kHasAlibi && !kOwnsKeys) variant.slope = args.alibi_slopes[w.b * s.num_heads + w.owned_head];
 
+    [[maybe_unused]] KernelDropout dropout;
+    if constexpr (kDropout) dropout = KernelDropout::Of(args.dropout);
     float sc[kStep / 8][4], dp[kStep / 8][4];
     uint32_t pa[kStep / 16][4], da[kStep / 16][4];
     float dq[kAccumulateDq ? kDqN / 2 : 1];  // kAccumulateDq: the step's dq block, this warpgroup's columns
@@ -393,6 +399,9 @@ struct BackwardKernel {
                                   sm.Stp1(stage).KMajor(0, kk), kk > 0);
       }
       WgmmaCommit();
+      // Dropout's keep bits of the thread's owned rows x the step's columns (keys along the rows in the dk/dv kernel).
+      [[maybe_unused]] uint32_t keep_bits = 0;
+      if constexpr (kDropout) keep_bits = dropout.TileBits<kStep / 8, kOwnsKeys>(w.b, head, owned_row, step0 + 2 * t);
 
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(sc));
@@ -440,6 +449,8 @@ struct BackwardKernel {
             // dk/dv: the columns are the step's queries, their lse and delta' in the stage.
             const float lse = kOwnsKeys ? sm.Lse(stage)[other - step0] : row_lse[e >> 1];
             const float delta = kOwnsKeys ? sm.Delta(stage)[other - step0] : row_delta[e >> 1];
+            float keep = 1.0f;
+            if constexpr (kDropout) keep = dropout.Factor(keep_bits, 2 * ((e >> 1) * (kStep / 8) + j) + (e & 1));
             if constexpr (kTokens) {
               // The tokens' test (no short cut: a load behind one is predicated and not shared between elements) and
               // positions.
@@ -447,9 +458,10 @@ struct BackwardKernel {
               const int2 key_entry = key_token(j, e);
               if constexpr (decltype(masked)::value) visible = visible & TokenSees(query_entry, key_entry);
               ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query_entry.w, key_entry.y, visible, lse,
-                                              delta);
+                                              delta, 0.0f, keep);
             } else {
-              ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta);
+              ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta, 0.0f,
+                                              keep);
             }
           }
       };

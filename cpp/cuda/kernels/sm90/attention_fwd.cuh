@@ -14,10 +14,13 @@
 // key tiles of its rows' token span; the producer copies the rows' token entries with q and each tile's key entries and
 // granule summaries with its k; the consumers skip the per-element test where the index range and the tokens say every
 // row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
+// Dropout (Variant::kHasDropout; kernels/common/dropout.h) draws a tile's keep bits while its q k^T runs and scales p
+// after the online softmax has taken the row sums (lse is dropout's not), before p v.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/dropout.h"
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
@@ -50,6 +53,7 @@ __device__ __forceinline__ void PassTurn(int wg) { asm volatile("bar.arrive %0, 
 template <typename Element, int kD, int kDv, typename Variant>
 struct ForwardKernel {
   static constexpr bool kTokens = Variant::kHasTokens;
+  static constexpr bool kDropout = Variant::kHasDropout;
   static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -426,7 +430,28 @@ struct ForwardKernel {
         softmax.Update(sc, log2_scale, rescale);
       }
     };
+    // Dropout: the keep bits of the thread's two rows over a tile's keys, 64 keys a word (dropout.h's TileBits), and
+    // p scaled by them.
+    [[maybe_unused]] KernelDropout dropout;
+    [[maybe_unused]] uint32_t keep_bits[kBlockN / 64];
+    if constexpr (kDropout) dropout = KernelDropout::Of(args.dropout);
+    auto draw_keep_bits = [&](int tile) {
+      if constexpr (kDropout) {
+#pragma unroll
+        for (int h = 0; h < kBlockN / 64; ++h) {
+          keep_bits[h] = dropout.TileBits<8, false>(cta.b, cta.head, cta.m0 + local_row, tile * kBlockN + 64 * h + 2 * t);
+        }
+      }
+    };
     auto to_operand = [&]() {
+      if constexpr (kDropout) {
+#pragma unroll
+        for (int h = 0; h < kBlockN / 64; ++h)
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[8 * h + j][e] *= dropout.Factor(keep_bits[h], 2 * ((e >> 1) * 8 + j) + (e & 1));
+      }
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) PackAFragment<Element>(sc, kk, p[kk]);
     };
@@ -472,6 +497,7 @@ struct ForwardKernel {
       fence_registers();
       IssueQKt(sc, sm, row0, StageOf(i));
       PassTurn(wg);
+      draw_keep_bits(cta.tile_begin);
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
       release(sm.KEmpty(StageOf(i)));
@@ -490,6 +516,7 @@ struct ForwardKernel {
         IssueQKt(sc, sm, row0, next);
         product(tile - 1, i);
         PassTurn(wg);
+        draw_keep_bits(tile);
         WgmmaWait<1>();  // q k^T of this tile is done; p v of the previous one may still run
         FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
         release(sm.KEmpty(next));
