@@ -53,8 +53,8 @@ struct AttentionParams {
   bool has_bias = false;
   DType bias_dtype = DType::kFloat32;
   uint8_t bias_broadcast = 0xF;  // cpp/bias.h: bit set = that dim of bias is 1 (batch, heads, Sq, Skv)
-  // Attention dropout (issue 12), CPU backend only so far: a probability is dropped when its Philox word (cpp/philox.h)
-  // is below this threshold (round(rate * 2^32)) and the kept ones are scaled by 2^32 / (2^32 - threshold); 0: none.
+  // Attention dropout (issue 12): a probability is dropped when its 16-bit Philox number (cpp/philox.h) is below this
+  // threshold (round(rate * 2^16), < 2^16) and the kept ones are scaled by 2^16 / (2^16 - threshold); 0: none.
   uint32_t dropout_threshold = 0;
   // Paged KV cache (issue 17), forward only: 0, k and v are contiguous [B, Skv, ...]; else the keys per page (a
   // multiple of 8 in [8, 256]) and k, v are pools of num_pages pages read through the page table (layout above).

@@ -1,6 +1,8 @@
 // Attention dropout's keep rule (issue 12), the C++ twin of te_jax/dropout.py: Philox4x32-10 (Salmon et al., SC 2011)
-// keyed by the JAX PRNG key's two words, with the element's global indices (b, h, i, j) as the counter. Any kernel,
-// tile or shard computes any element's bit alone, so every backend and sharding gives the one mask the key defines.
+// keyed by the JAX PRNG key's two words, with the element's global indices (b, h, i, j / 8) as the counter: one call
+// draws the 16-bit numbers of 8 consecutive keys (16 bits resolve a rate to 2^-16, well inside the 0.1% the kept
+// fraction must meet, at half the calls of a 32-bit draw per element). Any kernel, tile or shard computes any
+// element's bit alone, so every backend and sharding gives the one mask the key defines.
 // Host and device code (NVRTC too) include it.
 #pragma once
 
@@ -32,19 +34,34 @@ TE_JAX_HOST_DEVICE PhiloxWords Philox4x32_10(uint32_t c0, uint32_t c1, uint32_t 
   return {{c0, c1, c2, c3}};
 }
 
+// The drop threshold's unit: a rate r drops an element whose 16-bit number is below round(r * 2^16).
+constexpr uint32_t kDropoutThresholdLimit = 1u << 16;
+
+// 1 / the keep probability of a threshold: what a kept element is scaled by.
+TE_JAX_HOST_DEVICE double DropoutKeepScale(uint32_t threshold) {
+  return static_cast<double>(kDropoutThresholdLimit) / static_cast<double>(kDropoutThresholdLimit - threshold);
+}
+
 // One call's view of the global [B, H, Sq, Skv] keep-mask: the key, the global indices of this call's element
-// [0, 0, 0, 0] (nonzero for a shard) and the threshold below which a word drops its element.
+// [0, 0, 0, 0] (nonzero for a shard) and the threshold (< 2^16) below which a 16-bit number drops its element.
 struct DropoutMask {
   uint32_t key[2];
   uint32_t offset[4];  // b, h, i, j
   uint32_t threshold;
 
-  // The words of the group of keys 4 * (j / 4) .. + 3 (j global) of local row (b, h, i); element j uses word j % 4.
+  // The numbers of the group of keys 8 * (j / 8) .. + 7 (j global) of local row (b, h, i); element j uses Half j % 8.
   TE_JAX_HOST_DEVICE PhiloxWords Group(int64_t b, int64_t h, int64_t i, uint32_t global_j) const {
-    return Philox4x32_10(global_j >> 2, offset[2] + static_cast<uint32_t>(i), offset[1] + static_cast<uint32_t>(h),
+    return Philox4x32_10(global_j >> 3, offset[2] + static_cast<uint32_t>(i), offset[1] + static_cast<uint32_t>(h),
                          offset[0] + static_cast<uint32_t>(b), key[0], key[1]);
   }
-  TE_JAX_HOST_DEVICE bool Keeps(uint32_t word) const { return word >= threshold; }
+  // Word w of a result, by selects (an indexed read would put the four words in local memory on the GPU).
+  static TE_JAX_HOST_DEVICE uint32_t Word(const PhiloxWords& p, uint32_t w) {
+    return w == 0 ? p.w[0] : w == 1 ? p.w[1] : w == 2 ? p.w[2] : p.w[3];
+  }
+  // 16-bit number k of a result: the low half of word k / 2 for even k, the high half for odd k.
+  static TE_JAX_HOST_DEVICE uint32_t Half(uint32_t word, uint32_t k) { return k & 1 ? word >> 16 : word & 0xFFFFu; }
+  static TE_JAX_HOST_DEVICE uint32_t Half(const PhiloxWords& p, uint32_t k) { return Half(Word(p, k >> 1), k); }
+  TE_JAX_HOST_DEVICE bool Keeps(uint32_t half) const { return half >= threshold; }
 };
 
 }  // namespace te_jax

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cpp/bias.h"
+#include "cpp/philox.h"
 
 namespace te_jax {
 namespace {
@@ -119,6 +120,10 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   }
   if (!p.has_bias && (p.bias_broadcast != kBroadcastAll || p.bias_dtype != DType::kFloat32)) {
     return Status::InvalidArgument("without a bias its operand must be the float32 [1, 1, 1, 1] placeholder");
+  }
+  if (p.dropout_threshold >= kDropoutThresholdLimit) {
+    return Status::InvalidArgument("dropout_threshold must be below 2^16 (round(dropout_rate * 2^16)), got " +
+                                   Str(p.dropout_threshold));
   }
   if (static_cast<int>(p.engine) >= kNumEngines) {
     return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));

@@ -31,8 +31,8 @@ class AttentionConfig:
   has_positions: bool = False
   # Additive logit bias (issue 12): whether the bias operand holds one (else a float32 [1, 1, 1, 1] placeholder).
   has_bias: bool = False
-  # Attention dropout (issue 12): a probability is dropped when its Philox word is below this (te_jax/dropout.py:
-  # drop_threshold); 0: no dropout, the dropout operand is a placeholder.
+  # Attention dropout (issue 12): a probability is dropped when its 16-bit Philox number is below this (< 2^16;
+  # te_jax/dropout.py: drop_threshold); 0: no dropout, the dropout operand is a placeholder.
   dropout_threshold: int = 0
   # Paged KV cache (issue 17; te_jax.paged_attention, forward only): 0, k and v are [B, Skv, Hkv, D(v)] and the page
   # table operand a placeholder; else k and v are pools [num_pages, page_size, Hkv, D(v)] read through the page table

@@ -4,8 +4,9 @@ element's global indices (b, h, i, j). Any tiling, kernel, backend or shard comp
 same key gives the same mask everywhere; a shard passes its offsets into the global [B, H, Sq, Skv] (context
 parallelism: its query and key blocks' first positions).
 
-Element (b, h, i, j) uses word j % 4 of Philox(counter = (j // 4, i, h, b), key); it is kept when that word is at least
-round(rate * 2^32), with probability 1 - rate to within 2^-32."""
+Element (b, h, i, j) uses 16-bit number j % 8 of Philox(counter = (j // 8, i, h, b), key) (number k: the low half of
+word k // 2 for even k, the high half for odd k); it is kept when that number is at least round(rate * 2^16), so the
+rate takes effect rounded to a multiple of 2^-16 (below 2^-17 no element is dropped)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def key_words(key):
 
 
 def drop_threshold(rate: float) -> np.uint32:
-  """The uint32 below which an element is dropped."""
-  return np.uint32(min(round(float(rate) * 2.0**32), 2**32 - 1))
+  """The 16-bit number below which an element is dropped (cpp/philox.h's kDropoutThresholdLimit is 2^16)."""
+  return np.uint32(min(round(float(rate) * 2.0**16), 2**16 - 1))
 
 
 def check_rate(rate) -> float:
@@ -78,7 +79,8 @@ def dropout_keep_mask(key, shape, rate, offsets=(0, 0, 0, 0)):
   if len(shape) != 4:
     raise ValueError(f"shape must be (B, H, Sq, Skv), got {shape}")
   b, h, i, j = (jnp.arange(n, dtype=jnp.uint32) + jnp.uint32(o) for n, o in zip(shape, offsets))
-  words = philox4x32_10((j[None, None, None, :] >> 2, i[None, None, :, None], h[None, :, None, None],
+  words = philox4x32_10((j[None, None, None, :] >> 3, i[None, None, :, None], h[None, :, None, None],
                          b[:, None, None, None]), (k0, k1))
-  word = jnp.select([(j & 3) == w for w in range(3)], list(words[:3]), words[3])
-  return word >= drop_threshold(rate)
+  word = jnp.select([(j >> 1 & 3) == w for w in range(3)], list(words[:3]), words[3])
+  half = jnp.where((j & 1) == 1, word >> 16, word & 0xFFFF)
+  return half >= drop_threshold(rate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from te_jax.dropout import drop_threshold
 from te_jax.mask_type import MaskType
 
 
@@ -41,6 +42,11 @@ def _positions(q_positions, kv_positions, batch, seqlen_q, seqlen_kv):
   q = np.broadcast_to(np.arange(seqlen_q), (batch, seqlen_q)) if q_positions is None else q_positions
   kv = np.broadcast_to(np.arange(seqlen_kv), (batch, seqlen_kv)) if kv_positions is None else kv_positions
   return np.asarray(q, np.int64), np.asarray(kv, np.int64)
+
+
+def _drawn_rate(rate: float) -> float:
+  """The rate the keep-mask draws: rate rounded to a multiple of 2^-16 (te_jax/dropout.py)."""
+  return float(drop_threshold(rate)) / 2.0**16
 
 
 def _diag_positions(mask_type, seqlen_q, q_seqlens, kv_seqlens) -> np.ndarray:
@@ -126,8 +132,9 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
     total = e.sum(axis=-1, keepdims=True)
     probs = np.where(visible, e / np.where(any_visible, total, 1.0), 0.0)
     lse = np.where(any_visible, np.log(total) + shift, -np.inf)[..., 0]
-    # 1 without dropout, else keep / (1 - rate): what P.V multiplies each probability by.
-    keep_scale = 1.0 if keep_mask is None else np.asarray(keep_mask, np.float64) / (1.0 - dropout_rate)
+    # 1 without dropout, else keep / (1 - rate): what P.V multiplies each probability by (the rate rounded to 2^-16
+    # as the mask draws it, te_jax/dropout.py).
+    keep_scale = 1.0 if keep_mask is None else np.asarray(keep_mask, np.float64) / (1.0 - _drawn_rate(dropout_rate))
     dropped = probs * keep_scale
     out = _visible_sum(dropped, ve, visible, "keys")
     result = dict(out=out, lse=lse)

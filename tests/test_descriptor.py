@@ -26,7 +26,7 @@ I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "he
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
               deterministic=True, engine=0, has_segment_ids=False, has_positions=False, has_bias=True, bias_dtype=2,
-              bias_broadcast=0b0101, dropout_threshold=0x9ABCDEF0, page_size=16, num_pages=40)
+              bias_broadcast=0b0101, dropout_threshold=0x9ABC, page_size=16, num_pages=40)
 # PARAMS exercises every descriptor field; a paged call takes no bias or dropout, so validation starts from contiguous
 # k and v.
 CONTIGUOUS = dict(PARAMS, page_size=0, num_pages=0)
@@ -348,6 +348,16 @@ def test_validate_paging():
 def test_validate_refuses_bad_paging(overrides, match):
   with pytest.raises(ValueError, match=match):
     te_jax_cpu.validate(dict(PAGED, **overrides), 0)
+
+
+@pytest.mark.parametrize("threshold,ok", [(2**16 - 1, True), (2**16, False), (2**32 - 1, False)])
+def test_validate_takes_a_16_bit_dropout_threshold(threshold, ok):
+  params = dict(CONTIGUOUS, dropout_threshold=threshold)
+  if ok:
+    te_jax_cpu.validate(params, 0)
+  else:
+    with pytest.raises(ValueError, match=r"dropout_threshold must be below 2\^16 .* got " + str(threshold)):
+      te_jax_cpu.validate(params, 0)
 
 
 def test_values_unpack_accepts_but_validate_refuses():

@@ -33,6 +33,21 @@ def test_kept_fraction_is_one_minus_rate(rate):
   assert abs(float(jnp.mean(mask)) - (1.0 - rate)) < 1e-3
 
 
+def test_element_j_takes_16_bit_number_j_mod_8_of_the_call_of_j_div_8():
+  """The definition, element by element: call (j // 8, i, h, b) draws the numbers of keys 8 (j // 8) .. + 7; number k
+  is the low (even k) or high (odd k) half of word k // 2; kept when at least round(rate * 2^16)."""
+  key = jax.random.PRNGKey(11)
+  rate = 0.3
+  mask = np.asarray(te_jax.dropout_keep_mask(key, (2, 3, 5, 21), rate, offsets=(1, 0, 7, 5)))
+  k0, k1 = (np.uint32(x) for x in np.asarray(key))
+  threshold = round(rate * 2**16)
+  for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 20), (0, 1, 3, 2), (1, 0, 2, 11), (0, 2, 1, 3)]:
+    gj = j + 5
+    words = philox4x32_10((np.uint32(gj // 8), np.uint32(i + 7), np.uint32(h), np.uint32(b + 1)), (k0, k1))
+    number = (int(words[gj % 8 // 2]) >> (16 * (gj % 2))) & 0xFFFF
+    assert mask[b, h, i, j] == (number >= threshold), (b, h, i, j)
+
+
 def test_a_block_with_its_offsets_is_that_block_of_the_whole_mask():
   key = jax.random.key(7)
   whole = np.asarray(te_jax.dropout_keep_mask(key, (3, 4, 40, 50), 0.3))

@@ -12,16 +12,15 @@ namespace te_jax::cpu {
 
 struct DropoutOperand {
   DropoutMask mask;
-  float keep_scale;  // 1 / the keep probability, 2^32 / (2^32 - threshold)
+  float keep_scale;  // 1 / the keep probability (DropoutKeepScale)
 
   bool active() const { return mask.threshold > 0; }
 };
 
 inline DropoutOperand MakeDropoutOperand(const AttentionParams& p, const uint32_t* dropout) {
   if (p.dropout_threshold == 0) return {};
-  constexpr double kTwoTo32 = 4294967296.0;
   return {{{dropout[0], dropout[1]}, {dropout[2], dropout[3], dropout[4], dropout[5]}, p.dropout_threshold},
-          static_cast<float>(kTwoTo32 / (kTwoTo32 - p.dropout_threshold))};
+          static_cast<float>(DropoutKeepScale(p.dropout_threshold))};
 }
 
 // tile[c * row_stride + r] of rows first_row + r < first_row + rows and keys key0 + c of (b, h), in place.
@@ -31,9 +30,9 @@ inline void ApplyDropout(const DropoutOperand& d, int64_t b, int64_t h, int64_t 
     PhiloxWords words{};
     for (int64_t c = 0; c < keys; ++c) {
       const uint32_t j = d.mask.offset[3] + static_cast<uint32_t>(key0 + c);
-      if (c == 0 || (j & 3) == 0) words = d.mask.Group(b, h, first_row + r, j);  // one Philox call per 4 keys
+      if (c == 0 || (j & 7) == 0) words = d.mask.Group(b, h, first_row + r, j);  // one Philox call per 8 keys
       float& x = tile[c * row_stride + r];
-      x = d.mask.Keeps(words.w[j & 3]) ? x * d.keep_scale : 0.0f;
+      x = d.mask.Keeps(DropoutMask::Half(words, j & 7)) ? x * d.keep_scale : 0.0f;
     }
   }
 }

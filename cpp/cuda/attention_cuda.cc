@@ -15,6 +15,7 @@
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/tensor_maps.h"
 #include "cpp/cuda/token_workspace.h"
+#include "cpp/philox.h"
 #include "cpp/validate.h"
 
 namespace te_jax::cuda {
@@ -65,11 +66,10 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
 
 unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
-// The kernels' dropout arguments: the operand, the threshold and 1 / the keep probability (2^32 / (2^32 - threshold)).
+// The kernels' dropout arguments: the operand, the threshold and 1 / the keep probability.
 DropoutArgs MakeDropoutArgs(const AttentionParams& p, const uint32_t* operand) {
   if (p.dropout_threshold == 0) return DropoutArgs{nullptr, 0, 1.0f};
-  constexpr double kTwoTo32 = 4294967296.0;
-  return DropoutArgs{operand, p.dropout_threshold, static_cast<float>(kTwoTo32 / (kTwoTo32 - p.dropout_threshold))};
+  return DropoutArgs{operand, p.dropout_threshold, static_cast<float>(DropoutKeepScale(p.dropout_threshold))};
 }
 
 Status CheckWorkspace(int64_t given, int64_t needed, const char* direction) {
