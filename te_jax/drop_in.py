@@ -39,8 +39,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       bfloat16 or float16 is taken as float32 (jax.nn adds the bias to float32 logits).
     mask: a boolean array broadcastable to `[B, N, T, S]` like bias, True = keep (jax.nn's). It is ANDed with the
       masks of is_causal, the sequence lengths and local_window_size. te_jax adds it to the bias as -inf where False,
-      so it costs a bias's memory and bandwidth: prefer those arguments where they say the same. The bias and the
-      mask run on the CPU backend until the GPU bias kernels have run (te_jax.fused_attn's bias).
+      so it costs a bias's memory and bandwidth: prefer those arguments where they say the same.
     scale: multiplies the logits; default `1/sqrt(H)`. A Python number > 0 (te_jax.fused_attn's rule).
     is_causal: key j is visible to query i only when j <= i (top-left aligned, as jax.nn).
     query_seq_lengths, key_value_seq_lengths: int32 `[B]`: query rows i >= length give 0 (as jax.nn); keys j >= length
