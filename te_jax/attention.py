@@ -52,7 +52,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       runs cuDNN's fused attention and raises EngineUnavailableError (a ValueError) saying why when cuDNN cannot serve
       the call (soft-cap, arbitrary ALiBi slopes, a gradient through lse, no GPU, ...). Never a silent fallback.
     context_parallel_axis: name of a mesh axis the sequence dimension of q, k and v is sharded over (context
-      parallelism; needs a mesh in context: `with jax.set_mesh(mesh)`, or shard_map). None: no context parallelism
+      parallelism; the mesh in context (`with jax.set_mesh(mesh)`, shard_map), else q, k or v's NamedSharding, must
+      have the axis). None: no context parallelism
       (batch and head sharding work without it). See docs/SHARDING.md.
     context_parallel_strategy: "all_gather" (gather K/V, compute the local query rows) or "ring" (K/V blocks passed
       around the axis with collective permutes, results merged by log-sum-exp).
@@ -105,7 +106,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   threshold, dropout = _dropout_operand(dropout_rate, dropout_rng)
   tokens, has_ids, has_positions = _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask,
                                                    batch, seqlen_q, seqlen_kv)
-  cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced)
+  cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced,
+                              (q, k, v))
   config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
                            scale=_check_scale(scale, head_dim), softcap=_check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),

@@ -652,9 +652,14 @@ def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
 # --------------------------------------------------------------------------------------------------------------------
 # fused_attn's arguments -> ContextParallel.
 
-def current_axis_size(axis: str) -> int | None:
-  """The size of mesh axis `axis` in the mesh in context (jax.set_mesh / shard_map / `with mesh:`), or None."""
-  for mesh in (jax.sharding.get_abstract_mesh(), _physical_mesh()):
+def current_axis_size(axis: str, operands=()) -> int | None:
+  """The size of mesh axis `axis` in the mesh in context (jax.set_mesh / shard_map / `with mesh:`), else in the mesh of
+  an operand's NamedSharding (a sharded array, or under jit a traced one whose type carries its sharding), or None.
+  The partitioner takes the mesh from the operands' shardings either way; only the axis size is needed here."""
+  meshes = [jax.sharding.get_abstract_mesh(), _physical_mesh()]
+  meshes += [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in operands]
+  meshes += [getattr(getattr(x, "sharding", None), "mesh", None) for x in operands if isinstance(x, jax.Array)]
+  for mesh in meshes:
     if mesh is not None and not mesh.empty and axis in mesh.axis_names:
       return int(dict(zip(mesh.axis_names, mesh.axis_sizes))[axis])
   return None
@@ -665,8 +670,9 @@ def _physical_mesh():
   return mesh_lib.thread_resources.env.physical_mesh
 
 
-def make(axis, strategy, load_balanced) -> ContextParallel | None:
-  """Checks fused_attn's context_parallel_* arguments; None when context parallelism is off."""
+def make(axis, strategy, load_balanced, operands=()) -> ContextParallel | None:
+  """Checks fused_attn's context_parallel_* arguments; None when context parallelism is off. `operands` (q, k, v) may
+  carry the mesh when none is in context."""
   if not isinstance(load_balanced, (bool, np.bool_)):
     raise TypeError(f"context_parallel_load_balanced must be a bool, got {load_balanced!r}")
   if strategy not in STRATEGIES:
@@ -677,10 +683,11 @@ def make(axis, strategy, load_balanced) -> ContextParallel | None:
     return None
   if not isinstance(axis, str):
     raise TypeError(f"context_parallel_axis must be a mesh axis name (str) or None, got {axis!r}")
-  size, manual = current_axis_size(axis), axis in _manual_axes()
+  size, manual = current_axis_size(axis, operands), axis in _manual_axes()
   if size is None:
-    raise ValueError(f"context_parallel_axis {axis!r} is not an axis of the mesh in context; call fused_attn under "
-                     "`with jax.set_mesh(mesh):` (or `with mesh:`), or inside shard_map over a mesh with that axis")
+    raise ValueError(f"context_parallel_axis {axis!r} is not an axis of the mesh in context nor of q, k or v's "
+                     "sharding; pass arrays sharded with a NamedSharding over a mesh with that axis, call fused_attn "
+                     "under `with jax.set_mesh(mesh):` (or `with mesh:`), or inside shard_map over such a mesh")
   return ContextParallel(axis=axis, strategy=strategy, load_balanced=bool(load_balanced), size=size, manual=manual)
 
 

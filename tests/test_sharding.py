@@ -768,6 +768,26 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
   assert collectives(compiled.as_text()) == {"collective-permute"}
 
 
+@in_process
+@pytest.mark.parametrize("strategy", ("all_gather", "ring"))
+def test_context_parallel_takes_the_mesh_from_the_inputs_sharding(strategy):
+  """No mesh in context: the axis is found in q, k and v's NamedSharding (jitted and eager), and the call equals the
+  one under `jax.set_mesh`, with the strategy's collective in the program; unsharded inputs are still refused."""
+  mesh = make_mesh((2, 4, 1))
+  q, k, v, dout = inputs(seqlen=32)
+  kw = dict(mask_type="causal", context_parallel_axis="cp", context_parallel_strategy=strategy)
+  in_context, _ = run_sharded(mesh, P("dp", "cp"), q, k, v, dout, **kw)
+  args = [jax.device_put(x, NamedSharding(mesh, P("dp", "cp"))) for x in (q, k, v, dout)]
+  fn = jax.jit(lambda q, k, v, d: attention_and_grads(q, k, v, d, **kw))
+  compiled = fn.lower(*args).compile()
+  for name, got, want in zip(("out", "dq", "dk", "dv"), compiled(*args), in_context):
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+  assert ("collective-permute" if strategy == "ring" else "all-gather") in collectives(compiled.as_text())
+  np.testing.assert_array_equal(np.asarray(te_jax.fused_attn(*args[:3], **kw)), in_context[0])  # eager
+  with pytest.raises(ValueError, match="'cp' is not an axis of the mesh in context nor of q, k or v's sharding"):
+    te_jax.fused_attn(q, k, v, **kw)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Refusals, load-balancing helpers.
 
@@ -781,7 +801,8 @@ def test_vmap_over_a_leading_axis_with_context_parallelism():
     (dict(mask_type="padding_causal_bottom_right", q_seqlens=np.array([9, 9, 9, 9], np.int32),
           kv_seqlens=np.array([9, 12, 9, 9], np.int32), context_parallel_strategy="ring"), NotImplementedError,
      r"q_seqlens == kv_seqlens"),
-    (dict(context_parallel_axis="sp"), ValueError, "'sp' is not an axis of the mesh in context"),
+    (dict(context_parallel_axis="sp"), ValueError, "'sp' is not an axis of the mesh in context nor of q, k or v's "
+     "sharding"),
     (dict(context_parallel_strategy="tree"), ValueError, "context_parallel_strategy must be one of"),
     (dict(context_parallel_load_balanced=True, seqlen=24), ValueError,
      r"Sq \(q's sequence length\) = 24 must be a multiple of 16"),
