@@ -439,7 +439,8 @@ struct ForwardKernel {
       if constexpr (kDropout) {
 #pragma unroll
         for (int h = 0; h < kBlockN / 64; ++h) {
-          keep_bits[h] = dropout.TileBits<8, false>(cta.b, cta.head, cta.m0 + local_row, tile * kBlockN + 64 * h + 2 * t);
+          const int col0 = tile * kBlockN + 64 * h + 2 * t;
+          keep_bits[h] = dropout.TileBits<8, false>(cta.b, cta.head, cta.m0 + local_row, col0);
         }
       }
     };
@@ -450,7 +451,9 @@ struct ForwardKernel {
 #pragma unroll
           for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sc[8 * h + j][e] *= dropout.Factor(keep_bits[h], 2 * ((e >> 1) * 8 + j) + (e & 1));
+            for (int e = 0; e < 4; ++e) {
+              sc[8 * h + j][e] *= dropout.Factor(keep_bits[h], 2 * ((e >> 1) * 8 + j) + (e & 1));
+            }
       }
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) PackAFragment<Element>(sc, kk, p[kk]);
