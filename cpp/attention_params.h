@@ -68,38 +68,11 @@ struct AttentionParams {
   Engine engine = Engine::kTe;  // resolved at lowering; the CPU backend serves kTe only
 };
 
-struct ForwardBuffers {
+// The operands both directions read: q, k, v and the call's array options (layouts above).
+struct AttentionOperands {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  const int32_t* q_seqlens = nullptr;
-  const int32_t* kv_seqlens = nullptr;
-  const float* alibi_slopes = nullptr;
-  const int32_t* q_segment_ids = nullptr;
-  const int32_t* kv_segment_ids = nullptr;
-  const int32_t* q_positions = nullptr;
-  const int32_t* kv_positions = nullptr;
-  const void* bias = nullptr;
-  const uint32_t* dropout = nullptr;
-  const int32_t* page_table = nullptr;
-  void* out = nullptr;
-  float* lse = nullptr;
-  // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
-  // custom call on both paths, like the backward's.
-  void* workspace = nullptr;
-  int64_t workspace_bytes = 0;
-};
-
-struct BackwardBuffers {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const void* out = nullptr;
-  const float* lse = nullptr;
-  const void* dout = nullptr;
-  // Cotangent of lse (float32 [B, H, Sq]; zeros when only out is used). The logits' gradient is
-  // dS = P * (dP - D + dlse) with D = rowsum(dout * out), so lse returned to the user is differentiable too.
-  const float* dlse = nullptr;
   const int32_t* q_seqlens = nullptr;
   const int32_t* kv_seqlens = nullptr;
   const float* alibi_slopes = nullptr;
@@ -111,6 +84,24 @@ struct BackwardBuffers {
   const uint32_t* dropout = nullptr;
   // The backward refuses paging (ValidateBackwardParams): present so both directions share one operand list.
   const int32_t* page_table = nullptr;
+};
+
+struct ForwardBuffers : AttentionOperands {
+  void* out = nullptr;
+  float* lse = nullptr;
+  // Scratch of the engine (ForwardWorkspaceBytes of the backend; 0 for te_jax's kernels), an extra result of the
+  // custom call on both paths, like the backward's.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+};
+
+struct BackwardBuffers : AttentionOperands {
+  const void* out = nullptr;
+  const float* lse = nullptr;
+  const void* dout = nullptr;
+  // Cotangent of lse (float32 [B, H, Sq]; zeros when only out is used). The logits' gradient is
+  // dS = P * (dP - D + dlse) with D = rowsum(dout * out), so lse returned to the user is differentiable too.
+  const float* dlse = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

@@ -3,13 +3,11 @@
 // so the two backends cannot decode a call differently.
 #pragma once
 
+#include "ffi/ffi_params.h"
 #include "xla/ffi/api/ffi.h"
 
-#define TE_JAX_FFI_ATTENTION_ATTRS                                                                     \
-  .Attr<int64_t>("mask_type").Attr<int64_t>("window_left").Attr<int64_t>("window_right").Attr<float>( \
-      "scale").Attr<float>("softcap").Attr<bool>("has_alibi").Attr<bool>("deterministic").Attr<int64_t>("engine")      \
-      .Attr<bool>("has_segment_ids").Attr<bool>("has_positions").Attr<bool>("has_bias")                   \
-      .Attr<int64_t>("dropout_threshold").Attr<int64_t>("page_size")
+// The attributes, decoded by name into one struct (ffi_params.h registers its members).
+#define TE_JAX_FFI_ATTENTION_ATTRS .Attrs<te_jax::ffi_handlers::AttentionAttrs>()
 
 // The packed-sequence operands that follow alibi_slopes in both directions: q_segment_ids, kv_segment_ids,
 // q_positions, kv_positions (int32 [B, Sq] / [B, Skv], zeros when the has_ flags are false).

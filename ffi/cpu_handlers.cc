@@ -4,9 +4,8 @@
 #include <functional>
 
 #include "cpp/cpu/attention_cpu.h"
+#include "ffi/attention_handlers.h"
 #include "ffi/attention_signature.h"
-#include "ffi/ffi_params.h"
-#include "ffi/ffi_status.h"
 
 namespace te_jax::ffi_handlers {
 namespace ffi = xla::ffi;
@@ -23,59 +22,27 @@ class XlaPoolScheduler final : public cpu::TaskScheduler {
   ffi::ThreadPool pool_;
 };
 
-ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-    ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
-    ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_positions, ffi::AnyBuffer kv_positions, ffi::AnyBuffer page_table,
-    ffi::AnyBuffer bias, ffi::AnyBuffer dropout, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-    ffi::Result<ffi::AnyBuffer> workspace, int64_t mask_type, int64_t window_left, int64_t window_right, float scale,
-    float softcap, bool has_alibi, bool deterministic, int64_t engine, bool has_segment_ids, bool has_positions,
-    bool has_bias, int64_t dropout_threshold, int64_t page_size) {
-  AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
-                             engine, has_segment_ids, has_positions, has_bias, dropout_threshold, page_size};
-  const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
-  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, page_table, bias, dropout,
-                                attrs, &params);
-  if (!status.ok()) return ToFfiError(status);
+// The core's CPU entry points on XLA's thread pool.
+Status ForwardOnPool(const AttentionParams& params, const ForwardBuffers& buffers, ffi::ThreadPool pool) {
   XlaPoolScheduler scheduler(pool);
-  return ToFfiError(cpu::AttentionForward(params,
-                                          ForwardBuffersFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens,
-                                                                page_table, bias, dropout, *out, *lse, *workspace),
-                                          &scheduler));
+  return cpu::AttentionForward(params, buffers, &scheduler);
 }
 
-ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-    ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
-    ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-    ffi::AnyBuffer q_positions, ffi::AnyBuffer kv_positions, ffi::AnyBuffer page_table, ffi::AnyBuffer bias,
-    ffi::AnyBuffer dropout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
-    int64_t mask_type, int64_t window_left, int64_t window_right, float scale, float softcap, bool has_alibi,
-    bool deterministic, int64_t engine, bool has_segment_ids, bool has_positions, bool has_bias,
-    int64_t dropout_threshold, int64_t page_size) {
-  AttentionParams params;
-  const AttentionAttrs attrs{mask_type, window_left, window_right, scale, softcap, has_alibi, deterministic,
-                             engine, has_segment_ids, has_positions, has_bias, dropout_threshold, page_size};
-  const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
-  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens, page_table, bias, dropout,
-                                attrs, &params);
-  if (status.ok()) status = ExpectDbiasLikeBias(bias, *dbias);
-  if (!status.ok()) return ToFfiError(status);
+Status BackwardOnPool(const AttentionParams& params, const BackwardBuffers& buffers, ffi::ThreadPool pool) {
   XlaPoolScheduler scheduler(pool);
-  return ToFfiError(cpu::AttentionBackward(
-      params,
-      BackwardBuffersFromFfi(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, tokens, page_table,
-                             bias, dropout, *dq, *dk, *dv, *dbias, *workspace),
-      &scheduler));
+  return cpu::AttentionBackward(params, buffers, &scheduler);
 }
+
+constexpr auto kForwardCpu = AttentionForward<ffi::ThreadPool, ForwardOnPool>;
+constexpr auto kBackwardCpu = AttentionBackward<ffi::ThreadPool, BackwardOnPool>;
 
 }  // namespace
 }  // namespace te_jax::ffi_handlers
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionForwardCpu, te_jax::ffi_handlers::ForwardCpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionForwardCpu, te_jax::ffi_handlers::kForwardCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>() TE_JAX_FFI_FORWARD_SIGNATURE);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionBackwardCpu, te_jax::ffi_handlers::BackwardCpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxAttentionBackwardCpu, te_jax::ffi_handlers::kBackwardCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>() TE_JAX_FFI_BACKWARD_SIGNATURE);

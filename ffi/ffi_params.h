@@ -12,7 +12,8 @@
 
 namespace te_jax::ffi_handlers {
 
-// The typed attributes every attention handler binds, in the order of the Bind() chains.
+// The attributes every attention handler takes (te_jax/_primitives.py emits them), decoded by name: the registration
+// at the end of this file.
 struct AttentionAttrs {
   int64_t mask_type;
   int64_t window_left;
@@ -184,32 +185,33 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   return Status::Ok();
 }
 
-template <typename Buffers>
-void SetTokenBuffers(const TokenArgs& tokens, Buffers* b) {
-  b->q_segment_ids = static_cast<const int32_t*>(tokens.q_segment_ids.untyped_data());
-  b->kv_segment_ids = static_cast<const int32_t*>(tokens.kv_segment_ids.untyped_data());
-  b->q_positions = static_cast<const int32_t*>(tokens.q_positions.untyped_data());
-  b->kv_positions = static_cast<const int32_t*>(tokens.kv_positions.untyped_data());
+// The operands both directions read (AttentionOperands) from their FFI buffers.
+inline AttentionOperands OperandsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
+                                         const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
+                                         const xla::ffi::AnyBuffer& kv_seqlens, const xla::ffi::AnyBuffer& alibi_slopes,
+                                         const TokenArgs& tokens, const xla::ffi::AnyBuffer& page_table,
+                                         const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout) {
+  AttentionOperands o;
+  o.q = q.untyped_data();
+  o.k = k.untyped_data();
+  o.v = v.untyped_data();
+  o.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
+  o.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
+  o.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
+  o.q_segment_ids = static_cast<const int32_t*>(tokens.q_segment_ids.untyped_data());
+  o.kv_segment_ids = static_cast<const int32_t*>(tokens.kv_segment_ids.untyped_data());
+  o.q_positions = static_cast<const int32_t*>(tokens.q_positions.untyped_data());
+  o.kv_positions = static_cast<const int32_t*>(tokens.kv_positions.untyped_data());
+  o.page_table = static_cast<const int32_t*>(page_table.untyped_data());
+  o.bias = bias.untyped_data();
+  o.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
+  return o;
 }
 
-inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
-                                            const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
-                                            const xla::ffi::AnyBuffer& kv_seqlens,
-                                            const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                            const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
-                                            const xla::ffi::AnyBuffer& dropout, xla::ffi::AnyBuffer& out,
+inline ForwardBuffers ForwardBuffersFromFfi(const AttentionOperands& operands, xla::ffi::AnyBuffer& out,
                                             xla::ffi::AnyBuffer& lse, xla::ffi::AnyBuffer& workspace) {
   ForwardBuffers b;
-  b.q = q.untyped_data();
-  b.k = k.untyped_data();
-  b.v = v.untyped_data();
-  b.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
-  b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
-  b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
-  SetTokenBuffers(tokens, &b);
-  b.page_table = static_cast<const int32_t*>(page_table.untyped_data());
-  b.bias = bias.untyped_data();
-  b.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
+  static_cast<AttentionOperands&>(b) = operands;
   b.out = out.untyped_data();
   b.lse = static_cast<float*>(lse.untyped_data());
   b.workspace = workspace.untyped_data();
@@ -217,32 +219,17 @@ inline ForwardBuffers ForwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const 
   return b;
 }
 
-inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
-                                              const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& out,
+inline BackwardBuffers BackwardBuffersFromFfi(const AttentionOperands& operands, const xla::ffi::AnyBuffer& out,
                                               const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& dout,
-                                              const xla::ffi::AnyBuffer& dlse,
-                                              const xla::ffi::AnyBuffer& q_seqlens,
-                                              const xla::ffi::AnyBuffer& kv_seqlens,
-                                              const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                                              const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
-                                              const xla::ffi::AnyBuffer& dropout, xla::ffi::AnyBuffer& dq,
+                                              const xla::ffi::AnyBuffer& dlse, xla::ffi::AnyBuffer& dq,
                                               xla::ffi::AnyBuffer& dk, xla::ffi::AnyBuffer& dv,
                                               xla::ffi::AnyBuffer& dbias, xla::ffi::AnyBuffer& workspace) {
   BackwardBuffers b;
-  b.q = q.untyped_data();
-  b.k = k.untyped_data();
-  b.v = v.untyped_data();
+  static_cast<AttentionOperands&>(b) = operands;
   b.out = out.untyped_data();
   b.lse = static_cast<const float*>(lse.untyped_data());
   b.dout = dout.untyped_data();
   b.dlse = static_cast<const float*>(dlse.untyped_data());
-  b.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
-  b.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
-  b.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
-  SetTokenBuffers(tokens, &b);
-  b.page_table = static_cast<const int32_t*>(page_table.untyped_data());
-  b.bias = bias.untyped_data();
-  b.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
   b.dq = dq.untyped_data();
   b.dk = dk.untyped_data();
   b.dv = dv.untyped_data();
@@ -253,3 +240,11 @@ inline BackwardBuffers BackwardBuffersFromFfi(const xla::ffi::AnyBuffer& q, cons
 }
 
 }  // namespace te_jax::ffi_handlers
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(te_jax::ffi_handlers::AttentionAttrs, StructMember<int64_t>("mask_type"),
+                                      StructMember<int64_t>("window_left"), StructMember<int64_t>("window_right"),
+                                      StructMember<float>("scale"), StructMember<float>("softcap"),
+                                      StructMember<bool>("has_alibi"), StructMember<bool>("deterministic"),
+                                      StructMember<int64_t>("engine"), StructMember<bool>("has_segment_ids"),
+                                      StructMember<bool>("has_positions"), StructMember<bool>("has_bias"),
+                                      StructMember<int64_t>("dropout_threshold"), StructMember<int64_t>("page_size"));

@@ -23,29 +23,31 @@ inline constexpr int kBackwardInputs = 13 + kTokenInputs;  // q, k, v, out, lse,
                                                            // alibi_slopes, tokens, page_table, bias, dropout
 inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
-// in[first], ... are q_segment_ids, kv_segment_ids, q_positions, kv_positions.
-template <typename Buffers>
-void SetTokenBuffers(const void* const* in, int first, Buffers* b) {
-  b->q_segment_ids = static_cast<const int32_t*>(in[first]);
-  b->kv_segment_ids = static_cast<const int32_t*>(in[first + 1]);
-  b->q_positions = static_cast<const int32_t*>(in[first + 2]);
-  b->kv_positions = static_cast<const int32_t*>(in[first + 3]);
+// q, k, v from in[0..2]; the options from in[first]: q_seqlens, kv_seqlens, alibi_slopes, the four tokens,
+// page_table, bias, dropout.
+inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
+  AttentionOperands o;
+  o.q = in[0];
+  o.k = in[1];
+  o.v = in[2];
+  o.q_seqlens = static_cast<const int32_t*>(in[first]);
+  o.kv_seqlens = static_cast<const int32_t*>(in[first + 1]);
+  o.alibi_slopes = static_cast<const float*>(in[first + 2]);
+  o.q_segment_ids = static_cast<const int32_t*>(in[first + 3]);
+  o.kv_segment_ids = static_cast<const int32_t*>(in[first + 4]);
+  o.q_positions = static_cast<const int32_t*>(in[first + 5]);
+  o.kv_positions = static_cast<const int32_t*>(in[first + 6]);
+  o.page_table = static_cast<const int32_t*>(in[first + 3 + kTokenInputs]);
+  o.bias = in[first + 4 + kTokenInputs];
+  o.dropout = static_cast<const uint32_t*>(in[first + 5 + kTokenInputs]);
+  return o;
 }
 
 // Legacy buffers carry no sizes: `workspace_bytes` is the backend's workspace size for params, the size the lowering
 // gave the workspace result from the same params.
 inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* const* out, int64_t workspace_bytes) {
   ForwardBuffers b;
-  b.q = in[0];
-  b.k = in[1];
-  b.v = in[2];
-  b.q_seqlens = static_cast<const int32_t*>(in[3]);
-  b.kv_seqlens = static_cast<const int32_t*>(in[4]);
-  b.alibi_slopes = static_cast<const float*>(in[5]);
-  SetTokenBuffers(in, 6, &b);
-  b.page_table = static_cast<const int32_t*>(in[6 + kTokenInputs]);
-  b.bias = in[7 + kTokenInputs];
-  b.dropout = static_cast<const uint32_t*>(in[8 + kTokenInputs]);
+  static_cast<AttentionOperands&>(b) = OperandsFromLegacy(in, 3);
   b.out = out[0];
   b.lse = static_cast<float*>(out[1]);
   b.workspace = out[2];
@@ -55,20 +57,11 @@ inline ForwardBuffers ForwardBuffersFromLegacy(const void* const* in, void* cons
 
 inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* const* out, int64_t workspace_bytes) {
   BackwardBuffers b;
-  b.q = in[0];
-  b.k = in[1];
-  b.v = in[2];
+  static_cast<AttentionOperands&>(b) = OperandsFromLegacy(in, 7);
   b.out = in[3];
   b.lse = static_cast<const float*>(in[4]);
   b.dout = in[5];
   b.dlse = static_cast<const float*>(in[6]);
-  b.q_seqlens = static_cast<const int32_t*>(in[7]);
-  b.kv_seqlens = static_cast<const int32_t*>(in[8]);
-  b.alibi_slopes = static_cast<const float*>(in[9]);
-  SetTokenBuffers(in, 10, &b);
-  b.page_table = static_cast<const int32_t*>(in[10 + kTokenInputs]);
-  b.bias = in[11 + kTokenInputs];
-  b.dropout = static_cast<const uint32_t*>(in[12 + kTokenInputs]);
   b.dq = out[0];
   b.dk = out[1];
   b.dv = out[2];
