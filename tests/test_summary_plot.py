@@ -1,0 +1,33 @@
+"""scripts/summary_plot.py draws BENCHMARKS.md's summary plot from the committed run data: every figure it reads is
+there, and the ratios it draws are the tables' (spot checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+pytest.importorskip("matplotlib")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _script():
+  spec = importlib.util.spec_from_file_location("summary_plot", ROOT / "scripts" / "summary_plot.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_draws_the_summary_from_the_committed_data(tmp_path):
+  plot = _script()
+  bench = str(ROOT / "docs" / "bench")
+  fwd = dict(plot._cuda_bench(f"{bench}/h200-sm90-fwd.json", "fwd", "fwd", [(128, 16384, True)]))
+  assert fwd["fwd d128 s16k causal"] == pytest.approx(663 / 605, rel=0.01)  # run 14's table: 1.10
+  decode = dict(plot._decode(f"{bench}/h200-decode.json"))
+  assert decode["decode b8 q1 kv8k"] == pytest.approx(94 / 92, rel=0.02)  # run 19's table: 1.03
+  features = dict(plot._features(f"{bench}/h200-features.json"))
+  assert features["dropout fwd"] == pytest.approx(1.428 / 1.739)
+  out = tmp_path / "summary.png"
+  plot.main(bench, str(out))
+  assert out.stat().st_size > 10_000
