@@ -80,6 +80,10 @@ struct TokenOperands {
   const int32_t* kv_pos;
 };
 
+TokenOperands TokenOperandsOf(const AttentionOperands& o) {
+  return {o.q_segment_ids, o.kv_segment_ids, o.q_positions, o.kv_positions};
+}
+
 TokenMask BatchTokens(const AttentionParams& p, const TokenOperands& t, int64_t b) {
   return MakeTokenMask(p.has_segment_ids, p.has_positions, t.q_ids, t.kv_ids, t.q_pos, t.kv_pos, p.seqlen_q,
                        p.seqlen_kv, IsCausal(p.mask_type), p.window_left, p.window_right, b);
@@ -269,17 +273,15 @@ void SortByCostDescending(std::vector<WorkItem>* items) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Forward
+// The operands both directions read, typed.
 
 template <typename T>
-struct ForwardArgs {
+struct OperandArgs {
   const AttentionParams& params;
   const T* q;
   const T* k;
   const T* v;
-  KvRows k_rows, v_rows;  // where k's and v's rows live (contiguous or paged)
-  T* out;
-  float* lse;
+  KvRows k_rows, v_rows;  // where k's and v's rows live (contiguous, or paged in the forward)
   const int32_t* q_seqlens;
   const int32_t* kv_seqlens;
   const float* alibi_slopes;
@@ -287,6 +289,34 @@ struct ForwardArgs {
   const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
   BiasOperand bias;
   DropoutOperand dropout;
+};
+
+// `kv_tile_tokens` must outlive the result (it points into it).
+template <typename T>
+OperandArgs<T> OperandArgsOf(const AttentionParams& params, const AttentionOperands& o,
+                             const std::vector<KeyTokenBounds>& kv_tile_tokens) {
+  return {params,
+          static_cast<const T*>(o.q),
+          static_cast<const T*>(o.k),
+          static_cast<const T*>(o.v),
+          MakeKvRows(params, o.page_table, params.head_dim),
+          MakeKvRows(params, o.page_table, params.head_dim_v),
+          o.q_seqlens,
+          o.kv_seqlens,
+          o.alibi_slopes,
+          TokenOperandsOf(o),
+          kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
+          MakeBiasOperand(params, o.bias),
+          MakeDropoutOperand(params, o.dropout)};
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Forward
+
+template <typename T>
+struct ForwardArgs : OperandArgs<T> {
+  T* out;
+  float* lse;
 };
 
 struct ForwardScratch {
@@ -483,23 +513,11 @@ void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler
 // Backward
 
 template <typename T>
-struct BackwardArgs {
-  const AttentionParams& params;
-  const T* q;
-  const T* k;
-  const T* v;
-  KvRows k_rows, v_rows;  // contiguous: the backward refuses paging (ValidateBackwardParams)
+struct BackwardArgs : OperandArgs<T> {  // k_rows, v_rows contiguous: the backward refuses paging
   const T* out;
   const float* lse;
   const T* dout;
   const float* dlse;
-  const int32_t* q_seqlens;
-  const int32_t* kv_seqlens;
-  const float* alibi_slopes;
-  TokenOperands tokens;
-  const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
-  BiasOperand bias;
-  DropoutOperand dropout;
   T* dq;
   T* dk;
   T* dv;
@@ -767,25 +785,11 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
   TE_JAX_RETURN_IF_ERROR(ValidatePageTable(params, buffers.page_table, buffers.kv_seqlens));
-  const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
-  const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);
+  const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, TokenOperandsOf(buffers));
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const ForwardArgs<T> args{params,
-                              static_cast<const T*>(buffers.q),
-                              static_cast<const T*>(buffers.k),
-                              static_cast<const T*>(buffers.v),
-                              MakeKvRows(params, buffers.page_table, params.head_dim),
-                              MakeKvRows(params, buffers.page_table, params.head_dim_v),
-                              static_cast<T*>(buffers.out),
-                              buffers.lse,
-                              buffers.q_seqlens,
-                              buffers.kv_seqlens,
-                              buffers.alibi_slopes,
-                              tokens,
-                              kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
-                              MakeBiasOperand(params, buffers.bias),
-                              MakeDropoutOperand(params, buffers.dropout)};
+    const ForwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens), static_cast<T*>(buffers.out),
+                              buffers.lse};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Forward<T, decltype(variant_tag)>(params, args, scheduler);
     });
@@ -797,27 +801,14 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
-  const TokenOperands tokens{buffers.q_segment_ids, buffers.kv_segment_ids, buffers.q_positions, buffers.kv_positions};
-  const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, tokens);
+  const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, TokenOperandsOf(buffers));
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const BackwardArgs<T> args{params,
-                               static_cast<const T*>(buffers.q),
-                               static_cast<const T*>(buffers.k),
-                               static_cast<const T*>(buffers.v),
-                               MakeKvRows(params, nullptr, params.head_dim),
-                               MakeKvRows(params, nullptr, params.head_dim_v),
+    const BackwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens),
                                static_cast<const T*>(buffers.out),
                                buffers.lse,
                                static_cast<const T*>(buffers.dout),
                                buffers.dlse,
-                               buffers.q_seqlens,
-                               buffers.kv_seqlens,
-                               buffers.alibi_slopes,
-                               tokens,
-                               kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
-                               MakeBiasOperand(params, buffers.bias),
-                               MakeDropoutOperand(params, buffers.dropout),
                                static_cast<T*>(buffers.dq),
                                static_cast<T*>(buffers.dk),
                                static_cast<T*>(buffers.dv),
