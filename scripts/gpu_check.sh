@@ -36,7 +36,8 @@ for s in $SECTIONS; do
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_attention.py "$REPO"/tests/test_cuda_decode.py "$REPO"/tests/test_cuda_packed.py \
-      "$REPO"/tests/test_cuda_dropout.py "$REPO"/tests/test_cuda_bias.py 2>&1 \
+      "$REPO"/tests/test_cuda_dropout.py "$REPO"/tests/test_cuda_bias.py "$REPO"/tests/test_cuda_sinks.py \
+      "$REPO"/tests/test_cuda_drop_in.py 2>&1 \
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
