@@ -3,6 +3,7 @@ same feature: sinks, an additive [1, H, S, S] bias, dropout (jax.nn has no dropo
 private cuDNN call, jax._src.cudnn.fused_attention_stablehlo).
 
   python scripts/feature_cost.py [--features sinks,bias,dropout] [--seq 4096] [--dim 128] [--heads 16] [--repeats 20]
+                                 [--json out.json]
 
 b * s = 16k tokens, causal, bf16, te_jax's engine. Each line: the feature's time against plain attention in the same
 run (forward, and forward + backward), measured in alternation. A feature the installed te_jax cannot run on this
@@ -11,6 +12,8 @@ device is reported as such, not skipped silently. Run from outside the source fo
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 
 import jax
@@ -40,6 +43,7 @@ def main() -> None:
   ap.add_argument("--dim", type=int, default=128)
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--json", default="", help="also write the rows here (docs/bench/h200-features.json's format)")
   args = ap.parse_args()
   s, d, h = args.seq, args.dim, args.heads
   b = max(1, 16384 // s)
@@ -71,13 +75,17 @@ def main() -> None:
 
   print(f"{jax.devices()[0].device_kind}, bf16, causal, b {b} x s {s}, h {h}, d {d}, best of {args.repeats}")
   print(f"{'feature':9s} {'mode':8s} {'plain ms':>9s} {'with ms':>9s} {'cost':>7s}   cuDNN plain / with (ms)")
+  rows = []
   for feature in args.features.split(","):
     for mode in ("fwd", "fwd+bwd"):
       ours = {"plain": (modes(te())[mode], (q, k, v)), "with": (modes(te(**options[feature]))[mode], (q, k, v))}
       line = f"{feature:9s} {mode:8s} "
+      row = dict(feature=feature, mode=mode)
+      rows.append(row)
       try:
         t = seconds(ours, args.repeats)
         line += f"{t['plain'] * 1e3:9.3f} {t['with'] * 1e3:9.3f} {t['with'] / t['plain'] - 1:+7.1%}"
+        row.update(te_plain_ms=t["plain"] * 1e3, te_with_ms=t["with"] * 1e3)
       except Exception as e:  # noqa: BLE001 - say what this build cannot run, and go on
         line += f"te_jax not run: {str(e).splitlines()[0][:80]}"
       if feature in peers:
@@ -86,11 +94,18 @@ def main() -> None:
           t = seconds({"plain": (modes(plain)[mode], (q, k, v)), "with": (modes(with_feature)[mode], (q, k, v))},
                       args.repeats)
           line += f"   {t['plain'] * 1e3:.3f} / {t['with'] * 1e3:.3f} ({t['with'] / t['plain'] - 1:+.1%})"
+          row.update(cudnn_plain_ms=t["plain"] * 1e3, cudnn_with_ms=t["with"] * 1e3)
         except Exception as e:  # noqa: BLE001
           line += f"   cuDNN not run: {str(e).splitlines()[0][:60]}"
       else:
         line += "   (cuDNN has no such option in JAX)"
       print(line)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__,
+                     command="python scripts/feature_cost.py " + " ".join(sys.argv[1:]),
+                     shape=dict(b=b, s=s, h=h, d=d, causal=True, dtype="bfloat16"), repeats=args.repeats, rows=rows),
+                f, indent=1)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ for s in $SECTIONS; do
     done ;;
   features)
     # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
-    timeout 300 python3 "$REPO/scripts/feature_cost.py" 2>&1 | grep -v Warning | tee "$OUT/feature_cost.log" ;;
+    timeout 300 python3 "$REPO/scripts/feature_cost.py" --json "$OUT/features.json" 2>&1 | grep -v Warning | tee "$OUT/feature_cost.log" ;;
   bias)
     # The additive bias (issue 12): its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
     t0=$(date +%s)
