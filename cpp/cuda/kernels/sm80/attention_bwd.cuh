@@ -26,6 +26,7 @@
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
 #include "cpp/cuda/kernels/sm80/bias_tile.h"
+#include "cpp/cuda/kernels/sm80/key_token_stage.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
@@ -554,11 +555,7 @@ struct BackwardDqKernel {
     };
     auto load_key_tokens = [&](int tile, int stage) {
       if constexpr (kTokens) {
-        for (int i = tid; i < kBlockN; i += kThreads) {
-          const int key = tile * kBlockN + i;
-          const bool valid = key < s.seqlen_kv;
-          CpAsync8(SmemAddress(key_tokens + stage * kBlockN + i), tokens.keys + (valid ? key : 0), valid);
-        }
+        LoadKeyTokens<kBlockN, kThreads>(key_tokens + stage * kBlockN, tokens.keys, tile, s.seqlen_kv, tid);
       }
     };
 
