@@ -654,11 +654,10 @@ def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
 
 def current_axis_size(axis: str, operands=()) -> int | None:
   """The size of mesh axis `axis` in the mesh in context (jax.set_mesh / shard_map / `with mesh:`), else in the mesh of
-  an operand's NamedSharding (a sharded array, or under jit a traced one whose type carries its sharding), or None.
+  an operand's NamedSharding (its type carries it, for a sharded array and for the tracer of one under jit), or None.
   The partitioner takes the mesh from the operands' shardings either way; only the axis size is needed here."""
   meshes = [jax.sharding.get_abstract_mesh(), _physical_mesh()]
   meshes += [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in operands]
-  meshes += [getattr(getattr(x, "sharding", None), "mesh", None) for x in operands if isinstance(x, jax.Array)]
   for mesh in meshes:
     if mesh is not None and not mesh.empty and axis in mesh.axis_names:
       return int(dict(zip(mesh.axis_names, mesh.axis_sizes))[axis])
