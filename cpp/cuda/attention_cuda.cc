@@ -112,8 +112,6 @@ Status LaunchTokenTables(const DriverApi* driver, const LoadedModule* module, co
                 kTokenTableThreads, 0, stream, args);
 }
 
-// The bias kernels (issue 12) are built and compile-checked but have not yet run on a GPU: until a device run passes
-// tests/test_cuda_bias.py, a bias on the GPU is refused rather than risk a silently wrong result.
 }  // namespace
 
 Status Prepare(const AttentionParams& params, Direction direction, JitReport* report) {
