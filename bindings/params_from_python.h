@@ -66,6 +66,7 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   p.scale = Field<float>(d, "scale");
   p.softcap = Field<float>(d, "softcap");
   p.has_alibi = Field<bool>(d, "has_alibi");
+  p.has_sinks = d.contains("has_sinks") && Field<bool>(d, "has_sinks");  // absent in older callers' parameters
   p.deterministic = Field<bool>(d, "deterministic");
   // Absent in the parameters of older callers (tests, tools): no packed sequences.
   p.has_segment_ids = d.contains("has_segment_ids") && Field<bool>(d, "has_segment_ids");
@@ -100,6 +101,7 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["scale"] = p.scale;
   d["softcap"] = p.softcap;
   d["has_alibi"] = p.has_alibi;
+  d["has_sinks"] = p.has_sinks;
   d["deterministic"] = p.deterministic;
   d["has_segment_ids"] = p.has_segment_ids;
   d["has_positions"] = p.has_positions;

@@ -14,6 +14,8 @@ namespace te_jax {
 // Layouts (row-major):
 //   q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, H, Dv], lse float32 [B, H, Sq],
 //   q_seqlens / kv_seqlens int32 [B], alibi_slopes float32 [B, H] (read only when has_alibi).
+//   sinks float32 [B, H] (read only by the forward when has_sinks: each finished row merges its head's sink logit,
+//   cpp/sink.h; the backward is given that forward's out and lse and reads nothing of it).
 //   q_segment_ids / q_positions int32 [B, Sq], kv_segment_ids / kv_positions int32 [B, Skv] (read only when
 //   has_segment_ids / has_positions; see cpp/token_mask.h for what they mean).
 //   bias [B or 1, H or 1, Sq or 1, Skv or 1] in bias_dtype (read only when has_bias; bias_broadcast says which dims
@@ -45,6 +47,8 @@ struct AttentionParams {
   float scale = 0.0f;         // applied to q.k; the Python layer resolves the 1/sqrt(D) default
   float softcap = 0.0f;       // 0: off
   bool has_alibi = false;
+  // Attention sinks (issue 12), merged by te_jax's kernels; the lowering applies them itself after cuDNN's.
+  bool has_sinks = false;
   // Packed sequences (issue 11). Only with mask_type kNoMask or kCausal (the CUDA backend: sm80-family kernels).
   bool has_segment_ids = false;  // a query sees only keys of its own segment id; id 0 is padding
   bool has_positions = false;    // causal masks, windows and ALiBi use these positions instead of the indices
@@ -76,6 +80,7 @@ struct AttentionOperands {
   const int32_t* q_seqlens = nullptr;
   const int32_t* kv_seqlens = nullptr;
   const float* alibi_slopes = nullptr;
+  const float* sinks = nullptr;
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
   const int32_t* q_positions = nullptr;

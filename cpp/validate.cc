@@ -131,6 +131,10 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
   if (backend == Backend::kCpu && p.engine != Engine::kTe) {
     return Status::InvalidArgument("the CPU backend runs te_jax's own kernels only (engine te); cuDNN needs a GPU");
   }
+  if (p.has_sinks && p.engine != Engine::kTe) {
+    return Status::InvalidArgument("has_sinks goes with engine te only: te_jax's lowering merges the sinks into "
+                                   "cuDNN's out and lse itself");
+  }
   if (backend == Backend::kCuda) {
     constexpr int64_t kMaxCudaLength = kMaxWindow;  // the kernels index rows and keys with 32-bit integers
     if (p.seqlen_q > kMaxCudaLength || p.seqlen_kv > kMaxCudaLength || p.batch > kMaxCudaGridDim ||

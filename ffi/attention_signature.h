@@ -9,7 +9,7 @@
 // The attributes, decoded by name into one struct (ffi_params.h registers its members).
 #define TE_JAX_FFI_ATTENTION_ATTRS .Attrs<te_jax::ffi_handlers::AttentionAttrs>()
 
-// The packed-sequence operands that follow alibi_slopes in both directions: q_segment_ids, kv_segment_ids,
+// The packed-sequence operands that follow alibi_slopes and sinks in both directions: q_segment_ids, kv_segment_ids,
 // q_positions, kv_positions (int32 [B, Sq] / [B, Skv], zeros when the has_ flags are false).
 #define TE_JAX_FFI_TOKEN_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
@@ -19,20 +19,20 @@
 #define TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
 
-// q, k, v, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+// q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
 // page_table, bias, dropout -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
 #define TE_JAX_FFI_FORWARD_SIGNATURE                                                                            \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
-      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS                                \
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS     \
           TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()          \
       .Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
 
-// q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, q_segment_ids, kv_segment_ids, q_positions,
-// kv_positions, page_table, bias, dropout -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's
+// q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, q_segment_ids, kv_segment_ids,
+// q_positions, kv_positions, page_table, bias, dropout -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's
 // BackwardWorkspaceBytes)
 #define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
-      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS                                \
+      .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS     \
           TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()          \
       .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS

@@ -21,6 +21,7 @@ struct AttentionAttrs {
   float scale;
   float softcap;
   bool has_alibi;
+  bool has_sinks;  // the forward merges the sinks operand into its rows (cpp/sink.h)
   bool deterministic;
   int64_t engine;  // cpp/engine.h code, resolved at lowering
   bool has_segment_ids;
@@ -113,8 +114,8 @@ inline Status KeyLayoutFromFfi(const xla::ffi::AnyBuffer& k, const xla::ffi::Any
 // Decodes params from q, k, v and checks that every other buffer of the call has the shape and type they imply.
 inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
-                            const xla::ffi::AnyBuffer& alibi_slopes, const TokenArgs& tokens,
-                            const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
+                            const xla::ffi::AnyBuffer& alibi_slopes, const xla::ffi::AnyBuffer& sinks,
+                            const TokenArgs& tokens, const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
                             const xla::ffi::AnyBuffer& dropout, const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
     return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim]; k and v "
@@ -140,9 +141,10 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   TE_JAX_RETURN_IF_ERROR(ExpectShape("q_seqlens", q_seqlens, {p.batch}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_seqlens", kv_seqlens, {p.batch}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("alibi_slopes", alibi_slopes, {p.batch, p.num_heads}));
+  TE_JAX_RETURN_IF_ERROR(ExpectShape("sinks", sinks, {p.batch, p.num_heads}));
   if (q_seqlens.element_type() != xla::ffi::DataType::S32 || kv_seqlens.element_type() != xla::ffi::DataType::S32 ||
-      alibi_slopes.element_type() != xla::ffi::DataType::F32) {
-    return Status::InvalidArgument("q_seqlens and kv_seqlens must be int32 and alibi_slopes float32");
+      alibi_slopes.element_type() != xla::ffi::DataType::F32 || sinks.element_type() != xla::ffi::DataType::F32) {
+    return Status::InvalidArgument("q_seqlens and kv_seqlens must be int32, alibi_slopes and sinks float32");
   }
   TE_JAX_RETURN_IF_ERROR(ExpectShape("q_segment_ids", tokens.q_segment_ids, {p.batch, p.seqlen_q}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_segment_ids", tokens.kv_segment_ids, {p.batch, p.seqlen_kv}));
@@ -176,6 +178,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.scale = attrs.scale;
   p.softcap = attrs.softcap;
   p.has_alibi = attrs.has_alibi;
+  p.has_sinks = attrs.has_sinks;
   p.deterministic = attrs.deterministic;
   p.has_segment_ids = attrs.has_segment_ids;
   p.has_positions = attrs.has_positions;
@@ -189,8 +192,9 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
 inline AttentionOperands OperandsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
                                          const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                          const xla::ffi::AnyBuffer& kv_seqlens, const xla::ffi::AnyBuffer& alibi_slopes,
-                                         const TokenArgs& tokens, const xla::ffi::AnyBuffer& page_table,
-                                         const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout) {
+                                         const xla::ffi::AnyBuffer& sinks, const TokenArgs& tokens,
+                                         const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
+                                         const xla::ffi::AnyBuffer& dropout) {
   AttentionOperands o;
   o.q = q.untyped_data();
   o.k = k.untyped_data();
@@ -198,6 +202,7 @@ inline AttentionOperands OperandsFromFfi(const xla::ffi::AnyBuffer& q, const xla
   o.q_seqlens = static_cast<const int32_t*>(q_seqlens.untyped_data());
   o.kv_seqlens = static_cast<const int32_t*>(kv_seqlens.untyped_data());
   o.alibi_slopes = static_cast<const float*>(alibi_slopes.untyped_data());
+  o.sinks = static_cast<const float*>(sinks.untyped_data());
   o.q_segment_ids = static_cast<const int32_t*>(tokens.q_segment_ids.untyped_data());
   o.kv_segment_ids = static_cast<const int32_t*>(tokens.kv_segment_ids.untyped_data());
   o.q_positions = static_cast<const int32_t*>(tokens.q_positions.untyped_data());
@@ -244,7 +249,8 @@ inline BackwardBuffers BackwardBuffersFromFfi(const AttentionOperands& operands,
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(te_jax::ffi_handlers::AttentionAttrs, StructMember<int64_t>("mask_type"),
                                       StructMember<int64_t>("window_left"), StructMember<int64_t>("window_right"),
                                       StructMember<float>("scale"), StructMember<float>("softcap"),
-                                      StructMember<bool>("has_alibi"), StructMember<bool>("deterministic"),
+                                      StructMember<bool>("has_alibi"), StructMember<bool>("has_sinks"),
+                                      StructMember<bool>("deterministic"),
                                       StructMember<int64_t>("engine"), StructMember<bool>("has_segment_ids"),
                                       StructMember<bool>("has_positions"), StructMember<bool>("has_bias"),
                                       StructMember<int64_t>("dropout_threshold"), StructMember<int64_t>("page_size"));

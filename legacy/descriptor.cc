@@ -78,7 +78,8 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint8_t>(static_cast<uint8_t>(p.mask_type));
   w.Put<uint8_t>(p.has_alibi ? 1 : 0);
   w.Put<uint8_t>((p.deterministic ? kFlagDeterministic : 0) | (p.has_segment_ids ? kFlagSegmentIds : 0) |
-                 (p.has_positions ? kFlagPositions : 0) | (p.has_bias ? kFlagBias : 0));
+                 (p.has_positions ? kFlagPositions : 0) | (p.has_bias ? kFlagBias : 0) |
+                 (p.has_sinks ? kFlagSinks : 0));
   w.Put<uint8_t>(static_cast<uint8_t>(p.engine));
   w.Put<uint8_t>(static_cast<uint8_t>(p.bias_dtype));
   w.Put<uint8_t>(p.bias_broadcast);
@@ -139,8 +140,8 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   }
   if ((flags & ~kKnownFlags) != 0) {
     return Status::InvalidArgument("legacy descriptor field flags has unknown bits set (" + std::to_string(flags) +
-                                   "); only bits 0 (deterministic), 1 (has_segment_ids), 2 (has_positions) and 3 "
-                                   "(has_bias) are defined");
+                                   "); only bits 0 (deterministic), 1 (has_segment_ids), 2 (has_positions), 3 "
+                                   "(has_bias) and 4 (has_sinks) are defined");
   }
   out.dtype = static_cast<DType>(dtype);
   out.mask_type = static_cast<MaskType>(mask_type);
@@ -150,6 +151,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   out.has_segment_ids = (flags & kFlagSegmentIds) != 0;
   out.has_positions = (flags & kFlagPositions) != 0;
   out.has_bias = (flags & kFlagBias) != 0;
+  out.has_sinks = (flags & kFlagSinks) != 0;
   out.bias_dtype = static_cast<DType>(bias_dtype);
   out.bias_broadcast = bias_broadcast;
   out.dropout_threshold = dropout_threshold;

@@ -16,14 +16,14 @@ namespace te_jax::legacy {
 // an int32 [B, 1] placeholder when page_size is 0), then bias (a placeholder without one), then dropout (uint32 [6],
 // key and offsets; zeros without dropout).
 inline constexpr int kTokenInputs = 4;
-inline constexpr int kForwardInputs = 9 + kTokenInputs;    // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, tokens,
-                                                           // page_table, bias, dropout
+inline constexpr int kForwardInputs = 10 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks,
+                                                           // tokens, page_table, bias, dropout
 inline constexpr int kForwardOutputs = 3;                  // out, lse, workspace
-inline constexpr int kBackwardInputs = 13 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                           // alibi_slopes, tokens, page_table, bias, dropout
+inline constexpr int kBackwardInputs = 14 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                           // alibi_slopes, sinks, tokens, page_table, bias, dropout
 inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
-// q, k, v from in[0..2]; the options from in[first]: q_seqlens, kv_seqlens, alibi_slopes, the four tokens,
+// q, k, v from in[0..2]; the options from in[first]: q_seqlens, kv_seqlens, alibi_slopes, sinks, the four tokens,
 // page_table, bias, dropout.
 inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
   AttentionOperands o;
@@ -33,13 +33,14 @@ inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
   o.q_seqlens = static_cast<const int32_t*>(in[first]);
   o.kv_seqlens = static_cast<const int32_t*>(in[first + 1]);
   o.alibi_slopes = static_cast<const float*>(in[first + 2]);
-  o.q_segment_ids = static_cast<const int32_t*>(in[first + 3]);
-  o.kv_segment_ids = static_cast<const int32_t*>(in[first + 4]);
-  o.q_positions = static_cast<const int32_t*>(in[first + 5]);
-  o.kv_positions = static_cast<const int32_t*>(in[first + 6]);
-  o.page_table = static_cast<const int32_t*>(in[first + 3 + kTokenInputs]);
-  o.bias = in[first + 4 + kTokenInputs];
-  o.dropout = static_cast<const uint32_t*>(in[first + 5 + kTokenInputs]);
+  o.sinks = static_cast<const float*>(in[first + 3]);
+  o.q_segment_ids = static_cast<const int32_t*>(in[first + 4]);
+  o.kv_segment_ids = static_cast<const int32_t*>(in[first + 5]);
+  o.q_positions = static_cast<const int32_t*>(in[first + 6]);
+  o.kv_positions = static_cast<const int32_t*>(in[first + 7]);
+  o.page_table = static_cast<const int32_t*>(in[first + 4 + kTokenInputs]);
+  o.bias = in[first + 5 + kTokenInputs];
+  o.dropout = static_cast<const uint32_t*>(in[first + 6 + kTokenInputs]);
   return o;
 }
 

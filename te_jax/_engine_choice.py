@@ -15,7 +15,7 @@ import pathlib
 import time
 
 from te_jax import _logging
-from te_jax.engine import Choice
+from te_jax.engine import Choice, params_for_engine
 
 logger = _logging.logger.getChild("engine")
 
@@ -54,9 +54,9 @@ class EngineTuner:
       pass
     start = time.perf_counter()
     times = {}
-    for engine, code in (("te", 0), ("cudnn", 1)):
+    for engine in ("te", "cudnn"):
       try:
-        times[engine] = self._time_call(dict(params, engine=code), direction)
+        times[engine] = self._time_call(params_for_engine(params, engine), direction)
       except Exception as e:  # noqa: BLE001 - any failure to measure: say so, use the table
         choice = table_choice(params, direction)
         logger.warning("te_jax: could not measure engine %s for this %s (%s); using the %s", engine, direction, e,

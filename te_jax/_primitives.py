@@ -2,9 +2,13 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens, page_table, bias, dropout   -> out, lse, workspace
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens, page_table, bias, dropout
-            -> dq, dk, dv, dbias, workspace
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias, dropout
+            -> out, lse, workspace
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias,
+            dropout -> dq, dk, dv, dbias, workspace
+sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's kernels
+in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py); zeros, unread, without (see
+no_sinks). The backward is given that forward's out and lse, and reads nothing of it.
 where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv]):
 always present, zeros when config.has_segment_ids / has_positions say they are absent (see no_tokens), so lowering,
 batching and sharding handle one operand list of one shape. page_table is int32 [B, max_pages_per_seq] when
@@ -22,6 +26,7 @@ Each custom call's last result, uint8 [backend.extension.workspace_bytes(params,
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -33,7 +38,8 @@ from jax.interpreters import batching, mlir
 from te_jax._backends import backend_for
 from te_jax.attention_config import AttentionConfig
 from te_jax.custom_call_path import current_custom_call_path
-from te_jax.engine import ENGINE_CODES
+from te_jax.engine import params_for_engine
+from te_jax.sinks import apply_sinks
 
 attention_forward_p = Primitive("te_jax_attention_forward")
 attention_forward_p.multiple_results = True
@@ -42,12 +48,18 @@ attention_backward_p.multiple_results = True
 
 
 NUM_TOKEN_OPERANDS = 4
+_SINKS = 6  # the sinks operand's index in the forward's operands
 
 
 def no_tokens(batch: int, seqlen_q: int, seqlen_kv: int):
   """The token operands of a call without segment ids and positions: zeros the kernels do not read."""
   zq, zkv = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
   return zq, zkv, zq, zkv
+
+
+def no_sinks(batch: int, num_heads: int):
+  """The sinks operand of a call whose kernels merge no sinks: zeros the kernels do not read."""
+  return jnp.zeros((batch, num_heads), jnp.float32)
 
 
 def no_page_table(batch: int):
@@ -88,6 +100,8 @@ def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens
 
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
   backend = backend_for(platform)
+  if direction == "backward":  # it is given the forward's out and lse, sinks merged
+    config = dataclasses.replace(config, has_sinks=False)
   q_aval, k_aval, v_aval = ctx.avals_in[:3]
   page_table_aval, bias_aval = ctx.avals_in[-3:-1]
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
@@ -95,7 +109,9 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code, direction)
   choice = backend.choose_engine(params, direction, config)
-  params["engine"] = ENGINE_CODES[choice.engine]
+  params = params_for_engine(params, choice.engine)
+  merge_sinks_here = config.has_sinks and not params["has_sinks"]
+  config = dataclasses.replace(config, has_sinks=params["has_sinks"])
   backend.ensure_registered()
   if backend.prepare is not None:
     backend.prepare(params, direction, choice.why)
@@ -108,7 +124,11 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
     lowering = jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)
     attributes = {}
   workspace = jax.core.ShapedArray((backend.extension.workspace_bytes(params, direction),), jnp.uint8)
-  return lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *operands, **attributes)[:-1]
+  results = lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *operands, **attributes)[:-1]
+  if merge_sinks_here:
+    merge_ctx = ctx.replace(avals_in=[*ctx.avals_out, ctx.avals_in[_SINKS]])
+    results = mlir.lower_fun(apply_sinks, multiple_results=True)(merge_ctx, *results, operands[_SINKS])
+  return results
 
 
 def register_lowering(platform: str) -> None:

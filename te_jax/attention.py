@@ -113,7 +113,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
                            engine=requested_engine(engine), lse_cotangent=bool(return_lse) or cp is not None,
                            has_segment_ids=has_ids, has_positions=has_positions, has_bias=bias is not None,
-                           dropout_threshold=threshold)
+                           dropout_threshold=threshold,
+                           # context parallelism merges the sinks after its blocks' merge (_attention)
+                           has_sinks=sink_logits is not None and cp is None)
   alibi = _alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias_operand = _bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))
@@ -127,16 +129,18 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # `cp` (a ContextParallel or None) is static like config. Both directions bind the partitioned primitives of
 # te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py. `tokens` is the tuple of the four
 # segment-id and position operands (zeros when absent); like the lengths, they get no gradient. `sinks` is None or the
-# float32 [H] sink logits, applied to the kernels' out and lse (te_jax/sinks.py); the backward then runs the kernels
-# on the sink softmax's out and lse. k and v are contiguous: the page table operand is a placeholder (a paged call is
+# float32 [H] sink logits: the forward kernels merge them into their rows (config.has_sinks), or, with context
+# parallelism, apply_sinks merges them into the merged blocks (te_jax/sinks.py); the backward then runs the kernels on
+# the sink softmax's out and lse, and the sinks' gradient comes from those (sink_gradient). k and v are contiguous: the page table operand is a placeholder (a paged call is
 # te_jax/paged_attention.py's). `bias` is the bias operand (the placeholder of _primitives.no_bias when absent),
 # whose gradient the backward kernel returns. `dropout` is the dropout operand (key and offsets; te_jax/_primitives.py),
 # which gets no gradient.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
-  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens,
+  per_head = _primitives.no_sinks(*alibi.shape) if sinks is None else jnp.broadcast_to(sinks, alibi.shape)
+  out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, per_head, tokens,
                                _primitives.no_page_table(q.shape[0]), bias, dropout)
-  return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
+  return apply_sinks(out, lse, per_head) if sinks is not None and not config.has_sinks else (out, lse)
 
 
 def _attention_fwd(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
@@ -149,6 +153,7 @@ def _attention_bwd(config, cp, residuals, cotangents):
   dout, dlse = cotangents
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
+                                         _primitives.no_sinks(*alibi.shape),
                                          tokens, _primitives.no_page_table(q.shape[0]), bias, dropout)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.

@@ -21,6 +21,9 @@ class AttentionConfig:
   scale: float
   softcap: float
   has_alibi: bool
+  # Attention sinks (issue 12): whether the sinks operand holds sink logits [B, H] the forward kernels merge into their
+  # rows (cpp/sink.h; else zeros, unread). Context parallelism merges them after its blocks instead (te_jax/sinks.py).
+  has_sinks: bool = False
   deterministic: bool = False  # backward only: a bitwise reproducible dq (see fused_attn)
   engine: str = "auto"  # "auto" | "te" | "cudnn" (te_jax/engine.py), resolved per platform at lowering
   # Whether the backward may receive a nonzero cotangent of lse (the user asked for lse, or context parallelism merges
@@ -44,7 +47,7 @@ class AttentionConfig:
     resolved."""
     return dict(mask_type=np.int64(int(self.mask_type)), window_left=np.int64(self.window_left),
                 window_right=np.int64(self.window_right), scale=np.float32(self.scale),
-                softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi),
+                softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi), has_sinks=bool(self.has_sinks),
                 deterministic=bool(self.deterministic), engine=np.int64(engine_code),
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
                 has_bias=bool(self.has_bias), dropout_threshold=np.int64(self.dropout_threshold),
@@ -64,7 +67,7 @@ class AttentionConfig:
                 head_dim=head_dim, head_dim_v=v_shape[3], dtype=DTYPE_CODES[np.dtype(dtype)],
                 mask_type=int(self.mask_type), window_left=self.window_left, window_right=self.window_right,
                 scale=float(self.scale), softcap=float(self.softcap), has_alibi=bool(self.has_alibi),
-                deterministic=bool(self.deterministic), engine=int(engine_code),
+                has_sinks=bool(self.has_sinks), deterministic=bool(self.deterministic), engine=int(engine_code),
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
                 has_bias=bool(self.has_bias), bias_dtype=DTYPE_CODES[np.dtype(bias_dtype)],
                 bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1),

@@ -151,7 +151,8 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
 
 def _block_forward(config, kind, q, k, v, blk: _Block, alibi, dropout):
   full, causal = _kernel_configs(config)
-  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_tokens(q, k),
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, _no_sinks(alibi),
+                                                  *_no_tokens(q, k),
                                                   _primitives.no_page_table(q.shape[0]), _primitives.no_bias(),
                                                   dropout, config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
@@ -164,10 +165,16 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
-                                                        *_no_tokens(q, k), _primitives.no_page_table(q.shape[0]),
+                                                        _no_sinks(alibi), *_no_tokens(q, k),
+                                                        _primitives.no_page_table(q.shape[0]),
                                                         _primitives.no_bias(), dropout,
                                                         config=full if kind == "full" else causal)
   return dq, dk, dv
+
+
+def _no_sinks(alibi):
+  """Blocks run without sinks: they join once, after the blocks' merge (te_jax/attention.py)."""
+  return _primitives.no_sinks(*alibi.shape)
 
 
 def _no_tokens(q, k):
@@ -248,10 +255,13 @@ def _check_axis_size(cp: ContextParallel):
 # --------------------------------------------------------------------------------------------------------------------
 # The per-shard forward and backward (they run inside shard_map or a custom_partitioning lowering).
 
-def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config: AttentionConfig, cp: ContextParallel):
-  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `tokens`: the local segment
-  ids and positions (placeholders when the call has none), then the page table and bias placeholders and the
-  dropout operand (the key, with this shard's batch and head offsets; each block adds its sequence offsets)."""
+def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config: AttentionConfig,
+                  cp: ContextParallel):
+  """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `sinks` is a placeholder (the
+  sinks join after the blocks' merge, te_jax/attention.py). `tokens`: the local segment ids and positions
+  (placeholders when the call has none), then the page table and bias placeholders and the dropout operand (the key,
+  with this shard's batch and head offsets; each block adds its sequence offsets)."""
+  del sinks
   dropout = tokens[-1]
   if uses_tokens(config):
     return _packed_forward(q, k, v, alibi, tokens[:4], dropout, config, cp)
@@ -333,11 +343,12 @@ def _ring_block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqle
   return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
 
 
-def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *placeholders,
+def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
   so its softmax is exact, and the same dropout operand as its forward, so its keep-mask is the forward's).
   `placeholders`: the tokens, page table, bias and dropout operands (see local_forward)."""
+  del sinks
   no_dbias = jnp.zeros_like(placeholders[-2])
   dropout = placeholders[-1]
   if uses_tokens(config):
@@ -461,8 +472,9 @@ def _packed_operands(q, k, alibi, q_side, kv_side, dropout):
   """The lengths (the whole blocks: ids and positions say the rest), alibi, tokens, page table, bias and dropout of
   one block."""
   batch = q.shape[0]
-  return (jnp.full((batch,), q.shape[1], jnp.int32), jnp.full((batch,), k.shape[1], jnp.int32), alibi, q_side[0],
-          kv_side[0], q_side[1], kv_side[1], _primitives.no_page_table(batch), _primitives.no_bias(), dropout)
+  return (jnp.full((batch,), q.shape[1], jnp.int32), jnp.full((batch,), k.shape[1], jnp.int32), alibi,
+          _no_sinks(alibi), q_side[0], kv_side[0], q_side[1], kv_side[1], _primitives.no_page_table(batch),
+          _primitives.no_bias(), dropout)
 
 
 def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side, dropout):
@@ -619,12 +631,12 @@ def _tokens_in_natural_order(config, cp, operands):
   return tuple(inv(x, cp.size, 1) for x in operands[:4]) + tuple(operands[4:])
 
 
-def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config, cp):
+def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config, cp):
   from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
   if cp is not None and cp.load_balanced:
     q, k, v = (inv(x, cp.size, 1) for x in (q, k, v))
     tokens = _tokens_in_natural_order(config, cp, tokens)
-  out, lse = _primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config=config)
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
     if cp.load_balanced:
@@ -633,14 +645,14 @@ def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, config
   return out, lse
 
 
-def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens, config, cp):
+def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config, cp):
   from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv, reorder_for_load_balancing as fwd
   if cp is not None and cp.load_balanced:
     q, k, v, out, dout = (inv(x, cp.size, 1) for x in (q, k, v, out, dout))
     lse, dlse = inv(lse, cp.size, 2), inv(dlse, cp.size, 2)
     tokens = _tokens_in_natural_order(config, cp, tokens)
   dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                            alibi, *tokens, config=config)
+                                                            alibi, sinks, *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
     if cp.load_balanced:

@@ -32,5 +32,11 @@ class Choice:
   why: str  # how it was chosen, for the compile log line
 
 
+def params_for_engine(params: dict, engine: str) -> dict:
+  """The core params a call runs with on `engine`: only te_jax's kernels merge attention sinks into their rows; after
+  cuDNN's kernel the lowering merges them (te_jax/_primitives.py), outside the custom call (and its measurement)."""
+  return dict(params, engine=ENGINE_CODES[engine], has_sinks=bool(params.get("has_sinks")) and engine == "te")
+
+
 class EngineUnavailableError(ValueError):
   """An explicitly requested engine cannot serve a call (the message says why); never replaced silently."""

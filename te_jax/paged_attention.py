@@ -143,7 +143,8 @@ def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
   batch, seqlen_q = q.shape[:2]
   capacity = pages.shape[1] * config.page_size
   out, lse = _sharding.forward(config, None, q, k_pages, v_pages, jnp.full((batch,), seqlen_q, jnp.int32), kv_lengths,
-                               alibi, _primitives.no_tokens(batch, seqlen_q, capacity), pages, _primitives.no_bias(),
+                               alibi, _primitives.no_sinks(*alibi.shape),
+                               _primitives.no_tokens(batch, seqlen_q, capacity), pages, _primitives.no_bias(),
                                _primitives.no_dropout())
   return (out, lse) if return_lse else out
 

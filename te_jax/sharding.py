@@ -51,6 +51,7 @@ sharded_backward_p = Primitive("te_jax_sharded_attention_backward")
 sharded_backward_p.multiple_results = True
 
 
+# `alibi` and `sinks` [B, H] shard with the batch and the heads.
 # `tokens`: q_segment_ids, kv_segment_ids, q_positions, kv_positions (te_jax/_primitives.py). They shard like the
 # sequence they belong to: with their batch, and over the context-parallel axis with it (where they are placeholders).
 # `bias` [B or 1, H or 1, Sq or 1, Skv or 1] shards with the batch and the heads along the dims where it is full; its
@@ -61,14 +62,15 @@ sharded_backward_p.multiple_results = True
 # `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
 # hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
 # contiguous k and v (context parallelism refuses paging).
-def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, page_table, bias, dropout):
-  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, *tokens, page_table, bias, dropout,
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, sinks, tokens, page_table, bias,
+            dropout):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, page_table, bias, dropout,
                                       config=config, cp=cp))
 
 
-def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, tokens,
+def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, tokens,
              page_table, bias, dropout):
-  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, *tokens,
+  return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *tokens,
                                        page_table, bias, dropout, config=config, cp=cp))
 
 
@@ -176,7 +178,8 @@ class _Plan:
   def forward_shardings(self):
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     kvs = self.named(*self.targets["kv"])
-    args = (self.named(b, s, h, ()), kvs, kvs, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
+    args = (self.named(b, s, h, ()), kvs, kvs, self.named(b), self.named(b), self.named(b, h), self.named(b, h))
+    args += self.token_shardings()
     args += (self.named(b), self.bias_sharding(), self.named())  # page table, bias, dropout
     results = (self.named(b, s, h, ()), self.named(b, h, s))
     return args, results
@@ -184,7 +187,8 @@ class _Plan:
   def backward_shardings(self):
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     qs, kvs, lses = self.named(b, s, h, ()), self.named(*self.targets["kv"]), self.named(b, h, s)
-    args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h)) + self.token_shardings()
+    args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h), self.named(b, h))
+    args += self.token_shardings()
     args += (self.named(b), self.bias_sharding(), self.named())  # page table, bias, dropout
     return args, (qs, kvs, kvs, self.bias_sharding())
 
@@ -225,16 +229,16 @@ def _is_shape(x):
 # --------------------------------------------------------------------------------------------------------------------
 # custom_partitioning of the forward.
 
-def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, page_table, bias,
-                           dropout, config, cp):
-  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos, page_table,
-                                     bias, dropout, config=config, cp=cp)
+def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos, kv_pos, page_table,
+                           bias, dropout, config, cp):
+  return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos, kv_pos,
+                                     page_table, bias, dropout, config=config, cp=cp)
 
 
-def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids, q_pos, kv_pos,
-                            page_table, bias, dropout, config, cp):
-  return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, q_ids, kv_ids,
-                                      q_pos, kv_pos, page_table, bias, dropout, config=config, cp=cp)
+def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos,
+                            kv_pos, page_table, bias, dropout, config, cp):
+  return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, q_ids,
+                                      kv_ids, q_pos, kv_pos, page_table, bias, dropout, config=config, cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -362,21 +366,21 @@ def _with_ordered_replication(rule: str, options: dict):
 def _forward_rule(config, cp, mesh, value_types, result_types):
   h, s, skv, kv, bias, options = _rule_factors(config, cp, value_types)
   return _with_ordered_replication(
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b, b, b {h}, {_token_rule(s, skv)}, b pt, {bias}, rng -> "
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b, b, b {h}, b {h}, {_token_rule(s, skv)}, b pt, {bias}, rng -> "
       f"b {s} {h} dv, b {h} {s}", options)
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
   h, s, skv, kv, bias, options = _rule_factors(config, cp, value_types)
   return _with_ordered_replication(
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, "
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, b {h}, "
       f"{_token_rule(s, skv)}, b pt, {bias}, rng -> b {s} {h} d, {kv} hk d, {kv} hk dv, {bias}", options)
 
 
-_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(13, 14))
+_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(14, 15))
 _partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
                                    sharding_rule=_forward_rule)
-_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(17, 18))
+_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(18, 19))
 _partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
                                     sharding_rule=_backward_rule)
 

@@ -2,11 +2,13 @@
 out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)) (gpt-oss; the off-by-one softmax is sink 0).
 
 The sink is a key set of its own with lse = sink and out = 0, so attention with sinks is the kernels' attention merged
-with it by lse (as te_jax.merge_states merges): lse' = log(exp(lse) + exp(sink)), out' = out exp(lse - lse'). That
-serves every engine and custom-call path unchanged. The backward needs no kernel change either: the kernels recompute
-the probabilities from the lse they are given, and with lse' and out' they are the sink softmax's (the sink's own
-share, exp(sink - lse'), is what the rows' probabilities no longer sum to), which gives dq, dk and dv; the sink's
-gradient is -sum_i exp(sink - lse'_i) (dout'_i . out'_i - dlse'_i)."""
+with it by lse (as te_jax.merge_states merges): lse' = log(exp(lse) + exp(sink)), out' = out exp(lse - lse'). te_jax's
+forward kernels do that merge on each finished row in float, before out is rounded (cpp/sink.h: they get the sinks
+operand); apply_sinks below does it in XLA after cuDNN's kernel (the lowering, te_jax/_primitives.py) and after
+context parallelism's merge of its blocks (te_jax/attention.py). The backward needs no kernel change: the kernels
+recompute the probabilities from the lse they are given, and with lse' and out' they are the sink softmax's (the
+sink's own share, exp(sink - lse'), is what the rows' probabilities no longer sum to), which gives dq, dk and dv; the
+sink's gradient is -sum_i exp(sink - lse'_i) (dout'_i . out'_i - dlse'_i)."""
 
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ def sink_operand(sink_logits, num_heads: int):
 
 
 def apply_sinks(out, lse, sinks):
-  """(out', lse') from the kernels' out [B, Sq, H, Dv] and lse [B, H, Sq]. A row that sees no key gets out 0 and
-  lse = sink; a sink of -inf is no sink (also for such a row: out 0, lse -inf); NaN propagates."""
-  sink = sinks[None, :, None]
+  """(out', lse') from the kernels' out [B, Sq, H, Dv] and lse [B, H, Sq] and the sinks [B, H] (cpp/sink.h is the
+  kernels' copy). A row that sees no key gets out 0 and lse = sink; a sink of -inf is no sink (also for such a row:
+  out 0, lse -inf); NaN propagates."""
+  sink = sinks[:, :, None]
   merged = jnp.logaddexp(lse, sink)
   # lse == merged when the sink adds nothing (-inf), also for rows whose lse is -inf, where exp(-inf + inf) is NaN.
   weight = jnp.where(lse == merged, 1.0, jnp.exp(lse - merged))

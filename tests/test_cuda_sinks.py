@@ -1,7 +1,8 @@
 """GPU: attention sinks (fused_attn(sink_logits=...)) on te_jax's CUDA kernels and on cuDNN, bf16, against the float64
 definition of tests/test_sinks.py (out, lse, dq, dk, dv and dsink; through lse too on te_jax's kernels: cuDNN takes no
-lse gradient): the sink merge by log-sum-exp and the sink gradient work the same on every engine. Skipped without a
-GPU."""
+lse gradient): te_jax's kernels merge the sinks into their rows (the sm90 forward, the sm80 forward that a bias
+selects, the decode kernels with one split and with several, whose combine merges them), and after cuDNN's kernel
+the lowering does. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -16,27 +17,30 @@ from test_sinks import _sink_attention
 import te_jax
 from te_jax.reference import visible_mask
 
-CASES = [  # name, mask, B, Sq, Skv, H, Hkv, D, Dv, engine
-    ("causal_gqa_d128_te", "causal", 2, 300, 300, 8, 2, 128, 128, "te"),
-    ("no_mask_d64_te", "no_mask", 2, 200, 260, 4, 4, 64, 64, "te"),
-    ("decode_te", "causal_bottom_right", 2, 4, 500, 8, 2, 128, 128, "te"),
-    ("padding_d_ne_dv_te", "padding_causal", 2, 150, 150, 4, 1, 192, 128, "te"),
-    ("causal_d128_cudnn", "causal", 2, 256, 256, 8, 8, 128, 128, "cudnn"),
+CASES = [  # name, mask, B, Sq, Skv, H, Hkv, D, Dv, engine, bias [1, H, Sq, Skv]
+    ("causal_gqa_d128_te", "causal", 2, 300, 300, 8, 2, 128, 128, "te", False),
+    ("no_mask_d64_te", "no_mask", 2, 200, 260, 4, 4, 64, 64, "te", False),
+    ("decode_te", "causal_bottom_right", 2, 4, 500, 8, 2, 128, 128, "te", False),
+    ("decode_split_kv_te", "causal_bottom_right", 1, 1, 6000, 8, 1, 128, 128, "te", False),
+    ("padding_d_ne_dv_te", "padding_causal", 2, 150, 150, 4, 1, 192, 128, "te", False),
+    ("causal_bias_sm80_te", "causal", 2, 200, 200, 4, 2, 128, 128, "te", True),
+    ("causal_d128_cudnn", "causal", 2, 256, 256, 8, 8, 128, 128, "cudnn", False),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sinks_on_the_gpu_match_the_definition(case):
-  _, mask, b, sq, skv, h, hkv, d, dv, engine = case
+  _, mask, b, sq, skv, h, hkv, d, dv, engine, with_bias = case
   rng = np.random.default_rng(11)
   bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
   q, k, v, dout = bf16(b, sq, h, d), bf16(b, skv, hkv, d), bf16(b, skv, hkv, dv), bf16(b, sq, h, dv)
   sinks = jnp.asarray(rng.uniform(-2.0, 3.0, h), jnp.float32)
   dlse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((1, h, sq, skv)), jnp.float32) if with_bias else None
   padded = mask.startswith("padding")
   q_len = np.array([sq, sq // 2 + 1], np.int32) if padded else None
   kv_len = np.array([skv, 7], np.int32) if padded else None
-  kwargs = dict(mask_type=mask, q_seqlens=q_len, kv_seqlens=kv_len, engine=engine)
+  kwargs = dict(mask_type=mask, q_seqlens=q_len, kv_seqlens=kv_len, engine=engine, bias=bias)
   with_lse = engine != "cudnn"  # cuDNN's backward takes no gradient through lse (return_lse asks for one)
 
   def loss(q, k, v, sinks):
@@ -52,7 +56,8 @@ def test_sinks_on_the_gpu_match_the_definition(case):
   visible = visible_mask(mask, sq, skv, q_len if padded else np.full(b, sq), kv_len if padded else np.full(b, skv))
   with jax.enable_x64(True):
     def ref_loss(q, k, v, sinks):
-      out, lse = _sink_attention(q, k, v, sinks, jnp.asarray(visible), 1.0 / np.sqrt(d), 0.0)
+      out, lse = _sink_attention(q, k, v, sinks, jnp.asarray(visible), 1.0 / np.sqrt(d), 0.0,
+                                 None if bias is None else jnp.asarray(bias, jnp.float64))
       return jnp.sum(out * jnp.asarray(dout, jnp.float64)) + jnp.sum(lse * jnp.asarray(dlse, jnp.float64)), (out, lse)
 
     f64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in (q, k, v, sinks)]

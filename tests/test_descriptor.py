@@ -1,10 +1,10 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (7) | u16 size | 11 x i64 (dims, window, page_size,
+Wire format, little-endian: u32 magic "TEJD" | u16 version (8) | u16 size | 11 x i64 (dims, window, page_size,
 num_pages) | 2 x f32 | u8 dtype |
 u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
-bit 2: has_positions, bit 3: has_bias) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 dropout_threshold |
+bit 2: has_positions, bit 3: has_bias, bit 4: has_sinks) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 dropout_threshold |
 u32 FNV-1a.
 """
 
@@ -24,7 +24,7 @@ I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "he
               "window_right", "page_size", "num_pages")
 
 PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16, dtype=1,
-              mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True,
+              mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True, has_sinks=True,
               deterministic=True, engine=0, has_segment_ids=False, has_positions=False, has_bias=True, bias_dtype=2,
               bias_broadcast=0b0101, dropout_threshold=0x9ABC, page_size=16, num_pages=40)
 # PARAMS exercises every descriptor field; a paged call takes no bias or dropout, so validation starts from contiguous
@@ -43,13 +43,13 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=7, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=8, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
   if flags is None:
     flags = (int(p["deterministic"]) | int(p["has_segment_ids"]) << 1 | int(p["has_positions"]) << 2 |
-             int(p["has_bias"]) << 3)
+             int(p["has_bias"]) << 3 | int(p["has_sinks"]) << 4)
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
                      p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"], p["bias_dtype"],
                      p["bias_broadcast"], p["dropout_threshold"])
@@ -64,10 +64,10 @@ def packed() -> bytes:
 def test_size_and_layout(packed):
   assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 119
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 7 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 8 and fields[2] == SIZE
   assert fields[3:14] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[14:16] == (PARAMS["scale"], PARAMS["softcap"])
-  assert fields[16:23] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8, PARAMS["engine"], PARAMS["bias_dtype"],
+  assert fields[16:23] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8 | 16, PARAMS["engine"], PARAMS["bias_dtype"],
                            PARAMS["bias_broadcast"])
   assert fields[23] == PARAMS["dropout_threshold"]
   assert fields[24] == fnv1a(packed[:-4])
@@ -171,7 +171,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 7, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 8, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -185,16 +185,16 @@ def test_fuzz_random_fields_with_valid_checksum():
   for _ in range(2000):
     dtype, mask, alibi, flags, engine, bias_dtype, broadcast = (int(x) for x in rng.integers(0, 256, 7))
     if rng.random() < 0.5:  # make in-range values common too
-      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 16, engine % 2
+      dtype, mask, alibi, flags, engine = dtype % 3, mask % 6, alibi % 2, flags % 32, engine % 2
       bias_dtype, broadcast = bias_dtype % 3, broadcast % 16
     data = craft(dtype=dtype, mask_type=mask, has_alibi=alibi, flags=flags, engine=engine, bias_dtype=bias_dtype,
                  bias_broadcast=broadcast)
-    if dtype < 3 and mask < 6 and alibi < 2 and flags < 16 and engine < 2 and bias_dtype < 3 and broadcast < 16:
+    if dtype < 3 and mask < 6 and alibi < 2 and flags < 32 and engine < 2 and bias_dtype < 3 and broadcast < 16:
       back = te_jax_cpu.unpack_descriptor(data)
       assert (back["dtype"], back["mask_type"], back["has_alibi"], back["deterministic"], back["has_segment_ids"],
-              back["has_positions"], back["has_bias"], back["engine"], back["bias_dtype"], back["bias_broadcast"]) == (
-                  dtype, mask, bool(alibi), bool(flags & 1), bool(flags & 2), bool(flags & 4), bool(flags & 8), engine,
-                  bias_dtype, broadcast)
+              back["has_positions"], back["has_bias"], back["has_sinks"], back["engine"], back["bias_dtype"],
+              back["bias_broadcast"]) == (dtype, mask, bool(alibi), bool(flags & 1), bool(flags & 2), bool(flags & 4),
+                                          bool(flags & 8), bool(flags & 16), engine, bias_dtype, broadcast)
     else:
       with pytest.raises(ValueError, match="out-of-range enum|flags has unknown bits"):
         te_jax_cpu.unpack_descriptor(data)
@@ -202,10 +202,10 @@ def test_fuzz_random_fields_with_valid_checksum():
 
 # 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
 # engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias; 5: before dropout; 6: before
-# the page table.
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, 0xFFFF])
+# the page table; 7: before the sinks operand.
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 9, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 7"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 8"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 
@@ -219,16 +219,23 @@ def test_deterministic_is_flags_bit_0(deterministic):
 @pytest.mark.parametrize("segment_ids,positions", [(False, False), (True, False), (False, True), (True, True)])
 def test_packed_sequence_flags_are_bits_1_and_2(segment_ids, positions):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_segment_ids=segment_ids, has_positions=positions))
-  assert struct.unpack(FORMAT, data)[19] == 1 | int(segment_ids) << 1 | int(positions) << 2 | 8
+  assert struct.unpack(FORMAT, data)[19] == 1 | int(segment_ids) << 1 | int(positions) << 2 | 8 | 16
   back = te_jax_cpu.unpack_descriptor(data)
   assert (back["has_segment_ids"], back["has_positions"]) == (segment_ids, positions)
+
+
+@pytest.mark.parametrize("has_sinks", [False, True])
+def test_sinks_is_flags_bit_4(has_sinks):
+  data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_sinks=has_sinks))
+  assert struct.unpack(FORMAT, data)[19] == 1 | 8 | int(has_sinks) << 4
+  assert te_jax_cpu.unpack_descriptor(data)["has_sinks"] is has_sinks
 
 
 @pytest.mark.parametrize("has_bias,dtype,broadcast", [(False, 0, 15), (True, 1, 0), (True, 0, 0b1001)])
 def test_bias_is_flags_bit_3_then_its_dtype_and_broadcast_bytes(has_bias, dtype, broadcast):
   data = te_jax_cpu.pack_descriptor(dict(PARAMS, has_bias=has_bias, bias_dtype=dtype, bias_broadcast=broadcast))
   fields = struct.unpack(FORMAT, data)
-  assert (fields[19] >> 3, fields[21], fields[22]) == (int(has_bias), dtype, broadcast)
+  assert (fields[19] >> 3 & 1, fields[21], fields[22]) == (int(has_bias), dtype, broadcast)
   back = te_jax_cpu.unpack_descriptor(data)
   assert (back["has_bias"], back["bias_dtype"], back["bias_broadcast"]) == (has_bias, dtype, broadcast)
 
@@ -246,11 +253,11 @@ def test_bias_fields_out_of_range_raise(field, value):
     te_jax_cpu.unpack_descriptor(craft(**{field: value}))
 
 
-@pytest.mark.parametrize("flags", [0x10, 0x19, 0x80, 0xFF])
+@pytest.mark.parametrize("flags", [0x20, 0x39, 0x80, 0xFF])
 def test_unknown_flag_bits_raise(flags):
   with pytest.raises(ValueError, match=rf"legacy descriptor field flags has unknown bits set \({flags}\); only bits 0 "
-                                       r"\(deterministic\), 1 \(has_segment_ids\), 2 \(has_positions\) and 3 "
-                                       r"\(has_bias\) are defined"):
+                                       r"\(deterministic\), 1 \(has_segment_ids\), 2 \(has_positions\), 3 "
+                                       r"\(has_bias\) and 4 \(has_sinks\) are defined"):
     te_jax_cpu.unpack_descriptor(craft(flags=flags))
 
 
@@ -284,8 +291,12 @@ def test_validate_refuses_bad_values(overrides, match):
 
 
 def test_validate_accepts_and_backend_rules():
-  PARAMS = CONTIGUOUS  # noqa: N806 (the rules below are about contiguous k and v)
+  PARAMS = dict(CONTIGUOUS, has_sinks=False)  # noqa: N806 (the rules below are about contiguous k and v)
   te_jax_cpu.validate(PARAMS, 0)
+  te_jax_cpu.validate(dict(PARAMS, has_sinks=True), 0)
+  # Sinks are merged by te_jax's kernels; after cuDNN's the lowering merges them, so the cuDNN engine never gets them.
+  with pytest.raises(ValueError, match="has_sinks goes with engine te only"):
+    te_jax_cpu.validate(dict(PARAMS, has_sinks=True, engine=1), 1)
   no_bias = dict(PARAMS, has_bias=False, bias_dtype=0, bias_broadcast=15)
   te_jax_cpu.validate(dict(no_bias, dropout_threshold=0), 1)  # bf16 on CUDA is fine
   for engine in (0, 1):  # the shared rules take dropout on CUDA (the cuDNN engine's own contract refuses it)

@@ -97,16 +97,17 @@ def test_ffi_hlo():
   # Typed attributes, one per option, in the mhlo.backend_config dictionary.
   assert text.count("mhlo.backend_config = {deterministic = false, dropout_threshold = 0 : i64, engine = 0 : i64, "
                     "has_alibi = true, has_bias = false, has_positions = false, has_segment_ids = false, "
+                    "has_sinks = false, "
                     "mask_type = 5 : i64, page_size = 0 : i64, scale = 2.500000e-01 : f32, "
                     "softcap = 4.000000e+00 : f32, window_left = 3 : i64, window_right = 1 : i64}") == 2
-  # Operands: forward q, k, v, q_seqlens, kv_seqlens, alibi_slopes, the four token operands (q/kv segment ids,
+  # Operands: forward q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, the four token operands (q/kv segment ids,
   # q/kv positions, int32 [B, S] zeros here), the page table (its int32 [B, 1] placeholder here), the bias (its float32
   # [1, 1, 1, 1] placeholder here) and the dropout operand (its uint32 [6] placeholder here); backward adds out, lse,
   # dout, dlse.
   operand_counts = sorted(len(c.operands) for c in calls)
-  assert operand_counts == [13, 17]
+  assert operand_counts == [14, 18]
   forward = next(c for c in calls if "forward" in str(c.attributes["call_target_name"]))
-  assert [str(o.type) for o in forward.operands[6:]] == ["tensor<2x13xi32>", "tensor<2x21xi32>",
+  assert [str(o.type) for o in forward.operands[6:]] == ["tensor<2x4xf32>", "tensor<2x13xi32>", "tensor<2x21xi32>",
                                                          "tensor<2x13xi32>", "tensor<2x21xi32>", "tensor<2x1xi32>",
                                                          "tensor<1x1x1x1xf32>", "tensor<6xui32>"]
   hlo = lowered.as_text(dialect="hlo")
@@ -130,7 +131,7 @@ def test_legacy_hlo_and_descriptor_contents():
     params = te_jax_cpu.unpack_descriptor(call.attributes["backend_config"].value_bytes)
     assert params == dict(batch=2, seqlen_q=13, seqlen_kv=21, num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
                           dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True,
-                          deterministic=False, engine=0, has_segment_ids=False, has_positions=False, has_bias=False,
+                          has_sinks=False, deterministic=False, engine=0, has_segment_ids=False, has_positions=False, has_bias=False,
                           bias_dtype=0, bias_broadcast=15, dropout_threshold=0, page_size=0, num_pages=0)
 
 

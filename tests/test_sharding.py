@@ -264,6 +264,17 @@ def test_dropout_shards_give_the_unsharded_mask(spec):
 
 
 @in_process
+def test_sinks_shard_with_the_batch_and_heads():
+  """The kernels merge each head's sink into its rows: the sinks operand ([B, H]) shards with the batch and the heads,
+  no collective, and the sharded call equals the unsharded one."""
+  q, k, v, dout = inputs(batch=8, seqlen=32, kv_heads=4)
+  kwargs = dict(mask_type="causal", sink_logits=np.array([0.5, -1.0, 2.0, 0.0], np.float32))
+  results, hlo = run_sharded(make_mesh((2, 2, 2)), P(("dp", "cp"), None, "tp"), q, k, v, dout, **kwargs)
+  assert collectives(hlo) == set(), collectives(hlo)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+
+
+@in_process
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa2", "mqa"])
 def test_paged_attention_shards_with_its_batch(kv_heads):
   """te_jax.paged_attention with q, the page table and the lengths sharded over the batch and the pools over the kv

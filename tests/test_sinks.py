@@ -13,13 +13,16 @@ import te_jax
 from te_jax.reference import visible_mask
 
 
-def _sink_attention(q, k, v, sinks, visible, scale, softcap):
-  """float64 out [B,Sq,H,Dv] and lse [B,H,Sq] of the sink softmax; visible [B, Sq, Skv]."""
+def _sink_attention(q, k, v, sinks, visible, scale, softcap, bias=None):
+  """float64 out [B,Sq,H,Dv] and lse [B,H,Sq] of the sink softmax; visible [B, Sq, Skv]; bias [B, H, Sq, Skv] or
+  broadcastable."""
   group = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   s = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
   if softcap > 0:
     s = softcap * jnp.tanh(s / softcap)
+  if bias is not None:
+    s = s + bias
   s = jnp.where(visible[:, None], s, -jnp.inf)
   sink = jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))
   logits = jnp.concatenate([s, sink], axis=-1)
@@ -110,6 +113,25 @@ def test_sinks_under_vmap_and_both_custom_call_paths():
   te_jax.raise_legacy_failures()
   for a, b in zip(ffi, legacy):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_the_lowering_merges_the_sinks_when_the_kernels_do_not(monkeypatch):
+  """cuDNN's kernel takes no sinks: after it the lowering merges them itself (te_jax/sinks.py). On the CPU, with the
+  kernels told to merge none, the lowering's merge gives the kernels' result (to float32 rounding: the kernels merge
+  before rounding out, the lowering after), and only then does the lowered forward hold the merge's exponential."""
+  from te_jax import _primitives, engine
+  rng = np.random.default_rng(5)
+  q, k, v = (rng.standard_normal((2, 30, 4, 16)).astype(np.float32) for _ in range(3))
+  sinks = rng.uniform(-2.0, 3.0, 4).astype(np.float32)
+  call = lambda q, k, v, s: te_jax.fused_attn(q, k, v, mask_type="causal", sink_logits=s, return_lse=True)  # noqa: E731
+  in_kernels, kernels_text = jax.jit(call)(q, k, v, sinks), jax.jit(call).lower(q, k, v, sinks).as_text()
+  monkeypatch.setattr(_primitives, "params_for_engine",
+                      lambda params, name: dict(engine.params_for_engine(params, name), has_sinks=False))
+  call_again = lambda q, k, v, s: call(q, k, v, s)  # noqa: E731  (a new function: traced and lowered again)
+  in_lowering, lowering_text = jax.jit(call_again)(q, k, v, sinks), jax.jit(call_again).lower(q, k, v, sinks).as_text()
+  for got, want in zip(in_lowering, in_kernels):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+  assert "stablehlo.exponential" in lowering_text and "stablehlo.exponential" not in kernels_text
 
 
 def test_off_by_one_softmax_adds_one_to_the_denominator():

@@ -34,6 +34,7 @@
 #include "cpp/cpu/tile_token_bounds.h"
 #include "cpp/cpu/worker_loop.h"
 #include "cpp/kv_rows.h"
+#include "cpp/sink.h"
 #include "cpp/validate.h"
 #include "cpp/variants.h"
 #include "cpp/token_mask.h"
@@ -317,6 +318,7 @@ template <typename T>
 struct ForwardArgs : OperandArgs<T> {
   T* out;
   float* lse;
+  const float* sinks;  // [B, H], merged into each finished row (cpp/sink.h); null without sinks
 };
 
 struct ForwardScratch {
@@ -407,11 +409,12 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     // as a mask) counts as a row that sees no key: its sum is 0, which a NaN logit would have made NaN.
     const float sum = s.softmax.sum[r];
     const bool sees_keys = s.ranges.RowSeesKeys(r) && !(args.bias.active() && sum == 0.0f);
-    const float inv_sum = 1.0f / sum;
+    float out_scale = sees_keys ? 1.0f / sum : 0.0f;
+    float lse = sees_keys ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
+    if (args.sinks != nullptr) MergeSink(args.sinks[b * p.num_heads + tile.head[r]], lse, out_scale);
     T* out_row = args.out + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dv;
-    for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(sees_keys ? s.out[r * dv + j] * inv_sum : 0.0f);
-    args.lse[tile.LseIndex(r, p.seqlen_q, p.num_heads)] =
-        sees_keys ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
+    for (int64_t j = 0; j < dv; ++j) out_row[j] = FromFloat<T>(sees_keys ? s.out[r * dv + j] * out_scale : 0.0f);
+    args.lse[tile.LseIndex(r, p.seqlen_q, p.num_heads)] = lse;
   }
 }
 
@@ -789,7 +792,7 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const ForwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens), static_cast<T*>(buffers.out),
-                              buffers.lse};
+                              buffers.lse, params.has_sinks ? buffers.sinks : nullptr};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Forward<T, decltype(variant_tag)>(params, args, scheduler);
     });

@@ -202,6 +202,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   BiasArgs bias;
   TE_JAX_RETURN_IF_ERROR(MakeBiasArgs(p, b.bias, &bias));
   ForwardArgs args{MakeShape(p), b.q, b.k, b.v, b.q_seqlens, b.kv_seqlens, b.alibi_slopes, b.out, b.lse,
+                   p.has_sinks ? b.sinks : nullptr,
                    MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, b.workspace),
                    MakeDropoutArgs(p, b.dropout),
                    bias};

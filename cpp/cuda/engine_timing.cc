@@ -161,6 +161,7 @@ Status TimeAttention(const AttentionParams& p, Direction direction, double* mill
   fb.q_seqlens = static_cast<const int32_t*>(q_seqlens);
   fb.kv_seqlens = static_cast<const int32_t*>(kv_seqlens);
   fb.alibi_slopes = static_cast<const float*>(alibi);
+  fb.sinks = fb.alibi_slopes;  // zeros [B, H]: sinks of 0 (the off-by-one softmax) cost what any sinks cost
   fb.q_segment_ids = fb.kv_segment_ids = static_cast<const int32_t*>(ids);
   fb.q_positions = fb.kv_positions = static_cast<const int32_t*>(positions);
   fb.dropout = static_cast<const uint32_t*>(dropout);

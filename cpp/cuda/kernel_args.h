@@ -82,6 +82,7 @@ struct ForwardArgs {
   const float* alibi_slopes;
   void* out;
   float* lse;
+  const float* sinks;  // [B, H], merged into each finished row (cpp/sink.h); null without sinks
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
   DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
   BiasArgs bias;     // read only by kernels built with a bias (LogitsVariant::kHasBias)

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cpp/host_device.h"
+#include "cpp/sink.h"
 
 namespace te_jax::cuda {
 
@@ -87,5 +88,15 @@ struct OnlineSoftmax {
     Finish(sees_keys, inv_sum, lse);
   }
 };
+
+// Attention sinks (cpp/sink.h): a call with sinks ([B, H], null without) merges its head's sink into the two finished
+// rows of a thread, `head_at` = b * num_heads + head. A run-time test: the sink costs no kernel variant.
+__device__ __forceinline__ void MergeRowSinks(const float* sinks, int64_t head_at, float (&inv_sum)[2],
+                                              float (&lse)[2]) {
+  if (sinks == nullptr) return;
+  const float sink = sinks[head_at];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) MergeSink(sink, lse[r], inv_sum[r]);
+}
 
 }  // namespace te_jax::cuda

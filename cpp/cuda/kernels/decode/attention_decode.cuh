@@ -326,8 +326,14 @@ struct DecodeKernel {
       // A split's partial: a row none of whose keys are in the split (or all -inf) is an empty part, 0 and -inf.
       const int2 keys = sm.Ranges()[r];
       const bool empty = direct ? keys.x >= keys.y : l == 0.0f;
-      sm.InvSum()[r] = empty ? 0.0f : 1.0f / l;
-      sm.Lse()[r] = empty ? -__int_as_float(0x7f800000) : m * kLn2 + logf(l);
+      float inv_sum = empty ? 0.0f : 1.0f / l;
+      float lse = empty ? -__int_as_float(0x7f800000) : m * kLn2 + logf(l);
+      // Sinks join the finished rows only (with splits, combine.cuh's).
+      if (direct && a.args.sinks != nullptr && rb.Valid(r)) {
+        MergeSink(a.args.sinks[static_cast<int64_t>(rb.b) * s.num_heads + rb.Head(r)], lse, inv_sum);
+      }
+      sm.InvSum()[r] = inv_sum;
+      sm.Lse()[r] = lse;
     }
     __syncthreads();
 

@@ -38,7 +38,9 @@ struct CombineKernel {
     const float base = m == -__int_as_float(0x7f800000) ? 0.0f : m;
     float l = 0.0f;
     for (int sp = 0; sp < a.splits; ++sp) l += Exp2((a.partial_lse[sp * lse_split_stride + lse_row] - base) * kLog2e);
-    const float inv = sees_keys ? 1.0f / l : 0.0f;
+    float inv = sees_keys ? 1.0f / l : 0.0f;
+    float lse = sees_keys ? m + logf(l) : -__int_as_float(0x7f800000);
+    if (a.args.sinks != nullptr) MergeSink(a.args.sinks[static_cast<int64_t>(b) * s.num_heads + head], lse, inv);
 
     uint16_t* out = static_cast<uint16_t*>(a.args.out) + row * kDv;
     const float* part = a.partial_out + row * kDv;
@@ -52,11 +54,7 @@ struct CombineKernel {
       }
       *reinterpret_cast<uint32_t*>(out + col) = len.invalid ? kPackedNaN : Element::Pack(x[0] * inv, x[1] * inv);
     }
-    if (lane == 0) {
-      a.args.lse[lse_row] = len.invalid   ? __int_as_float(0x7fffffff)
-                            : !sees_keys ? -__int_as_float(0x7f800000)
-                                         : m + logf(l);
-    }
+    if (lane == 0) a.args.lse[lse_row] = len.invalid ? __int_as_float(0x7fffffff) : lse;
   }
 };
 

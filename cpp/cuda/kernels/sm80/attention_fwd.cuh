@@ -327,6 +327,7 @@ struct ForwardKernel {
       } else {
         softmax[mt].Finish(sees_keys, inv_sum, lse);
       }
+      MergeRowSinks(args.sinks, static_cast<int64_t>(b) * s.num_heads + head, inv_sum, lse);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = m0 + local_row + 8 * r;

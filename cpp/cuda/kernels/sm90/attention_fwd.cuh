@@ -560,6 +560,7 @@ struct ForwardKernel {
     }
     float inv_sum[2], lse[2];
     softmax.Finish(sees_keys, inv_sum, lse);
+    MergeRowSinks(args.sinks, static_cast<int64_t>(cta.b) * s.num_heads + cta.head, inv_sum, lse);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = cta.m0 + local_row + 8 * r;
