@@ -3,11 +3,12 @@ same feature: sinks, an additive [1, H, S, S] bias, dropout (jax.nn has no dropo
 private cuDNN call, jax._src.cudnn.fused_attention_stablehlo).
 
   python scripts/feature_cost.py [--features sinks,bias,dropout] [--seq 4096] [--dim 128] [--heads 16] [--repeats 20]
-                                 [--json out.json]
+                                 [--calls 10] [--json out.json]
 
 b * s = 16k tokens, causal, bf16, te_jax's engine. Each line: the feature's time against plain attention in the same
-run (forward, and forward + backward), measured in alternation. A feature the installed te_jax cannot run on this
-device is reported as such, not skipped silently. Run from outside the source folder's parent (the installed te_jax)."""
+run (forward, and forward + backward), measured in alternation, each sample `calls` calls dispatched back to back. A
+feature the installed te_jax cannot run on this device is reported as such, not skipped silently. Run from outside
+the source folder's parent (the installed te_jax)."""
 
 from __future__ import annotations
 
@@ -23,16 +24,19 @@ import numpy as np
 import te_jax
 
 
-def seconds(runs: dict, repeats: int) -> dict:
-  """Best wall time of each jitted (fn, args) in `runs`, measured in alternation."""
+def seconds(runs: dict, repeats: int, calls: int) -> dict:
+  """Seconds per call of each jitted (fn, args) in `runs`: the best of `repeats` samples, each `calls` calls dispatched
+  back to back (so the GPU never waits on the host between them), the entries measured in alternation."""
   for fn, args in runs.values():
     jax.block_until_ready(fn(*args))
   times = {name: [] for name in runs}
   for _ in range(repeats):
     for name, (fn, args) in runs.items():
       start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[name].append(time.perf_counter() - start)
+      for _ in range(calls):
+        result = fn(*args)
+      jax.block_until_ready(result)
+      times[name].append((time.perf_counter() - start) / calls)
   return {name: min(t) for name, t in times.items()}
 
 
@@ -43,6 +47,7 @@ def main() -> None:
   ap.add_argument("--dim", type=int, default=128)
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--calls", type=int, default=10, help="calls per timed sample, dispatched back to back")
   ap.add_argument("--json", default="", help="also write the rows here (docs/bench/h200-features.json's format)")
   args = ap.parse_args()
   s, d, h = args.seq, args.dim, args.heads
@@ -73,7 +78,8 @@ def main() -> None:
     loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
     return {"fwd": jax.jit(attn), "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
 
-  print(f"{jax.devices()[0].device_kind}, bf16, causal, b {b} x s {s}, h {h}, d {d}, best of {args.repeats}")
+  print(f"{jax.devices()[0].device_kind}, bf16, causal, b {b} x s {s}, h {h}, d {d}, best of {args.repeats} samples "
+        f"of {args.calls} calls")
   print(f"{'feature':9s} {'mode':8s} {'plain ms':>9s} {'with ms':>9s} {'cost':>7s}   cuDNN plain / with (ms)")
   rows = []
   for feature in args.features.split(","):
@@ -83,7 +89,7 @@ def main() -> None:
       row = dict(feature=feature, mode=mode)
       rows.append(row)
       try:
-        t = seconds(ours, args.repeats)
+        t = seconds(ours, args.repeats, args.calls)
         line += f"{t['plain'] * 1e3:9.3f} {t['with'] * 1e3:9.3f} {t['with'] / t['plain'] - 1:+7.1%}"
         row.update(te_plain_ms=t["plain"] * 1e3, te_with_ms=t["with"] * 1e3)
       except Exception as e:  # noqa: BLE001 - say what this build cannot run, and go on
@@ -92,7 +98,7 @@ def main() -> None:
         try:
           plain, with_feature = peers[feature]()
           t = seconds({"plain": (modes(plain)[mode], (q, k, v)), "with": (modes(with_feature)[mode], (q, k, v))},
-                      args.repeats)
+                      args.repeats, args.calls)
           line += f"   {t['plain'] * 1e3:.3f} / {t['with'] * 1e3:.3f} ({t['with'] / t['plain'] - 1:+.1%})"
           row.update(cudnn_plain_ms=t["plain"] * 1e3, cudnn_with_ms=t["with"] * 1e3)
         except Exception as e:  # noqa: BLE001
@@ -104,7 +110,8 @@ def main() -> None:
     with open(args.json, "w") as f:
       json.dump(dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__,
                      command="python scripts/feature_cost.py " + " ".join(sys.argv[1:]),
-                     shape=dict(b=b, s=s, h=h, d=d, causal=True, dtype="bfloat16"), repeats=args.repeats, rows=rows),
+                     shape=dict(b=b, s=s, h=h, d=d, causal=True, dtype="bfloat16"), repeats=args.repeats,
+                     calls=args.calls, rows=rows),
                 f, indent=1)
 
 
