@@ -23,8 +23,8 @@ xla::ffi::Error AttentionForward(Context context, xla::ffi::AnyBuffer q, xla::ff
                                  xla::ffi::Result<xla::ffi::AnyBuffer> workspace, AttentionAttrs attrs) {
   AttentionParams params;
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
-  const Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout,
-                                      attrs, &params);
+  const Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
+                                      dropout, attrs, &params);
   if (!status.ok()) return ToFfiError(status);
   const AttentionOperands operands =
       OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout);
@@ -36,16 +36,17 @@ xla::ffi::Error AttentionBackward(Context context, xla::ffi::AnyBuffer q, xla::f
                                   xla::ffi::AnyBuffer v, xla::ffi::AnyBuffer out, xla::ffi::AnyBuffer lse,
                                   xla::ffi::AnyBuffer dout, xla::ffi::AnyBuffer dlse, xla::ffi::AnyBuffer q_seqlens,
                                   xla::ffi::AnyBuffer kv_seqlens, xla::ffi::AnyBuffer alibi_slopes,
-                                  xla::ffi::AnyBuffer sinks, xla::ffi::AnyBuffer q_segment_ids, xla::ffi::AnyBuffer kv_segment_ids,
-                                  xla::ffi::AnyBuffer q_positions, xla::ffi::AnyBuffer kv_positions,
-                                  xla::ffi::AnyBuffer page_table, xla::ffi::AnyBuffer bias, xla::ffi::AnyBuffer dropout,
+                                  xla::ffi::AnyBuffer sinks, xla::ffi::AnyBuffer q_segment_ids,
+                                  xla::ffi::AnyBuffer kv_segment_ids, xla::ffi::AnyBuffer q_positions,
+                                  xla::ffi::AnyBuffer kv_positions, xla::ffi::AnyBuffer page_table,
+                                  xla::ffi::AnyBuffer bias, xla::ffi::AnyBuffer dropout,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dq, xla::ffi::Result<xla::ffi::AnyBuffer> dk,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dv, xla::ffi::Result<xla::ffi::AnyBuffer> dbias,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> workspace, AttentionAttrs attrs) {
   AttentionParams params;
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
-  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout,
-                                attrs, &params);
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
+                                dropout, attrs, &params);
   if (status.ok()) status = ExpectDbiasLikeBias(bias, *dbias);
   if (!status.ok()) return ToFfiError(status);
   const AttentionOperands operands =

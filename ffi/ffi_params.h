@@ -115,8 +115,9 @@ inline Status KeyLayoutFromFfi(const xla::ffi::AnyBuffer& k, const xla::ffi::Any
 inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
                             const xla::ffi::AnyBuffer& alibi_slopes, const xla::ffi::AnyBuffer& sinks,
-                            const TokenArgs& tokens, const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
-                            const xla::ffi::AnyBuffer& dropout, const AttentionAttrs& attrs, AttentionParams* params) {
+                            const TokenArgs& tokens, const xla::ffi::AnyBuffer& page_table,
+                            const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
+                            const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
     return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim]; k and v "
                                    "[num_pages, page_size, heads, head_dim] when paged)");

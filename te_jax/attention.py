@@ -131,10 +131,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # segment-id and position operands (zeros when absent); like the lengths, they get no gradient. `sinks` is None or the
 # float32 [H] sink logits: the forward kernels merge them into their rows (config.has_sinks), or, with context
 # parallelism, apply_sinks merges them into the merged blocks (te_jax/sinks.py); the backward then runs the kernels on
-# the sink softmax's out and lse, and the sinks' gradient comes from those (sink_gradient). k and v are contiguous: the page table operand is a placeholder (a paged call is
-# te_jax/paged_attention.py's). `bias` is the bias operand (the placeholder of _primitives.no_bias when absent),
-# whose gradient the backward kernel returns. `dropout` is the dropout operand (key and offsets; te_jax/_primitives.py),
-# which gets no gradient.
+# the sink softmax's out and lse, and the sinks' gradient comes from those (sink_gradient). k and v are contiguous: the
+# page table operand is a placeholder (a paged call is te_jax/paged_attention.py's). `bias` is the bias operand (the
+# placeholder of _primitives.no_bias when absent), whose gradient the backward kernel returns. `dropout` is the dropout
+# operand (key and offsets; te_jax/_primitives.py), which gets no gradient.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
   per_head = _primitives.no_sinks(*alibi.shape) if sinks is None else jnp.broadcast_to(sinks, alibi.shape)
@@ -153,8 +153,8 @@ def _attention_bwd(config, cp, residuals, cotangents):
   dout, dlse = cotangents
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
-                                         _primitives.no_sinks(*alibi.shape),
-                                         tokens, _primitives.no_page_table(q.shape[0]), bias, dropout)
+                                         _primitives.no_sinks(*alibi.shape), tokens,
+                                         _primitives.no_page_table(q.shape[0]), bias, dropout)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
   return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks

@@ -4,8 +4,8 @@ and the core validation through validate(). Malformed bytes must raise ValueErro
 Wire format, little-endian: u32 magic "TEJD" | u16 version (8) | u16 size | 11 x i64 (dims, window, page_size,
 num_pages) | 2 x f32 | u8 dtype |
 u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
-bit 2: has_positions, bit 3: has_bias, bit 4: has_sinks) | u8 engine | u8 bias_dtype | u8 bias_broadcast | u32 dropout_threshold |
-u32 FNV-1a.
+bit 2: has_positions, bit 3: has_bias, bit 4: has_sinks) | u8 engine | u8 bias_dtype | u8 bias_broadcast |
+u32 dropout_threshold | u32 FNV-1a.
 """
 
 from __future__ import annotations

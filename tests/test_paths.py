@@ -131,8 +131,9 @@ def test_legacy_hlo_and_descriptor_contents():
     params = te_jax_cpu.unpack_descriptor(call.attributes["backend_config"].value_bytes)
     assert params == dict(batch=2, seqlen_q=13, seqlen_kv=21, num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
                           dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True,
-                          has_sinks=False, deterministic=False, engine=0, has_segment_ids=False, has_positions=False, has_bias=False,
-                          bias_dtype=0, bias_broadcast=15, dropout_threshold=0, page_size=0, num_pages=0)
+                          has_sinks=False, deterministic=False, engine=0, has_segment_ids=False, has_positions=False,
+                          has_bias=False, bias_dtype=0, bias_broadcast=15, dropout_threshold=0, page_size=0,
+                          num_pages=0)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
