@@ -129,6 +129,18 @@ def test_large_head_dims_run_the_deterministic_backward():
                               arch="sm_80")) == "bwd_bf16_d128_dv128_scaled_sm_80"
 
 
+def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout():
+  # The step's rows are in the module name: 128 where both head dims pad to 64, else 64 (tokens keep one granule per
+  # step, dropout 32 keep bits per thread).
+  base = dict(direction="backward", dtype=1, softcap=False, alibi=False, arch="sm_90a")
+  assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=64)) == "bwd_bf16_d64_dv64_scaled_sm_90a_sm90_128x128"
+  assert ext.kernel_name(dict(base, head_dim=40, head_dim_v=64, deterministic=True)) == \
+      "bwd_det_bf16_d40_dv64_scaled_sm_90a_sm90_128x128"
+  assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=72)).endswith("_sm90_128x64")
+  assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=64, tokens=True)).endswith("_tokens_sm_90a_sm90_128x64")
+  assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=64, dropout=True)).endswith("_dropout_sm_90a_sm90_128x64")
+
+
 def test_bias_modules_are_sm80_family_with_32_row_tiles():
   # A bias runs te_jax's sm80 family on every arch (its forward iterates 32-key tiles), never the decode kernels.
   base = dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, arch="sm_90a")

@@ -251,7 +251,7 @@ bool AccumulatesDq(const AttentionParams& p) {
 // tensor map of its own; the kernels load nothing of it, and the other side's stands in.
 Status EncodeBackwardTensorMaps(const DriverApi* driver, const AttentionParams& p, const BackwardBuffers& b,
                                 TmaBackwardArgs* tma) {
-  const int rows = sm90::kBackwardStepRows;
+  const int rows = sm90::kBackwardBoxRows;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   if (p.seqlen_q > 0) {
     TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, rows, &tma->q));

@@ -100,7 +100,8 @@ std::string KernelConfig::BaseName() const {
   if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
-    return name + "_sm90_" + std::to_string(sm90::kBackwardOwnedRows) + "x" + std::to_string(sm90::kBackwardStepRows);
+    return name + "_sm90_" + std::to_string(sm90::kBackwardOwnedRows) + "x" +
+           std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout));
   }
   if (sm90) {
     const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens);

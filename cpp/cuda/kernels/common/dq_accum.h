@@ -1,7 +1,7 @@
 // The default backward's float dq accumulator (the call's workspace), shared by both kernel families: the sm80
 // preprocess zeroes it, a dk/dv kernel (sm80's, or sm90's for head dims up to 128) adds each step's ds k to it, and the
 // sm80 conversion kernel turns it into dq. Its layout is the sm80 dk/dv tile's (sm80/tile_size.h:
-// BackwardDqAccumLayout); the sm90 kernel's 64-query steps fit it, since both add blocks of 64 query rows.
+// BackwardDqAccumLayout), whose row blocks are a multiple of both families' query steps.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"

@@ -58,10 +58,10 @@ TE_JAX_HOST_DEVICE constexpr TileSize BackwardDkDvTileSize(int d, int dv, bool a
 // the three-kernel one (H200, d = 256, s >= 2k: fwd+bwd 0.34-0.36x cuDNN against 0.35-0.39x; docs/BENCHMARKS.md run 7).
 TE_JAX_HOST_DEVICE constexpr bool BackwardAccumulatesDq(int d, int dv) { return PadHeadDim(d) + PadHeadDim(dv) <= 256; }
 
-// The fast backward's float dq accumulator (the call's workspace): [B][H][slices][Sq rounded up to block_n][cols], cols
-// = one dk/dv slice's dq columns. The block_n x cols block one dk/dv step adds to is contiguous, so the sm90 kernel adds
-// it with a single bulk reduction, and the rounding gives the last query tile's rows somewhere to go. The bias kernels'
-// 32-query steps add blocks of half a row_block (the layout, and so the workspace, is the same with a bias).
+// The fast backward's float dq accumulator (the call's workspace): [B][H][slices][Sq rounded up to row_block][cols],
+// cols = one dk/dv slice's dq columns. The rows x cols block one dk/dv step adds to is contiguous, so the sm90 kernel
+// adds it with a single bulk reduction, and the rounding gives the last query tile's rows somewhere to go: row_block is
+// a multiple of every step (sm80's 64 query rows, 32 with a bias; sm90's 64 or 128, sm90/tile_size.h).
 // Within a row, column c is stored at c ^ 4 * (row & swizzle). Rows are a multiple of 128 bytes apart, so without it
 // the 8 rows a warp's fragment store touches in the shared-memory copy of a block share their banks (8-way
 // conflicts); 16-byte chunks stay contiguous.
@@ -76,7 +76,7 @@ TE_JAX_HOST_DEVICE constexpr DqAccumLayout BackwardDqAccumLayout(int d, int dv) 
   const TileSize t = BackwardDkDvTileSize(d, dv, true);
   const int cols = (PadHeadDim(d) / 16 + t.slices - 1) / t.slices * 16;
   const int chunks = cols / 4;  // a multiple of 4
-  return {t.slices, cols, t.block_n, chunks % 8 == 0 ? 7 : 3};
+  return {t.slices, cols, 128, chunks % 8 == 0 ? 7 : 3};
 }
 
 // Backward dq: a CTA owns 16 * warps queries and visits their key tiles; accumulator dq is d / 4 floats.

@@ -1,12 +1,13 @@
 // Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's schemes (kernels/sm80/attention_bwd.cuh):
 // the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a scratch that aliases dq, then
-//   dk/dv: a CTA owns 128 keys of one kv head and steps over the 64-query tiles, of every head of its GQA group, that
-//     see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T elementwise, then dv += p^T dout and dk += ds^T q;
-//     by default (kAccumulateDq) it also computes each step's dq block, ds k (ds^T through shared memory, each
-//     consumer warpgroup half of dq's columns), and hands it to the copy engine as one bulk float addition into the
+//   dk/dv: a CTA owns 128 keys of one kv head and steps over the query tiles (64 rows, 128 at head dims up to 64:
+//     tile_size.h), of every head of its GQA group, that see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T
+//     elementwise, then dv += p^T dout and dk += ds^T q; by default (kAccumulateDq) it also computes each step's dq
+//     block, ds k (ds^T through shared memory; each consumer warpgroup half of dq's columns, or with 128-row steps
+//     half of its rows), and hands it to the copy engine as one bulk float addition into the
 //     dq accumulator (common/dq_accum.h), which the sm80 conversion kernel turns into dq. The additions land in any
 //     order, so dq's last bits vary between runs;
-//   dq (deterministic=True): a CTA owns 128 queries and steps over their 64-key tiles: s = q k^T, dp = dout v^T, ds,
+//   dq (deterministic=True): a CTA owns 128 queries and steps over their key tiles: s = q k^T, dp = dout v^T, ds,
 //     then dq += ds k, every row written once in a fixed order. It recomputes its rows' delta' (the scratch is dq's
 //     memory, which other CTAs are writing) and s and dp (7 products per tile pair, against 5 with kAccumulateDq).
 // Both have the forward's machinery (attention_fwd.cuh): a producer warpgroup whose one thread issues the TMA copies
@@ -46,7 +47,7 @@ __device__ __forceinline__ void ConsumersSync() { asm volatile("bar.sync 1, 256;
 template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false>
 struct BackwardKernel {
   static constexpr int kOwned = kBackwardOwnedRows;
-  static constexpr int kStep = kBackwardStepRows;
+  static constexpr int kStep = BackwardStepRows(kD, kDv, Variant::kHasTokens, Variant::kHasDropout);
   static constexpr int kStages = kBackwardStages;
   static constexpr int kThreads = kBackwardThreads;
   static constexpr int kDP = PadTo64(kD);
@@ -64,7 +65,10 @@ struct BackwardKernel {
   // kAccumulateDq: the step's ds^T [owned keys][step queries], then its float dq block (the accumulator's layout).
   using DsTile = SwizzledTile<kOwned, kStep>;
   using Accum = DqAccum<kD, kDv>;
-  static constexpr int kDqN = kDP / 2;  // dq columns per consumer warpgroup
+  // The step's dq block [kStep][d] split between the consumer warpgroups: by columns (64-row steps), or by rows (128-row
+  // steps, whose d is 64: each warpgroup a 64 x 64 product).
+  static constexpr bool kDqSplitsRows = kStep == 128;
+  static constexpr int kDqN = kDqSplitsRows ? kDP : kDP / 2;  // dq columns per consumer warpgroup
   static constexpr int kDsOffset = kStatsOffset + kStages * 2 * kStep * 4;
   static constexpr int kDqOffset = kDsOffset + (kAccumulateDq ? DsTile::kBytes : 0);
   // Tokens: the owned rows' entries and granule summaries, which land with the owned tiles, then per stage the step
@@ -80,17 +84,19 @@ struct BackwardKernel {
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? BackwardTokenBytes() : 0);
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
   static constexpr int kStatsWarp = 1;  // of the producer warpgroup: copies each step's lse and delta' (dk/dv)
-  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kAccumulateDq, kTokens),
+  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kAccumulateDq, kTokens, kDropout),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kStepTokensOffset + kStages * kStepTokenBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token tables");
-  static_assert(kStep == kTokenGranule, "a step's rows are one granule of tokens");
+  static_assert(!kTokens || kStep == kTokenGranule, "a step's rows are one granule of tokens");
   static_assert(!kAccumulateDq || kOwnsKeys, "only the dk/dv kernel accumulates dq");
-  static_assert(!kAccumulateDq || (Accum::kLayout.slices == 1 && Accum::kLayout.row_block == kStep &&
+  static_assert(!kAccumulateDq || (Accum::kLayout.slices == 1 && Accum::kLayout.row_block % kStep == 0 &&
                                    Accum::kLayout.cols <= kDP && kDsOffset % 1024 == 0),
                 "a step's dq block is one contiguous block of the accumulator");
-  static_assert(kOwned == 2 * 64 && kStep == 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups");
-  static constexpr int kTensorMapBoxRows = 64;  // tensor_maps.h: the backward's maps copy 64-row boxes
+  static_assert(kOwned == 2 * 64 && (kStep == 64 || kStep == 128) && kThreads == 3 * 128,
+                "a producer and two consumer warpgroups");
+  static_assert(!kDqSplitsRows || kDP == 64, "a warpgroup's half of a 128-row dq block takes every column");
+  static constexpr int kTensorMapBoxRows = kBackwardBoxRows;  // tensor_maps.h
 
   struct Smem {
     uint32_t base;
@@ -116,13 +122,13 @@ struct BackwardKernel {
   };
 
   // What a CTA owns and where its steps go. Owned rows [owned0, owned0 + 128) of (batch b, head owned_head); step i
-  // covers rows [StepRow0(i), + 64) of head StepHead(i) on the other side.
+  // covers rows [StepRow0(i), + kStep) of head StepHead(i) on the other side.
   struct Work {
     int b;
     int owned_head;  // kv head (dk/dv) or query head (dq)
     int owned0;
     int group;       // query heads per kv head
-    int tile_begin;  // the first 64-row step tile
+    int tile_begin;  // the first step tile
     int tiles;       // step tiles per head
     int steps;       // dk/dv: tiles x group (head-major); dq: tiles
     BatchLengths len;
@@ -229,7 +235,7 @@ struct BackwardKernel {
     }
   }
 
-  // The dk/dv kernel's stats warp: each step's 64 query rows' lse and delta' into the stage, with plain loads (the rows
+  // The dk/dv kernel's stats warp: each step's query rows' lse and delta' into the stage, with plain loads (the rows
   // past Sq get zeros, never read); its 32 arrivals on the stage's full barrier publish them.
   static __device__ __forceinline__ void ProduceStats(const BackwardArgs& args, const Smem& sm, const Work& w,
                                                       int lane) {
@@ -294,16 +300,17 @@ struct BackwardKernel {
       }
   }
 
-  // This warpgroup's columns of the step's dq block (rows query_row and query_row + 8) into the shared copy, laid out as
-  // the accumulator (common/dq_accum.h); columns past its width are padding.
+  // This warpgroup's part of the step's dq block (its thread's rows query_row and query_row + 8 of it) into the shared
+  // copy, laid out as the accumulator (common/dq_accum.h); columns past its width are padding.
   static __device__ __forceinline__ void StoreDqBlock(const Smem& sm, const float (&dq)[kDqN / 2], int wg,
                                                       int query_row, int t) {
     constexpr int kCols = Accum::kLayout.cols;
+    const int row0 = kDqSplitsRows ? 64 * wg : 0, col0 = kDqSplitsRows ? 0 : wg * kDqN;
 #pragma unroll
     for (int j = 0; j < kDqN / 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = query_row + 8 * r, col = wg * kDqN + 8 * j + 2 * t;
+        const int row = row0 + query_row + 8 * r, col = col0 + 8 * j + 2 * t;
         if (col < kCols) {
           const uint32_t at = sm.DqBlock() + 4 * (row * kCols + Accum::Column(row, col));
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1])
@@ -516,7 +523,8 @@ struct BackwardKernel {
         WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < kOwned / 16; ++kk) {
-          Wgmma<Element, kDqN>::SSMN(dq, sm.Ds().MNMajor(kk, 0), sm.Own0().MNMajor(kk, wg * kDqN), kk > 0);
+          Wgmma<Element, kDqN>::SSMN(dq, sm.Ds().MNMajor(kk, kDqSplitsRows ? 64 * wg : 0),
+                                     sm.Own0().MNMajor(kk, kDqSplitsRows ? 0 : wg * kDqN), kk > 0);
         }
         WgmmaCommit();
       }

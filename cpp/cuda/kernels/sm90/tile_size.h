@@ -57,27 +57,37 @@ TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
 }
 
 // The backward's two kernels (attention_bwd.cuh) share one shape: a CTA owns 128 rows (keys for dk/dv, queries for dq)
-// held in shared memory, two consumer warpgroups of 64 of them, and steps over tiles of 64 rows of the other side
+// held in shared memory, two consumer warpgroups of 64 of them, and steps over tiles of rows of the other side
 // through a two-stage ring. Register budget: dk and dv accumulators are 64 x d / 128 floats per thread each, so head
 // dims above 128 stay on the sm80 family.
 inline constexpr int kBackwardThreads = 384;
 inline constexpr int kBackwardOwnedRows = 128;
-inline constexpr int kBackwardStepRows = 64;
 inline constexpr int kBackwardStages = 2;
+inline constexpr int kBackwardBoxRows = 64;  // the rows of one TMA box of the backward's tensor maps
+
+// Rows per step: 128 where both head dims pad to 64, 64 elsewhere. At d = 64 a 64-row step gives each warpgroup
+// 64 x 64 x 64 products, too short to hide the elementwise algebra and the barriers between them (forward + backward
+// 0.79-0.91x cuDNN, docs/BENCHMARKS.md run 18; FlashAttention-3 steps 128 rows there too); above d = 64 the step's
+// scores and their gradients (2 x 64 floats per thread at 128 rows) no longer fit beside the accumulators. Tokens keep
+// 64 (a step is one granule of the token summaries), as does dropout (32 keep bits per thread and step).
+TE_JAX_HOST_DEVICE constexpr int BackwardStepRows(int d, int dv, bool tokens, bool dropout) {
+  return PadTo64(d) == 64 && PadTo64(dv) == 64 && !tokens && !dropout ? 128 : 64;
+}
 
 // The backward's token tables: the owned rows' entries and granule summaries, and per stage the step rows' entries
-// and granule summary. An entry takes 16 bytes (a query's; a key's takes 8 of them).
+// and granule summary (a step with tokens is one granule). An entry takes 16 bytes (a query's; a key's takes 8 of them).
 TE_JAX_HOST_DEVICE constexpr int BackwardTokenBytes() {
   return 16 * kBackwardOwnedRows + kBackwardOwnedRows / kTokenGranule * kTokenSummaryBytes +
-         kBackwardStages * (16 * kBackwardStepRows + kBackwardStepRows / kTokenGranule * kTokenSummaryBytes);
+         kBackwardStages * (16 * kTokenGranule + kTokenSummaryBytes);
 }
 
 // accumulate_dq: the dk/dv kernel of the default backward, which also adds each step's ds k to a float dq accumulator
 // (attention_bwd.cuh): it keeps the step's ds^T and the float dq block in shared memory too.
-TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, bool accumulate_dq, bool tokens = false) {
-  return 1024 + (kBackwardOwnedRows + kBackwardStages * kBackwardStepRows) * (PadTo64(d) + PadTo64(dv)) * 2 +
-         kBackwardStages * kBackwardStepRows * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
-         (accumulate_dq ? kBackwardOwnedRows * kBackwardStepRows * 2 + kBackwardStepRows * PadTo64(d) * 4 : 0) +
+TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, bool accumulate_dq, bool tokens, bool dropout) {
+  const int step = BackwardStepRows(d, dv, tokens, dropout);
+  return 1024 + (kBackwardOwnedRows + kBackwardStages * step) * (PadTo64(d) + PadTo64(dv)) * 2 +
+         kBackwardStages * step * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
+         (accumulate_dq ? kBackwardOwnedRows * step * 2 + step * PadTo64(d) * 4 : 0) +
          (tokens ? BackwardTokenBytes() : 0) +
          8 * (1 + 2 * kBackwardStages);  // mbarriers: owned tiles full; each stage full and empty
 }
