@@ -46,8 +46,9 @@ def main(bench_dir: str, dst: str) -> None:
   groups = [
       ("forward (run 14)", _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd",
                                        [(d, s, True) for d in (64, 128, 256) for s in (2048, 16384)])),
-      ("forward + backward (run 18)", _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b",
-                                                  [(d, s, True) for d in (64, 128) for s in (2048, 16384)])),
+      ("forward + backward (runs 33, 18)",
+       _cuda_bench(at("h200-bwd64-steps128.json"), "fwd+bwd", "f+b", [(64, s, True) for s in (2048, 16384)]) +
+       _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)])),
       ("decode (run 19)", _decode(at("h200-decode.json"))),
       ("with a bias / dropout (run 26)", _features(at("h200-features.json"))),
   ]
