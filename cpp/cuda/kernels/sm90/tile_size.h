@@ -66,8 +66,8 @@ inline constexpr int kBackwardStages = 2;
 inline constexpr int kBackwardBoxRows = 64;  // the rows of one TMA box of the backward's tensor maps
 
 // Rows per step: 128 where both head dims pad to 64, 64 elsewhere. At d = 64 a 64-row step gives each warpgroup
-// 64 x 64 x 64 products, too short to hide the elementwise algebra and the barriers between them (forward + backward
-// 0.79-0.91x cuDNN, docs/BENCHMARKS.md run 18; FlashAttention-3 steps 128 rows there too); above d = 64 the step's
+// 64 x 64 x 64 products, short against the elementwise work and the barriers between them: on an H200, forward +
+// backward 0.79-0.90x cuDNN with 64-row steps, 0.85-0.98x with 128 (docs/BENCHMARKS.md run 33); above d = 64 the step's
 // scores and their gradients (2 x 64 floats per thread at 128 rows) no longer fit beside the accumulators. Tokens keep
 // 64 (a step is one granule of the token summaries), as does dropout (32 keep bits per thread and step).
 TE_JAX_HOST_DEVICE constexpr int BackwardStepRows(int d, int dv, bool tokens, bool dropout) {
