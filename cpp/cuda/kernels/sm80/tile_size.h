@@ -65,6 +65,8 @@ TE_JAX_HOST_DEVICE constexpr bool BackwardAccumulatesDq(int d, int dv) { return 
 // Within a row, column c is stored at c ^ 4 * (row & swizzle). Rows are a multiple of 128 bytes apart, so without it
 // the 8 rows a warp's fragment store touches in the shared-memory copy of a block share their banks (8-way
 // conflicts); 16-byte chunks stay contiguous.
+inline constexpr int kDqAccumRowBlock = 128;  // row_block of every layout: a multiple of both families' steps
+
 struct DqAccumLayout {
   int slices;
   int cols;       // floats per row
@@ -76,7 +78,7 @@ TE_JAX_HOST_DEVICE constexpr DqAccumLayout BackwardDqAccumLayout(int d, int dv) 
   const TileSize t = BackwardDkDvTileSize(d, dv, true);
   const int cols = (PadHeadDim(d) / 16 + t.slices - 1) / t.slices * 16;
   const int chunks = cols / 4;  // a multiple of 4
-  return {t.slices, cols, 128, chunks % 8 == 0 ? 7 : 3};
+  return {t.slices, cols, kDqAccumRowBlock, chunks % 8 == 0 ? 7 : 3};
 }
 
 // Backward dq: a CTA owns 16 * warps queries and visits their key tiles; accumulator dq is d / 4 floats.

@@ -65,10 +65,13 @@ struct BackwardKernel {
   // kAccumulateDq: the step's ds^T [owned keys][step queries], then its float dq block (the accumulator's layout).
   using DsTile = SwizzledTile<kOwned, kStep>;
   using Accum = DqAccum<kD, kDv>;
-  // The step's dq block [kStep][d] split between the consumer warpgroups: by columns (64-row steps), or by rows (128-row
-  // steps, whose d is 64: each warpgroup a 64 x 64 product).
+  // The step's dq block [kStep][d] split between the consumer warpgroups: by columns (64-row steps), or by rows
+  // (128-row steps, whose d is 64: each warpgroup a 64 x 64 product).
   static constexpr bool kDqSplitsRows = kStep == 128;
   static constexpr int kDqN = kDqSplitsRows ? kDP : kDP / 2;  // dq columns per consumer warpgroup
+  // The first row and column of warpgroup wg's part of the block.
+  static __device__ __forceinline__ int DqRow0(int wg) { return kDqSplitsRows ? 64 * wg : 0; }
+  static __device__ __forceinline__ int DqCol0(int wg) { return kDqSplitsRows ? 0 : wg * kDqN; }
   static constexpr int kDsOffset = kStatsOffset + kStages * 2 * kStep * 4;
   static constexpr int kDqOffset = kDsOffset + (kAccumulateDq ? DsTile::kBytes : 0);
   // Tokens: the owned rows' entries and granule summaries, which land with the owned tiles, then per stage the step
@@ -305,12 +308,11 @@ struct BackwardKernel {
   static __device__ __forceinline__ void StoreDqBlock(const Smem& sm, const float (&dq)[kDqN / 2], int wg,
                                                       int query_row, int t) {
     constexpr int kCols = Accum::kLayout.cols;
-    const int row0 = kDqSplitsRows ? 64 * wg : 0, col0 = kDqSplitsRows ? 0 : wg * kDqN;
 #pragma unroll
     for (int j = 0; j < kDqN / 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = row0 + query_row + 8 * r, col = col0 + 8 * j + 2 * t;
+        const int row = DqRow0(wg) + query_row + 8 * r, col = DqCol0(wg) + 8 * j + 2 * t;
         if (col < kCols) {
           const uint32_t at = sm.DqBlock() + 4 * (row * kCols + Accum::Column(row, col));
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(dq[4 * j + 2 * r]), "f"(dq[4 * j + 2 * r + 1])
@@ -523,8 +525,7 @@ struct BackwardKernel {
         WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < kOwned / 16; ++kk) {
-          Wgmma<Element, kDqN>::SSMN(dq, sm.Ds().MNMajor(kk, kDqSplitsRows ? 64 * wg : 0),
-                                     sm.Own0().MNMajor(kk, kDqSplitsRows ? 0 : wg * kDqN), kk > 0);
+          Wgmma<Element, kDqN>::SSMN(dq, sm.Ds().MNMajor(kk, DqRow0(wg)), sm.Own0().MNMajor(kk, DqCol0(wg)), kk > 0);
         }
         WgmmaCommit();
       }
