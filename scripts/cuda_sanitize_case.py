@@ -1,5 +1,6 @@
 """A tiny forward + backward run for compute-sanitizer (memcheck / racecheck): ragged padding + causal + window + GQA +
-softcap + ALiBi, and a D != Dv causal case, each with both backwards (atomic dq and deterministic), on te_jax's
+softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits columns), and a D != Dv causal case, each
+with both backwards (atomic dq and deterministic), on te_jax's
 kernels; then a causal forward whose v holds a NaN at a key the first rows do not see (the forward's rare path for
 non-finite values in a straddling tile); then a paged decode call with a page id outside the pool; then an additive
 bias whose rows start off 16-byte boundaries (its last chunk reaches past the operand), in full shape (dbias written
@@ -15,6 +16,7 @@ import te_jax._cuda  # noqa: F401
 
 ok = True
 for (d, dv, mask, extra), deterministic in ((case, det) for case in ((64, 64, "padding_causal", True),
+                                                                   (192, 128, "padding_causal", True),
                                                                    (40, 72, "causal_bottom_right", False))
                                             for det in (False, True)):
   rng = np.random.default_rng(0)

@@ -21,6 +21,8 @@ CASES = [
     ("d256",                  "bfloat16", 1, 200, 200, 2, 2,   256, 256, "causal",                      (-1, -1), 0.0, False, False),
     ("d256_fp16_padding",     "float16",  2, 96,  96,  2, 1,   256, 256, "padding",                     (-1, -1), 0.0, False, True),
     ("d_ne_dv_big",           "bfloat16", 1, 100, 100, 2, 2,   256, 128, "no_mask",                     (-1, -1), 0.0, False, False),
+    ("d192_softcap_alibi_win", "bfloat16", 2, 150, 170, 4, 2,  192, 128, "padding_causal_bottom_right", (48, -1), 20.0, True, True),
+    ("d256_gqa_window_fp16",  "float16",  2, 260, 300, 8, 2,   256, 256, "no_mask",                     (70, 50), 0.0, False, False),
 ]
 
 # Decode-shaped cases (Sq <= 16: the decode kernels, cpp/cuda/kernels/decode/), tests/test_cuda_decode.py: GQA packing

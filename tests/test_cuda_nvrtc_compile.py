@@ -120,7 +120,7 @@ def test_large_head_dims_run_the_deterministic_backward():
   assert ext.workspace_bytes(_backward_params(256, 128, False), 'backward') == 0
   names = {ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=256, head_dim_v=256,
                                 softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)}
-  assert names == {"bwd_det_bf16_d256_dv256_scaled_sm_90a"}
+  assert names == {"bwd_det_bf16_d256_dv256_scaled_sm_90a_sm90_64x64"}
   # Up to 128 the sm90 family serves the backward on sm_90a, with a module per scheme.
   names = [ext.kernel_name(dict(direction="backward", deterministic=det, dtype=1, head_dim=128, head_dim_v=128,
                                 softcap=False, alibi=False, arch="sm_90a")) for det in (False, True)]
@@ -139,6 +139,19 @@ def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout()
   assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=72)).endswith("_sm90_128x64")
   assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=64, tokens=True)).endswith("_tokens_sm_90a_sm90_128x64")
   assert ext.kernel_name(dict(base, head_dim=64, head_dim_v=64, dropout=True)).endswith("_dropout_sm_90a_sm90_128x64")
+
+
+def test_sm90_backward_splits_columns_above_head_dim_128():
+  # Where d or dv pads past 128 the CTA owns 64 rows and the consumer warpgroups split the accumulators' columns; the
+  # default scheme's float dq block does not fit there, so a configuration that would accumulate dq (d + dv <= 256 in
+  # the sm80 tuning: d 192, dv 64) stays on the sm80 family unless deterministic.
+  base = dict(direction="backward", dtype=1, softcap=False, alibi=False, arch="sm_90a")
+  assert ext.kernel_name(dict(base, head_dim=192, head_dim_v=128)) == "bwd_det_bf16_d192_dv128_scaled_sm_90a_sm90_64x64"
+  assert ext.kernel_name(dict(base, head_dim=128, head_dim_v=256, tokens=True)).endswith("_tokens_sm_90a_sm90_64x64")
+  assert ext.kernel_name(dict(base, head_dim=192, head_dim_v=64)) == "bwd_bf16_d192_dv64_scaled_sm_90a"
+  assert ext.kernel_name(dict(base, head_dim=192, head_dim_v=64, deterministic=True)) == \
+      "bwd_det_bf16_d192_dv64_scaled_sm_90a_sm90_64x64"
+  assert ext.kernel_name(dict(base, head_dim=128, head_dim_v=128)).endswith("_sm90_128x64")
 
 
 def test_bias_modules_are_sm80_family_with_32_row_tiles():

@@ -240,8 +240,9 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
 
 namespace {
 
-// The default backward sums dq into a float accumulator where that pays (sm80/tile_size.h), in either family (the
-// sm90 family serves head dims up to 128, all of them such); the deterministic kernels run otherwise.
+// The default backward sums dq into a float accumulator where that pays (sm80/tile_size.h), in either family (the sm90
+// family serves it where its accumulators fit whole in a warpgroup, sm90/tile_size.h); the deterministic kernels run
+// otherwise.
 bool AccumulatesDq(const AttentionParams& p) {
   return !p.deterministic &&
          sm80::BackwardAccumulatesDq(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
@@ -363,7 +364,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
     if (p.batch == 0) return Status::Ok();
     TmaBackwardArgs tma{args, {}, {}, {}, {}};
     TE_JAX_RETURN_IF_ERROR(EncodeBackwardTensorMaps(driver, p, b, &tma));
-    const unsigned owned = sm90::kBackwardOwnedRows;
+    const unsigned owned = sm90::BackwardOwnedRows(d, dv);
     // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
     TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, owned),
                                   static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch),

@@ -83,7 +83,7 @@ KernelFamily KernelConfig::Family() const {
   // A bias is on the sm80 family only so far.
   if (kind != ModuleKind::kAttention || arch != "sm_90a" || bias) return KernelFamily::kSm80;
   const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
-                                                       : sm90::ServesBackward(head_dim, head_dim_v);
+                                                       : sm90::ServesBackward(head_dim, head_dim_v, !deterministic);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
@@ -100,7 +100,7 @@ std::string KernelConfig::BaseName() const {
   if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
-    return name + "_sm90_" + std::to_string(sm90::kBackwardOwnedRows) + "x" +
+    return name + "_sm90_" + std::to_string(sm90::BackwardOwnedRows(head_dim, head_dim_v)) + "x" +
            std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout));
   }
   if (sm90) {

@@ -90,10 +90,12 @@ int SmemBytes(const KernelConfig& c, int index) {
       return index == 0 ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;  // the token kernels: none
     }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
-    if (index == 1) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens, c.dropout);
-    if (index == 2 && c.deterministic) {
-      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, false, c.tokens, c.dropout);
+    using Kind = sm90::BackwardKernelKind;
+    if (index == 1) {
+      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, c.deterministic ? Kind::kDkDv : Kind::kDkDvAccumulatingDq,
+                                     c.tokens, c.dropout);
     }
+    if (index == 2 && c.deterministic) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, Kind::kDq, c.tokens, c.dropout);
     return 0;
   }
   // The token-table kernels (the last two entries with tokens) and the dbias conversion take no dynamic shared memory.

@@ -1,20 +1,22 @@
 // Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's schemes (kernels/sm80/attention_bwd.cuh):
 // the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a scratch that aliases dq, then
-//   dk/dv: a CTA owns 128 keys of one kv head and steps over the query tiles (64 rows, 128 at head dims up to 64:
-//     tile_size.h), of every head of its GQA group, that see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T
+//   dk/dv: a CTA owns 128 keys of one kv head (64 at head dims above 128) and steps over the query tiles (64 rows, 128
+//     at head dims up to 64: tile_size.h), of every head of its GQA group, that see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T
 //     elementwise, then dv += p^T dout and dk += ds^T q; by default (kAccumulateDq) it also computes each step's dq
 //     block, ds k (ds^T through shared memory; each consumer warpgroup half of dq's columns, or with 128-row steps
 //     half of its rows), and hands it to the copy engine as one bulk float addition into the
 //     dq accumulator (common/dq_accum.h), which the sm80 conversion kernel turns into dq. The additions land in any
 //     order, so dq's last bits vary between runs;
-//   dq (deterministic=True): a CTA owns 128 queries and steps over their key tiles: s = q k^T, dp = dout v^T, ds,
+//   dq (deterministic=True, and head dims above 128): a CTA owns 128 queries (64 above 128) and steps over their key tiles: s = q k^T, dp = dout v^T, ds,
 //     then dq += ds k, every row written once in a fixed order. It recomputes its rows' delta' (the scratch is dq's
 //     memory, which other CTAs are writing) and s and dp (7 products per tile pair, against 5 with kAccumulateDq).
 // Both have the forward's machinery (attention_fwd.cuh): a producer warpgroup whose one thread issues the TMA copies
-// (the owned tiles once, then each step's two tiles into a two-stage ring) and two consumer warpgroups of 64 owned rows
-// on wgmma, with p^T / ds (the A operands of the second products) from registers. Each step is one q k^T-shaped pair of
-// products (owned rows against the step's rows), the elementwise algebra (common/probability_grad.h), and one or two
-// register-A products into the accumulators.
+// (the owned tiles once, then each step's two tiles into a two-stage ring) and two consumer warpgroups on wgmma. Each
+// step is one q k^T-shaped pair of products (owned rows against the step's rows), the elementwise algebra
+// (common/probability_grad.h), and one or two products into the accumulators, whose A operands (p^T, ds^T or ds) are
+// the elementwise results. Up to 128 columns per accumulator each warpgroup owns 64 rows and takes its A operands from
+// registers; above, the warpgroups split columns (tile_size.h): each computes the step's scores for half its rows, writes
+// its half of the A operands to shared memory, and multiplies all of them into half of each accumulator's columns.
 // Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family: a CTA steps only over the
 // tiles of its owned rows' token span; the producer copies the owned rows' token entries and granule summaries with
 // the owned tiles and each step's with its tiles; the consumers skip the per-element test on steps the index range and
@@ -46,14 +48,26 @@ __device__ __forceinline__ void ConsumersSync() { asm volatile("bar.sync 1, 256;
 // the dk/dv kernel also adds dq to the accumulator.
 template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false>
 struct BackwardKernel {
-  static constexpr int kOwned = kBackwardOwnedRows;
+  static constexpr int kOwned = BackwardOwnedRows(kD, kDv);
   static constexpr int kStep = BackwardStepRows(kD, kDv, Variant::kHasTokens, Variant::kHasDropout);
   static constexpr int kStages = kBackwardStages;
   static constexpr int kThreads = kBackwardThreads;
   static constexpr int kDP = PadTo64(kD);
   static constexpr int kDvP = PadTo64(kDv);
-  static constexpr int kN0 = kDP % 128 == 0 ? 128 : 64;   // n of each product into a [rows][d] accumulator
-  static constexpr int kN1 = kDvP % 128 == 0 ? 128 : 64;  // ... into a [rows][dv] one
+  // A warpgroup's share of a step: its owned rows (64 of them) against kScoreCols of the step's rows, and kAcc0Cols /
+  // kAcc1Cols columns of the [rows][d] / [rows][dv] accumulators, from column Acc0Col0 / Acc1Col0.
+  static constexpr bool kSplitsColumns = BackwardSplitsColumns(kD, kDv);
+  static constexpr int kScoreCols = kSplitsColumns ? kStep / 2 : kStep;
+  static constexpr int kAcc0Cols = kSplitsColumns ? kDP / 2 : kDP;
+  static constexpr int kAcc1Cols = kSplitsColumns ? kDvP / 2 : kDvP;
+  static __device__ __forceinline__ int OwnedRow0(int wg) { return kSplitsColumns ? 0 : 64 * wg; }
+  static __device__ __forceinline__ int ScoreCol0(int wg) { return kSplitsColumns ? wg * kScoreCols : 0; }
+  static __device__ __forceinline__ int Acc0Col0(int wg) { return kSplitsColumns ? wg * kAcc0Cols : 0; }
+  static __device__ __forceinline__ int Acc1Col0(int wg) { return kSplitsColumns ? wg * kAcc1Cols : 0; }
+  // n of each product into an accumulator: the widest of 128, 64, 32 that divides its columns.
+  static constexpr int ProductN(int cols) { return cols % 128 == 0 ? 128 : cols % 64 == 0 ? 64 : 32; }
+  static constexpr int kN0 = ProductN(kAcc0Cols);
+  static constexpr int kN1 = ProductN(kAcc1Cols);
   using Owned0 = SwizzledTile<kOwned, kDP>;
   using Owned1 = SwizzledTile<kOwned, kDvP>;
   using Step0 = SwizzledTile<kStep, kDP>;
@@ -62,8 +76,12 @@ struct BackwardKernel {
   static constexpr int kStep0Offset = kOwned1Offset + Owned1::kBytes;
   static constexpr int kStep1Offset = kStep0Offset + kStages * Step0::kBytes;
   static constexpr int kStatsOffset = kStep1Offset + kStages * Step1::kBytes;
-  // kAccumulateDq: the step's ds^T [owned keys][step queries], then its float dq block (the accumulator's layout).
-  using DsTile = SwizzledTile<kOwned, kStep>;
+  // The step's [owned rows][step rows] tiles in shared memory: ds^T (ds in the dq kernel) with kAccumulateDq or split
+  // columns, p^T with split columns in the dk/dv kernel; then with kAccumulateDq the step's float dq block (the
+  // accumulator's layout).
+  using StepTile = SwizzledTile<kOwned, kStep>;
+  static constexpr bool kDsInSmem = kAccumulateDq || kSplitsColumns;
+  static constexpr bool kPInSmem = kSplitsColumns && kOwnsKeys;
   using Accum = DqAccum<kD, kDv>;
   // The step's dq block [kStep][d] split between the consumer warpgroups: by columns (64-row steps), or by rows
   // (128-row steps, whose d is 64: each warpgroup a 64 x 64 product).
@@ -73,7 +91,8 @@ struct BackwardKernel {
   static __device__ __forceinline__ int DqRow0(int wg) { return kDqSplitsRows ? 64 * wg : 0; }
   static __device__ __forceinline__ int DqCol0(int wg) { return kDqSplitsRows ? 0 : wg * kDqN; }
   static constexpr int kDsOffset = kStatsOffset + kStages * 2 * kStep * 4;
-  static constexpr int kDqOffset = kDsOffset + (kAccumulateDq ? DsTile::kBytes : 0);
+  static constexpr int kPOffset = kDsOffset + (kDsInSmem ? StepTile::kBytes : 0);
+  static constexpr int kDqOffset = kPOffset + (kPInSmem ? StepTile::kBytes : 0);
   // Tokens: the owned rows' entries and granule summaries, which land with the owned tiles, then per stage the step
   // rows' entries and granule summary, which land with the step's tiles (an entry: a query's 16 bytes, a key's 8, in a
   // 16-byte slot). The consumers read the entries where a step needs them (held in registers, the owned rows' made the
@@ -84,20 +103,27 @@ struct BackwardKernel {
   static constexpr int kTokensOffset = kDqOffset + (kAccumulateDq ? kStep * kDP * 4 : 0);
   static constexpr int kOwnedSummariesOffset = kTokensOffset + 16 * kOwned;
   static constexpr int kStepTokensOffset = kOwnedSummariesOffset + kOwned / kTokenGranule * kTokenSummaryBytes;
-  static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? BackwardTokenBytes() : 0);
+  static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? BackwardTokenBytes(kOwned) : 0);
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
   static constexpr int kStatsWarp = 1;  // of the producer warpgroup: copies each step's lse and delta' (dk/dv)
-  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kAccumulateDq, kTokens, kDropout),
+  static constexpr BackwardKernelKind kKind = kAccumulateDq ? BackwardKernelKind::kDkDvAccumulatingDq
+                                              : kOwnsKeys   ? BackwardKernelKind::kDkDv
+                                                            : BackwardKernelKind::kDq;
+  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kKind, kTokens, kDropout),
                 "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "the kernel's tiles fit in shared memory");
   static_assert(!kTokens || kStepTokensOffset + kStages * kStepTokenBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token tables");
   static_assert(!kTokens || kStep == kTokenGranule, "a step's rows are one granule of tokens");
   static_assert(!kAccumulateDq || kOwnsKeys, "only the dk/dv kernel accumulates dq");
   static_assert(!kAccumulateDq || (Accum::kLayout.slices == 1 && Accum::kLayout.row_block % kStep == 0 &&
-                                   Accum::kLayout.cols <= kDP && kDsOffset % 1024 == 0),
-                "a step's dq block is one contiguous block of the accumulator");
-  static_assert(kOwned == 2 * 64 && (kStep == 64 || kStep == 128) && kThreads == 3 * 128,
+                                   Accum::kLayout.cols <= kDP && !kSplitsColumns),
+                "a step's dq block is one contiguous block of the accumulator, beside the ring");
+  static_assert(kDsOffset % 1024 == 0 && kPOffset % 1024 == 0, "the step tiles start on swizzle atoms");
+  static_assert(kOwned == (kSplitsColumns ? 64 : 2 * 64) && (kStep == 64 || kStep == 128) && kThreads == 3 * 128,
                 "a producer and two consumer warpgroups");
+  static_assert(!kSplitsColumns || (kStep == 64 && kScoreCols % 32 == 0 && kAcc0Cols % 32 == 0 && kAcc1Cols % 32 == 0),
+                "split columns: each warpgroup's scores and accumulator columns are whole 32-wide products");
   static_assert(!kDqSplitsRows || kDP == 64, "a warpgroup's half of a 128-row dq block takes every column");
   static constexpr int kTensorMapBoxRows = kBackwardBoxRows;  // tensor_maps.h
 
@@ -110,7 +136,8 @@ struct BackwardKernel {
     __device__ __forceinline__ Owned1 Own1() const { return {base + kOwned1Offset}; }
     __device__ __forceinline__ Step0 Stp0(int stage) const { return {base + kStep0Offset + stage * Step0::kBytes}; }
     __device__ __forceinline__ Step1 Stp1(int stage) const { return {base + kStep1Offset + stage * Step1::kBytes}; }
-    __device__ __forceinline__ DsTile Ds() const { return {base + kDsOffset}; }
+    __device__ __forceinline__ StepTile Ds() const { return {base + kDsOffset}; }
+    __device__ __forceinline__ StepTile P() const { return {base + kPOffset}; }
     __device__ __forceinline__ uint32_t DqBlock() const { return base + kDqOffset; }
     __device__ __forceinline__ uint32_t OwnedFull() const { return base + kBarrierOffset; }
     __device__ __forceinline__ uint32_t Full(int stage) const { return OwnedFull() + 8 * (1 + stage); }
@@ -289,17 +316,16 @@ struct BackwardKernel {
     }
   }
 
-  // ds^T (the A fragments of dk += ds^T q: rows = owned keys, columns = the step's queries) into the shared tile, at
-  // this thread's rows key_row and key_row + 8.
-  static __device__ __forceinline__ void StoreDsTransposed(const Smem& sm, const uint32_t (&da)[kStep / 16][4],
-                                                           int key_row, int t) {
-    const DsTile ds = sm.Ds();
+  // A fragments of an [owned rows][step rows] matrix (p^T or ds^T in the dk/dv kernel, ds in the dq kernel) into a
+  // shared step tile, at this thread's rows row and row + 8, from column col0.
+  static __device__ __forceinline__ void StoreStepTile(StepTile tile, const uint32_t (&a)[kScoreCols / 16][4], int row,
+                                                       int col0, int t) {
 #pragma unroll
-    for (int kk = 0; kk < kStep / 16; ++kk)
+    for (int kk = 0; kk < kScoreCols / 16; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const uint32_t at = ds.Address(key_row + 8 * (r & 1), 16 * kk + 8 * (r >> 1) + 2 * t);
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(da[kk][r]) : "memory");
+        const uint32_t at = tile.Address(row + 8 * (r & 1), col0 + 16 * kk + 8 * (r >> 1) + 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(a[kk][r]) : "memory");
       }
   }
 
@@ -325,7 +351,8 @@ struct BackwardKernel {
                                                  int warp_in_wg, int lane) {
     const ShapeArgs& s = args.shape;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = 64 * wg;                                    // the warpgroup's first owned row
+    const int row0 = OwnedRow0(wg);                               // the warpgroup's first owned row
+    const int col0 = ScoreCol0(wg);                               // ... and the first of the step's rows it scores
     const int owned_row = w.owned0 + row0 + 16 * warp_in_wg + g;  // this thread's owned rows: owned_row, owned_row + 8
     const int diag = static_cast<int>(w.mask.diag_offset);
     Variant variant;
@@ -333,13 +360,13 @@ struct BackwardKernel {
     variant.cap = s.softcap;
     variant.slope = 0.0f;
 
-    // Accumulators: dk and dv (dk/dv kernel) or dq (acc0 only).
-    float acc0[kDP / 8][4];
-    float acc1[kOwnsKeys ? kDvP / 8 : 1][4];
+    // Accumulators, this warpgroup's columns of them: dk and dv (dk/dv kernel) or dq (acc0 only).
+    float acc0[kAcc0Cols / 8][4];
+    float acc1[kOwnsKeys ? kAcc1Cols / 8 : 1][4];
 #pragma unroll
-    for (int j = 0; j < kDP / 8; ++j) acc0[j][0] = acc0[j][1] = acc0[j][2] = acc0[j][3] = 0.0f;
+    for (int j = 0; j < kAcc0Cols / 8; ++j) acc0[j][0] = acc0[j][1] = acc0[j][2] = acc0[j][3] = 0.0f;
 #pragma unroll
-    for (int j = 0; j < (kOwnsKeys ? kDvP / 8 : 1); ++j) acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.0f;
+    for (int j = 0; j < (kOwnsKeys ? kAcc1Cols / 8 : 1); ++j) acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.0f;
 
     // dq: its rows' lse and delta' for every step (rows past Sq see no key: their values are never used). The quad
     // of threads sharing a row splits its dot product.
@@ -371,8 +398,8 @@ struct BackwardKernel {
 
     [[maybe_unused]] KernelDropout dropout;
     if constexpr (kDropout) dropout = KernelDropout::Of(args.dropout);
-    float sc[kStep / 8][4], dp[kStep / 8][4];
-    uint32_t pa[kStep / 16][4], da[kStep / 16][4];
+    float sc[kScoreCols / 8][4], dp[kScoreCols / 8][4];
+    uint32_t pa[kScoreCols / 16][4], da[kScoreCols / 16][4];
     float dq[kAccumulateDq ? kDqN / 2 : 1];  // kAccumulateDq: the step's dq block, this warpgroup's columns
     const bool leader = wg == 0 && warp_in_wg == 0 && lane == 0;  // issues the bulk additions
     if (w.steps > 0) MbarrierWait(sm.OwnedFull(), 0);
@@ -394,32 +421,35 @@ struct BackwardKernel {
       }
 
       // s = owned rows . step rows over d, dp over dv: both K-major, like the forward's q k^T.
-      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(sc));
-      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(dp));
+      FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(sc));
+      FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(dp));
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < (kD + 15) / 16; ++kk) {
-        Wgmma<Element, kStep>::SS(reinterpret_cast<float(&)[kStep / 2]>(sc), sm.Own0().KMajor(row0, kk),
-                                  sm.Stp0(stage).KMajor(0, kk), kk > 0);
+        Wgmma<Element, kScoreCols>::SS(reinterpret_cast<float(&)[kScoreCols / 2]>(sc), sm.Own0().KMajor(row0, kk),
+                                       sm.Stp0(stage).KMajor(col0, kk), kk > 0);
       }
 #pragma unroll
       for (int kk = 0; kk < (kDv + 15) / 16; ++kk) {
-        Wgmma<Element, kStep>::SS(reinterpret_cast<float(&)[kStep / 2]>(dp), sm.Own1().KMajor(row0, kk),
-                                  sm.Stp1(stage).KMajor(0, kk), kk > 0);
+        Wgmma<Element, kScoreCols>::SS(reinterpret_cast<float(&)[kScoreCols / 2]>(dp), sm.Own1().KMajor(row0, kk),
+                                       sm.Stp1(stage).KMajor(col0, kk), kk > 0);
       }
       WgmmaCommit();
       // Dropout's keep bits of the thread's owned rows x the step's columns (keys along the rows in the dk/dv kernel).
       [[maybe_unused]] uint32_t keep_bits = 0;
-      if constexpr (kDropout) keep_bits = dropout.TileBits<kStep / 8, kOwnsKeys>(w.b, head, owned_row, step0 + 2 * t);
+      if constexpr (kDropout) {
+        keep_bits = dropout.TileBits<kScoreCols / 8, kOwnsKeys>(w.b, head, owned_row, step0 + col0 + 2 * t);
+      }
 
       WgmmaWait<0>();
-      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(sc));
-      FenceOperands(reinterpret_cast<float(&)[kStep / 2]>(dp));
+      FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(sc));
+      FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(dp));
 
       // p and ds in place of s and dp; (query, key) of element e of n8 tile j.
       auto apply = [&](auto masked) {
         // Tokens: the entries of the thread's two owned rows (loaded once a step), and of element e of n8 tile j's
-        // query and key; the step's are the thread's columns 8 j + 2 t (+ 1), a pair of keys in one 16-byte load.
+        // query and key; the step's are the thread's columns col0 + 8 j + 2 t (+ 1), a pair of keys in one 16-byte
+        // load.
         [[maybe_unused]] int4 owned_rows[2];  // dq: the owned queries'
         [[maybe_unused]] int2 owned_keys[2];  // dk/dv: the owned keys'
         if constexpr (kTokens) {
@@ -435,7 +465,7 @@ struct BackwardKernel {
         }
         auto query_token = [&](int j, int e) {
           if constexpr (kOwnsKeys) {
-            return SharedPointer<const int4>(sm.StepTokens(stage))[8 * j + 2 * t + (e & 1)];
+            return SharedPointer<const int4>(sm.StepTokens(stage))[col0 + 8 * j + 2 * t + (e & 1)];
           } else {
             return owned_rows[e >> 1];
           }
@@ -444,22 +474,22 @@ struct BackwardKernel {
           if constexpr (kOwnsKeys) {
             return owned_keys[e >> 1];
           } else {
-            const int4 pair = SharedPointer<const int4>(sm.StepTokens(stage))[4 * j + t];
+            const int4 pair = SharedPointer<const int4>(sm.StepTokens(stage))[col0 / 2 + 4 * j + t];
             return e & 1 ? make_int2(pair.z, pair.w) : make_int2(pair.x, pair.y);
           }
         };
 #pragma unroll
-        for (int j = 0; j < kStep / 8; ++j)
+        for (int j = 0; j < kScoreCols / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int own = owned_row + 8 * (e >> 1), other = step0 + 8 * j + 2 * t + (e & 1);
+            const int own = owned_row + 8 * (e >> 1), other = step0 + col0 + 8 * j + 2 * t + (e & 1);
             const int query = kOwnsKeys ? other : own, key = kOwnsKeys ? own : other;
             bool visible = decltype(masked)::value ? Visible(w.mask.Keys(query), key) : true;
             // dk/dv: the columns are the step's queries, their lse and delta' in the stage.
             const float lse = kOwnsKeys ? sm.Lse(stage)[other - step0] : row_lse[e >> 1];
             const float delta = kOwnsKeys ? sm.Delta(stage)[other - step0] : row_delta[e >> 1];
             float keep = 1.0f;
-            if constexpr (kDropout) keep = dropout.Factor(keep_bits, 2 * ((e >> 1) * (kStep / 8) + j) + (e & 1));
+            if constexpr (kDropout) keep = dropout.Factor(keep_bits, 2 * ((e >> 1) * (kScoreCols / 8) + j) + (e & 1));
             if constexpr (kTokens) {
               // The tokens' test (no short cut: a load behind one is predicated and not shared between elements) and
               // positions.
@@ -487,30 +517,52 @@ struct BackwardKernel {
         apply(Masked<false>{});
       }
 #pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) {
+      for (int kk = 0; kk < kScoreCols / 16; ++kk) {
         PackAFragment<Element>(sc, kk, pa[kk]);
         PackAFragment<Element>(dp, kk, da[kk]);
       }
+      if constexpr (kSplitsColumns) {
+        // Both warpgroups' halves of p^T and ds^T into the step tiles; the barrier before orders the stores after the
+        // other warpgroup's products of the previous step, which read the tiles.
+        ConsumersSync();
+        if constexpr (kPInSmem) StoreStepTile(sm.P(), pa, 16 * warp_in_wg + g, col0, t);
+        StoreStepTile(sm.Ds(), da, 16 * warp_in_wg + g, col0, t);
+        FenceSharedForAsyncProxy();  // wgmma reads shared memory through the async proxy
+        ConsumersSync();
+      }
 
-      // dk/dv: dv += p^T dout, dk += ds^T q; dq: dq += ds k. The step's rows are the products' K, its tiles MN-major B.
-      FenceOperands(reinterpret_cast<float(&)[kDP / 2]>(acc0));
-      if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
-      FenceOperands(pa);
-      FenceOperands(da);
+      // dk/dv: dv += p^T dout, dk += ds^T q; dq: dq += ds k. The step's rows are the products' K, its tiles MN-major B;
+      // the A operands from registers, or with split columns the whole step's from the step tiles.
+      FenceOperands(reinterpret_cast<float(&)[kAcc0Cols / 2]>(acc0));
+      if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kAcc1Cols / 2]>(acc1));
+      if constexpr (!kSplitsColumns) {
+        FenceOperands(pa);
+        FenceOperands(da);
+      }
       if constexpr (kAccumulateDq) FenceOperands(dq);
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) {
 #pragma unroll
-        for (int n = 0; n < kDP / kN0; ++n) {
-          Wgmma<Element, kN0>::RS(reinterpret_cast<float(&)[kN0 / 2]>(acc0[n * kN0 / 8]), da[kk],
-                                  sm.Stp0(stage).MNMajor(kk, n * kN0));
+        for (int n = 0; n < kAcc0Cols / kN0; ++n) {
+          float(&part)[kN0 / 2] = reinterpret_cast<float(&)[kN0 / 2]>(acc0[n * kN0 / 8]);
+          const uint64_t b = sm.Stp0(stage).MNMajor(kk, Acc0Col0(wg) + n * kN0);
+          if constexpr (kSplitsColumns) {
+            Wgmma<Element, kN0>::SSMNB(part, sm.Ds().KMajor(0, kk), b, 1);
+          } else {
+            Wgmma<Element, kN0>::RS(part, da[kk], b);
+          }
         }
         if constexpr (kOwnsKeys) {
 #pragma unroll
-          for (int n = 0; n < kDvP / kN1; ++n) {
-            Wgmma<Element, kN1>::RS(reinterpret_cast<float(&)[kN1 / 2]>(acc1[n * kN1 / 8]), pa[kk],
-                                    sm.Stp1(stage).MNMajor(kk, n * kN1));
+          for (int n = 0; n < kAcc1Cols / kN1; ++n) {
+            float(&part)[kN1 / 2] = reinterpret_cast<float(&)[kN1 / 2]>(acc1[n * kN1 / 8]);
+            const uint64_t b = sm.Stp1(stage).MNMajor(kk, Acc1Col0(wg) + n * kN1);
+            if constexpr (kSplitsColumns) {
+              Wgmma<Element, kN1>::SSMNB(part, sm.P().KMajor(0, kk), b, 1);
+            } else {
+              Wgmma<Element, kN1>::RS(part, pa[kk], b);
+            }
           }
         }
       }
@@ -518,7 +570,7 @@ struct BackwardKernel {
       if constexpr (kAccumulateDq) {
         // dq block = ds k over all 128 owned keys: both warpgroups' ds^T into shared memory first (the previous step's
         // dq products, which read it, are done: see the barrier below), and the previous block read by the copy engine.
-        StoreDsTransposed(sm, da, row0 + 16 * warp_in_wg + g, t);
+        StoreStepTile(sm.Ds(), da, row0 + 16 * warp_in_wg + g, 0, t);
         FenceSharedForAsyncProxy();  // wgmma reads shared memory through the async proxy
         if (leader) BulkWaitSharedRead();
         ConsumersSync();
@@ -530,8 +582,8 @@ struct BackwardKernel {
         WgmmaCommit();
       }
       WgmmaWait<0>();
-      FenceOperands(reinterpret_cast<float(&)[kDP / 2]>(acc0));
-      if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(acc1));
+      FenceOperands(reinterpret_cast<float(&)[kAcc0Cols / 2]>(acc0));
+      if constexpr (kOwnsKeys) FenceOperands(reinterpret_cast<float(&)[kAcc1Cols / 2]>(acc1));
       StressDelay();
       MbarrierArrive(sm.Empty(stage));
       if constexpr (kAccumulateDq) {
@@ -561,8 +613,8 @@ struct BackwardKernel {
       const int row = owned_row + 8 * r;
       if (row >= owned_len) continue;
 #pragma unroll
-      for (int j = 0; j < kDP / 8; ++j) {
-        const int col = 8 * j + 2 * t;
+      for (int j = 0; j < kAcc0Cols / 8; ++j) {
+        const int col = Acc0Col0(wg) + 8 * j + 2 * t;
         if (col < kD) {
           *reinterpret_cast<uint32_t*>(out0 + row * stride0 + col) =
               w.len.invalid ? kPackedNaN : Element::Pack(acc0[j][2 * r], acc0[j][2 * r + 1]);
@@ -570,8 +622,8 @@ struct BackwardKernel {
       }
       if constexpr (kOwnsKeys) {
 #pragma unroll
-        for (int j = 0; j < kDvP / 8; ++j) {
-          const int col = 8 * j + 2 * t;
+        for (int j = 0; j < kAcc1Cols / 8; ++j) {
+          const int col = Acc1Col0(wg) + 8 * j + 2 * t;
           if (col < kDv) {
             *reinterpret_cast<uint32_t*>(out1 + row * stride1 + col) =
                 w.len.invalid ? kPackedNaN : Element::Pack(acc1[j][2 * r], acc1[j][2 * r + 1]);

@@ -56,14 +56,21 @@ TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
   return d % 8 == 0 && dv % 8 == 0 && d >= 8 && dv >= 8 && d <= 256 && dv <= 256;
 }
 
-// The backward's two kernels (attention_bwd.cuh) share one shape: a CTA owns 128 rows (keys for dk/dv, queries for dq)
-// held in shared memory, two consumer warpgroups of 64 of them, and steps over tiles of rows of the other side
-// through a two-stage ring. Register budget: dk and dv accumulators are 64 x d / 128 floats per thread each, so head
-// dims above 128 stay on the sm80 family.
+// The backward's two kernels (attention_bwd.cuh) share one shape: a CTA owns rows (keys for dk/dv, queries for dq)
+// held in shared memory, two consumer warpgroups work on them, and it steps over tiles of rows of the other side
+// through a two-stage ring. How the warpgroups share the work follows the register budget of the accumulators (dk and
+// dv, or dq: 64 rows x their columns each):
+//  - up to 128 columns each, the CTA owns 128 rows, 64 per warpgroup, and a warpgroup's accumulators take every column
+//    (64 x d / 128 floats per thread each);
+//  - above (d or dv padding to 192 or 256), the CTA owns 64 rows and the warpgroups split columns: each computes the
+//    scores of half the step's rows against all 64, and half of each accumulator's columns, from the step's p^T and
+//    ds^T, which pass through shared memory (FlashAttention-3's layout for these head dims).
 inline constexpr int kBackwardThreads = 384;
-inline constexpr int kBackwardOwnedRows = 128;
 inline constexpr int kBackwardStages = 2;
 inline constexpr int kBackwardBoxRows = 64;  // the rows of one TMA box of the backward's tensor maps
+
+TE_JAX_HOST_DEVICE constexpr bool BackwardSplitsColumns(int d, int dv) { return PadTo64(d) > 128 || PadTo64(dv) > 128; }
+TE_JAX_HOST_DEVICE constexpr int BackwardOwnedRows(int d, int dv) { return BackwardSplitsColumns(d, dv) ? 64 : 128; }
 
 // Rows per step: 128 where both head dims pad to 64, 64 elsewhere. At d = 64 a 64-row step gives each warpgroup
 // 64 x 64 x 64 products, short against the elementwise work and the barriers between them: on an H200, forward +
@@ -76,22 +83,35 @@ TE_JAX_HOST_DEVICE constexpr int BackwardStepRows(int d, int dv, bool tokens, bo
 
 // The backward's token tables: the owned rows' entries and granule summaries, and per stage the step rows' entries
 // and granule summary (a step with tokens is one granule). An entry takes 16 bytes (a query's; a key's takes 8 of them).
-TE_JAX_HOST_DEVICE constexpr int BackwardTokenBytes() {
-  return 16 * kBackwardOwnedRows + kBackwardOwnedRows / kTokenGranule * kTokenSummaryBytes +
-         kBackwardStages * (16 * kTokenGranule + kTokenSummaryBytes);
+TE_JAX_HOST_DEVICE constexpr int BackwardTokenBytes(int owned) {
+  return 16 * owned + owned / kTokenGranule * kTokenSummaryBytes + kBackwardStages * (16 * kTokenGranule + kTokenSummaryBytes);
 }
 
-// accumulate_dq: the dk/dv kernel of the default backward, which also adds each step's ds k to a float dq accumulator
-// (attention_bwd.cuh): it keeps the step's ds^T and the float dq block in shared memory too.
-TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, bool accumulate_dq, bool tokens, bool dropout) {
+// The backward's kernels: dk/dv, which by default also adds each step's ds k to a float dq accumulator
+// (attention_bwd.cuh) and then keeps the step's ds^T and the float dq block in shared memory too; and the dq kernel of
+// the deterministic scheme.
+enum class BackwardKernelKind { kDkDvAccumulatingDq, kDkDv, kDq };
+
+TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernelKind kind, bool tokens, bool dropout) {
   const int step = BackwardStepRows(d, dv, tokens, dropout);
-  return 1024 + (kBackwardOwnedRows + kBackwardStages * step) * (PadTo64(d) + PadTo64(dv)) * 2 +
+  const int owned = BackwardOwnedRows(d, dv);
+  const bool accumulate_dq = kind == BackwardKernelKind::kDkDvAccumulatingDq;
+  const bool splits = BackwardSplitsColumns(d, dv);
+  // The step's [owned][step] tiles in shared memory: ds^T (or ds) to accumulate dq or with split columns, and p^T
+  // with split columns in the dk/dv kernel.
+  const int step_tiles = (accumulate_dq || splits ? 1 : 0) + (splits && kind != BackwardKernelKind::kDq ? 1 : 0);
+  return 1024 + (owned + kBackwardStages * step) * (PadTo64(d) + PadTo64(dv)) * 2 +
          kBackwardStages * step * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
-         (accumulate_dq ? kBackwardOwnedRows * step * 2 + step * PadTo64(d) * 4 : 0) +
-         (tokens ? BackwardTokenBytes() : 0) +
+         step_tiles * owned * step * 2 + (accumulate_dq ? step * PadTo64(d) * 4 : 0) +
+         (tokens ? BackwardTokenBytes(owned) : 0) +
          8 * (1 + 2 * kBackwardStages);  // mbarriers: owned tiles full; each stage full and empty
 }
 
-TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv) { return ServesForward(d, dv) && d <= 128 && dv <= 128; }
+// With split columns the default scheme's dq block (64 x d floats) does not fit beside the ring: those head dims take
+// the deterministic scheme (which the sm80 tuning picks for d + dv > 256, all but d = 192 with dv <= 64) or stay on
+// the sm80 family.
+TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv, bool accumulate_dq) {
+  return ServesForward(d, dv) && !(accumulate_dq && BackwardSplitsColumns(d, dv));
+}
 
 }  // namespace te_jax::cuda::sm90

@@ -60,7 +60,8 @@ __device__ __forceinline__ void FenceOperands(uint32_t (&r)[kN][4]) {
 
 // d (64 x N) = A B (accumulate == 0) or d + A B, A and B in shared memory: TRANSPOSE "0, 0" for both K-major (q k^T:
 // q [rows][d] and k [keys][d]), "1, 1" for both MN-major (dq = ds k from ds^T [keys][queries] and k [keys][d]: M and N
-// contiguous, K along the rows).
+// contiguous, K along the rows), "0, 1" for A K-major and B MN-major (dv += p^T dout from p^T [keys][queries] and
+// dout [queries][dv]).
 #define TE_JAX_WGMMA_SS(N, TYPE, REGS, A, B, ACCUMULATE, TRANSPOSE)          \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                      \
   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS "}, " \
@@ -74,8 +75,8 @@ __device__ __forceinline__ void FenceOperands(uint32_t (&r)[kN][4]) {
 template <typename Element, int kN>
 struct Wgmma;
 
-// A shared-memory product member: SS (A and B K-major) or SSMN (both MN-major), which differ in TE_JAX_WGMMA_SS's
-// TRANSPOSE.
+// A shared-memory product member: SS (A and B K-major), SSMN (both MN-major) or SSMNB (B MN-major), which differ in
+// TE_JAX_WGMMA_SS's TRANSPOSE.
 #define TE_JAX_WGMMA_SS_MEMBER(NAME, TRANSPOSE, N, ACC, REGS, A, B, FLAG)                                       \
   static __device__ __forceinline__ void NAME(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {       \
     if constexpr (Element::kIsBf16) {                                                                           \
@@ -94,6 +95,7 @@ struct Wgmma;
   struct Wgmma<Element, N> {                                                                                    \
     TE_JAX_WGMMA_SS_MEMBER(SS, "0, 0", N, ACC, REGS, SS_A, SS_B, SS_FLAG)                                       \
     TE_JAX_WGMMA_SS_MEMBER(SSMN, "1, 1", N, ACC, REGS, SS_A, SS_B, SS_FLAG)                                     \
+    TE_JAX_WGMMA_SS_MEMBER(SSMNB, "0, 1", N, ACC, REGS, SS_A, SS_B, SS_FLAG)                                    \
     static __device__ __forceinline__ void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {           \
       if constexpr (Element::kIsBf16) {                                                                         \
         asm volatile(TE_JAX_WGMMA_RS(N, "bf16", REGS, RS_A, RS_B, RS_FLAG)                                       \
