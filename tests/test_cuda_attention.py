@@ -128,6 +128,7 @@ CUDNN_REFUSES = {
     "softcap_d128": "soft-cap",
     "alibi_d64": "ALiBi",
     "softcap_alibi_window": "soft-cap|ALiBi",
+    "d192_softcap_alibi_win": "soft-cap|ALiBi",
 }
 
 

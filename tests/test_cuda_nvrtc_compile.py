@@ -144,7 +144,7 @@ def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout()
 def test_sm90_backward_splits_columns_above_head_dim_128():
   # Where d or dv pads past 128 the CTA owns 64 rows and the consumer warpgroups split the accumulators' columns; the
   # default scheme's float dq block does not fit there, so a configuration that would accumulate dq (d + dv <= 256 in
-  # the sm80 tuning: d 192, dv 64) stays on the sm80 family unless deterministic.
+  # the sm80 tuning, e.g. d 192, dv 64) stays on the sm80 family unless deterministic.
   base = dict(direction="backward", dtype=1, softcap=False, alibi=False, arch="sm_90a")
   assert ext.kernel_name(dict(base, head_dim=192, head_dim_v=128)) == "bwd_det_bf16_d192_dv128_scaled_sm_90a_sm90_64x64"
   assert ext.kernel_name(dict(base, head_dim=128, head_dim_v=256, tokens=True)).endswith("_tokens_sm_90a_sm90_64x64")
