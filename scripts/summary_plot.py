@@ -46,9 +46,10 @@ def main(bench_dir: str, dst: str) -> None:
   groups = [
       ("forward (run 14)", _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd",
                                        [(d, s, True) for d in (64, 128, 256) for s in (2048, 16384)])),
-      ("forward + backward (runs 33, 18)",
+      ("forward + backward (runs 33, 18, 36)",
        _cuda_bench(at("h200-bwd64-steps128.json"), "fwd+bwd", "f+b", [(64, s, True) for s in (2048, 16384)]) +
-       _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)])),
+       _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)]) +
+       _cuda_bench(at("h200-bwd256-sm90.json"), "fwd+bwd", "f+b", [(256, s, True) for s in (2048, 16384)])),
       ("decode (run 19)", _decode(at("h200-decode.json"))),
       ("with a bias / dropout (run 26)", _features(at("h200-features.json"))),
   ]
@@ -65,7 +66,7 @@ def main(bench_dir: str, dst: str) -> None:
   ax.set_ylabel("te_jax / cuDNN speed (higher is better)")
   ax.legend(handles=[Patch(color=color, label=name) for (name, _), color in zip(groups, ("C0", "C1", "C2", "C3"))],
             fontsize=8, loc="upper left")
-  ax.set_title("te_jax against cuDNN (jax.nn.dot_product_attention), NVIDIA H200, bf16, 2026-12-03", fontsize=10)
+  ax.set_title("te_jax against cuDNN (jax.nn.dot_product_attention), NVIDIA H200, bf16, runs of 2026-12-03 and 04", fontsize=10)
   ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
   fig.savefig(dst, dpi=110)

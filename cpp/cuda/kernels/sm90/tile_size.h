@@ -108,8 +108,8 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
 }
 
 // With split columns the default scheme's dq block (64 x d floats) does not fit beside the ring: those head dims take
-// the deterministic scheme (which the sm80 tuning picks for d + dv > 256, all but d = 192 with dv <= 64) or stay on
-// the sm80 family.
+// the deterministic scheme, which the sm80 tuning picks for d + dv > 256 (rounded up to 16); the default scheme of the
+// rest (e.g. d 192, dv 64) stays on the sm80 family.
 TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv, bool accumulate_dq) {
   return ServesForward(d, dv) && !(accumulate_dq && BackwardSplitsColumns(d, dv));
 }
