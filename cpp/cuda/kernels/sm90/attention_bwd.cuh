@@ -347,6 +347,23 @@ struct BackwardKernel {
       }
   }
 
+  // One k16 step of acc (kCols columns of an accumulator, from col0) += A B: A the step's [owned][step] operand (p^T,
+  // ds^T or ds), from registers, or with split columns from its shared step tile; B the step tile's k16 block kk.
+  template <int kCols, int kN, typename Tile>
+  static __device__ __forceinline__ void AccumulateK16(float (&acc)[kCols / 8][4], const uint32_t (&a)[kScoreCols / 16][4],
+                                                       StepTile a_tile, Tile b_tile, int col0, int kk) {
+#pragma unroll
+    for (int n = 0; n < kCols / kN; ++n) {
+      float(&part)[kN / 2] = reinterpret_cast<float(&)[kN / 2]>(acc[n * kN / 8]);
+      const uint64_t b = b_tile.MNMajor(kk, col0 + n * kN);
+      if constexpr (kSplitsColumns) {
+        Wgmma<Element, kN>::SSMNB(part, a_tile.KMajor(0, kk), b, 1);
+      } else {
+        Wgmma<Element, kN>::RS(part, a[kk], b);
+      }
+    }
+  }
+
   static __device__ __forceinline__ void Consume(const BackwardArgs& args, const Smem& sm, const Work& w, int wg,
                                                  int warp_in_wg, int lane) {
     const ShapeArgs& s = args.shape;
@@ -543,28 +560,8 @@ struct BackwardKernel {
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) {
-#pragma unroll
-        for (int n = 0; n < kAcc0Cols / kN0; ++n) {
-          float(&part)[kN0 / 2] = reinterpret_cast<float(&)[kN0 / 2]>(acc0[n * kN0 / 8]);
-          const uint64_t b = sm.Stp0(stage).MNMajor(kk, Acc0Col0(wg) + n * kN0);
-          if constexpr (kSplitsColumns) {
-            Wgmma<Element, kN0>::SSMNB(part, sm.Ds().KMajor(0, kk), b, 1);
-          } else {
-            Wgmma<Element, kN0>::RS(part, da[kk], b);
-          }
-        }
-        if constexpr (kOwnsKeys) {
-#pragma unroll
-          for (int n = 0; n < kAcc1Cols / kN1; ++n) {
-            float(&part)[kN1 / 2] = reinterpret_cast<float(&)[kN1 / 2]>(acc1[n * kN1 / 8]);
-            const uint64_t b = sm.Stp1(stage).MNMajor(kk, Acc1Col0(wg) + n * kN1);
-            if constexpr (kSplitsColumns) {
-              Wgmma<Element, kN1>::SSMNB(part, sm.P().KMajor(0, kk), b, 1);
-            } else {
-              Wgmma<Element, kN1>::RS(part, pa[kk], b);
-            }
-          }
-        }
+        AccumulateK16<kAcc0Cols, kN0>(acc0, da, sm.Ds(), sm.Stp0(stage), Acc0Col0(wg), kk);
+        if constexpr (kOwnsKeys) AccumulateK16<kAcc1Cols, kN1>(acc1, pa, sm.P(), sm.Stp1(stage), Acc1Col0(wg), kk);
       }
       WgmmaCommit();
       if constexpr (kAccumulateDq) {
