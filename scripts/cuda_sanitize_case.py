@@ -1,10 +1,10 @@
 """A tiny forward + backward run for compute-sanitizer (memcheck / racecheck): ragged padding + causal + window + GQA +
-softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits columns), and a D != Dv causal case, each
-with both backwards (atomic dq and deterministic), on te_jax's
-kernels; then a causal forward whose v holds a NaN at a key the first rows do not see (the forward's rare path for
-non-finite values in a straddling tile); then a paged decode call with a page id outside the pool; then an additive
-bias whose rows start off 16-byte boundaries (its last chunk reaches past the operand), in full shape (dbias written
-directly) and broadcast (the float accumulator), with -inf rows. Exit status 1 on unexpected results."""
+softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits columns), and a D != Dv causal case,
+each with both backwards (atomic dq and deterministic), on te_jax's kernels; then a causal forward whose v holds a
+NaN at a key the first rows do not see (the forward's rare path for non-finite values in a straddling tile); then a
+paged decode call with a page id outside the pool; then an additive bias whose rows start off 16-byte boundaries (its
+last chunk reaches past the operand), in full shape (dbias written directly) and broadcast (the float accumulator),
+with -inf rows. Exit status 1 on unexpected results."""
 import sys
 
 import jax

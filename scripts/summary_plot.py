@@ -66,7 +66,8 @@ def main(bench_dir: str, dst: str) -> None:
   ax.set_ylabel("te_jax / cuDNN speed (higher is better)")
   ax.legend(handles=[Patch(color=color, label=name) for (name, _), color in zip(groups, ("C0", "C1", "C2", "C3"))],
             fontsize=8, loc="upper left")
-  ax.set_title("te_jax against cuDNN (jax.nn.dot_product_attention), NVIDIA H200, bf16, runs of 2026-12-03 and 04", fontsize=10)
+  ax.set_title("te_jax against cuDNN (jax.nn.dot_product_attention), NVIDIA H200, bf16, runs of 2026-12-03 and 04",
+               fontsize=10)
   ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
   fig.savefig(dst, dpi=110)

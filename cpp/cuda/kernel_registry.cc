@@ -91,11 +91,11 @@ int SmemBytes(const KernelConfig& c, int index) {
     }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
     using Kind = sm90::BackwardKernelKind;
-    if (index == 1) {
-      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, c.deterministic ? Kind::kDkDv : Kind::kDkDvAccumulatingDq,
-                                     c.tokens, c.dropout);
-    }
-    if (index == 2 && c.deterministic) return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, Kind::kDq, c.tokens, c.dropout);
+    const auto smem = [&](Kind kind) {
+      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, kind, c.tokens, c.dropout);
+    };
+    if (index == 1) return smem(c.deterministic ? Kind::kDkDv : Kind::kDkDvAccumulatingDq);
+    if (index == 2 && c.deterministic) return smem(Kind::kDq);
     return 0;
   }
   // The token-table kernels (the last two entries with tokens) and the dbias conversion take no dynamic shared memory.

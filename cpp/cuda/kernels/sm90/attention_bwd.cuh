@@ -1,22 +1,24 @@
 // Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's schemes (kernels/sm80/attention_bwd.cuh):
 // the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a scratch that aliases dq, then
 //   dk/dv: a CTA owns 128 keys of one kv head (64 at head dims above 128) and steps over the query tiles (64 rows, 128
-//     at head dims up to 64: tile_size.h), of every head of its GQA group, that see them: s^T = k q^T, dp^T = v dout^T, p^T and ds^T
-//     elementwise, then dv += p^T dout and dk += ds^T q; by default (kAccumulateDq) it also computes each step's dq
-//     block, ds k (ds^T through shared memory; each consumer warpgroup half of dq's columns, or with 128-row steps
-//     half of its rows), and hands it to the copy engine as one bulk float addition into the
-//     dq accumulator (common/dq_accum.h), which the sm80 conversion kernel turns into dq. The additions land in any
-//     order, so dq's last bits vary between runs;
-//   dq (deterministic=True, and head dims above 128): a CTA owns 128 queries (64 above 128) and steps over their key tiles: s = q k^T, dp = dout v^T, ds,
-//     then dq += ds k, every row written once in a fixed order. It recomputes its rows' delta' (the scratch is dq's
-//     memory, which other CTAs are writing) and s and dp (7 products per tile pair, against 5 with kAccumulateDq).
+//     at head dims up to 64: tile_size.h), of every head of its GQA group, that see them: s^T = k q^T, dp^T = v dout^T,
+//     p^T and ds^T elementwise, then dv += p^T dout and dk += ds^T q; by default (kAccumulateDq) it also computes each
+//     step's dq block, ds k (ds^T through shared memory; each consumer warpgroup half of dq's columns, or with 128-row
+//     steps half of its rows), and hands it to the copy engine as one bulk float addition into the dq accumulator
+//     (common/dq_accum.h), which the sm80 conversion kernel turns into dq. The additions land in any order, so dq's
+//     last bits vary between runs;
+//   dq (deterministic=True, and head dims above 128): a CTA owns 128 queries (64 above 128) and steps over their key
+//     tiles: s = q k^T, dp = dout v^T, ds, then dq += ds k, every row written once in a fixed order. It recomputes its
+//     rows' delta' (the scratch is dq's memory, which other CTAs are writing) and s and dp (7 products per tile pair,
+//     against 5 with kAccumulateDq).
 // Both have the forward's machinery (attention_fwd.cuh): a producer warpgroup whose one thread issues the TMA copies
 // (the owned tiles once, then each step's two tiles into a two-stage ring) and two consumer warpgroups on wgmma. Each
 // step is one q k^T-shaped pair of products (owned rows against the step's rows), the elementwise algebra
 // (common/probability_grad.h), and one or two products into the accumulators, whose A operands (p^T, ds^T or ds) are
-// the elementwise results. Up to 128 columns per accumulator each warpgroup owns 64 rows and takes its A operands from
-// registers; above, the warpgroups split columns (tile_size.h): each computes the step's scores for half its rows, writes
-// its half of the A operands to shared memory, and multiplies all of them into half of each accumulator's columns.
+// the elementwise results. Up to 128 columns per accumulator each warpgroup owns 64 rows and takes its A operands
+// from registers; above, the warpgroups split columns (tile_size.h): each computes the step's scores for half its
+// rows, writes its half of the A operands to shared memory, and multiplies all of them into half of each
+// accumulator's columns.
 // Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family: a CTA steps only over the
 // tiles of its owned rows' token span; the producer copies the owned rows' token entries and granule summaries with
 // the owned tiles and each step's with its tiles; the consumers skip the per-element test on steps the index range and
@@ -350,8 +352,9 @@ struct BackwardKernel {
   // One k16 step of acc (kCols columns of an accumulator, from col0) += A B: A the step's [owned][step] operand (p^T,
   // ds^T or ds), from registers, or with split columns from its shared step tile; B the step tile's k16 block kk.
   template <int kCols, int kN, typename Tile>
-  static __device__ __forceinline__ void AccumulateK16(float (&acc)[kCols / 8][4], const uint32_t (&a)[kScoreCols / 16][4],
-                                                       StepTile a_tile, Tile b_tile, int col0, int kk) {
+  static __device__ __forceinline__ void AccumulateK16(float (&acc)[kCols / 8][4],
+                                                       const uint32_t (&a)[kScoreCols / 16][4], StepTile a_tile,
+                                                       Tile b_tile, int col0, int kk) {
 #pragma unroll
     for (int n = 0; n < kCols / kN; ++n) {
       float(&part)[kN / 2] = reinterpret_cast<float(&)[kN / 2]>(acc[n * kN / 8]);

@@ -84,7 +84,8 @@ TE_JAX_HOST_DEVICE constexpr int BackwardStepRows(int d, int dv, bool tokens, bo
 // The backward's token tables: the owned rows' entries and granule summaries, and per stage the step rows' entries
 // and granule summary (a step with tokens is one granule). An entry takes 16 bytes (a query's; a key's takes 8 of them).
 TE_JAX_HOST_DEVICE constexpr int BackwardTokenBytes(int owned) {
-  return 16 * owned + owned / kTokenGranule * kTokenSummaryBytes + kBackwardStages * (16 * kTokenGranule + kTokenSummaryBytes);
+  return 16 * owned + owned / kTokenGranule * kTokenSummaryBytes +
+         kBackwardStages * (16 * kTokenGranule + kTokenSummaryBytes);
 }
 
 // The backward's kernels: dk/dv, which by default also adds each step's ds k to a float dq accumulator
