@@ -13,7 +13,8 @@ namespace te_jax {
 
 // Layouts (row-major):
 //   q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, H, Dv], lse float32 [B, H, Sq],
-//   q_seqlens / kv_seqlens int32 [B], alibi_slopes float32 [B, H] (read only when has_alibi).
+//   q_seqlens / kv_seqlens int32 [B] (read only with a padding mask, IsPadding; the other masks see all Sq rows and
+//   Skv keys), alibi_slopes float32 [B, H] (read only when has_alibi).
 //   sinks float32 [B, H] (read only by the forward when has_sinks: each finished row merges its head's sink logit,
 //   cpp/sink.h; the backward is given that forward's out and lse and reads nothing of it).
 //   q_segment_ids / q_positions int32 [B, Sq], kv_segment_ids / kv_positions int32 [B, Skv] (read only when
@@ -22,16 +23,15 @@ namespace te_jax {
 //   are 1, cpp/bias.h), and the backward's dbias of the same shape and dtype. Without a bias both are float32
 //   [1, 1, 1, 1] placeholders (bias_broadcast kBroadcastAll).
 //   dropout uint32 [6]: the PRNG key's two words, then the global (b, h, i, j) of this call's element [0, 0, 0, 0]
-//   (read only when dropout_threshold > 0; cpp/philox.h). Zeros without dropout.
-//   page_table int32 [B, max_pages_per_seq] (read only when page_size > 0; an int32 [B, 1] zero placeholder without
+//   (read only when dropout_threshold > 0; cpp/philox.h).
+//   page_table int32 [B, max_pages_per_seq] (read only when page_size > 0; an int32 [1, 1] placeholder without
 //   paging). With page_size > 0 (a paged KV cache, issue 17) k is the page pool [num_pages, page_size, Hkv, D] and v
 //   [num_pages, page_size, Hkv, Dv], seqlen_kv is the logical capacity max_pages_per_seq * page_size, and key j of
 //   batch entry b lives at pool row page_table[b][j / page_size] * page_size + j % page_size (cpp/kv_rows.h). Only the
 //   pages holding keys below kv_seqlens[b] are read; their ids must lie in [0, num_pages) (ValidatePageTable).
-// q_seqlens / kv_seqlens are always passed; for the non-padding masks the Python layer fills them with Sq / Skv. The
-// segment ids and positions are always passed too, so every layer (lowering, batching, sharding) sees one operand list
-// of one shape: without the flag the Python layer passes zeros of the same shape, which XLA materialises as a
-// broadcast constant (B * S int32s, nothing beside q's B * S * H * D elements).
+// Every operand is always passed, so every layer (lowering, batching, sharding) sees one operand list: where it is not
+// read the Python layer passes a placeholder of its rank with every dim 1, a literal constant in the compiled program.
+// (Zeros of the full shape were broadcast kernels per call, 3-7 us on an H200: a tenth of a decode step at 1k keys.)
 struct AttentionParams {
   int64_t batch = 0;
   int64_t seqlen_q = 0;

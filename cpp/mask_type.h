@@ -28,5 +28,9 @@ TE_JAX_HOST_DEVICE bool IsCausal(MaskType m) {
 TE_JAX_HOST_DEVICE bool IsBottomRight(MaskType m) {
   return m == MaskType::kCausalBottomRight || m == MaskType::kPaddingCausalBottomRight;
 }
+// The masks that read the run-time lengths q_seqlens and kv_seqlens (the others see all Sq rows and Skv keys).
+TE_JAX_HOST_DEVICE bool IsPadding(MaskType m) {
+  return m == MaskType::kPadding || m == MaskType::kPaddingCausal || m == MaskType::kPaddingCausalBottomRight;
+}
 
 }  // namespace te_jax

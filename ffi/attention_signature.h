@@ -10,11 +10,11 @@
 #define TE_JAX_FFI_ATTENTION_ATTRS .Attrs<te_jax::ffi_handlers::AttentionAttrs>()
 
 // The packed-sequence operands that follow alibi_slopes and sinks in both directions: q_segment_ids, kv_segment_ids,
-// q_positions, kv_positions (int32 [B, Sq] / [B, Skv], zeros when the has_ flags are false).
+// q_positions, kv_positions (int32 [B, Sq] / [B, Skv]; [1, 1] placeholders when the has_ flags are false).
 #define TE_JAX_FFI_TOKEN_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
 
-// The operands after the tokens in both directions: page_table (int32 [B, max_pages_per_seq]; an int32 [B, 1]
+// The operands after the tokens in both directions: page_table (int32 [B, max_pages_per_seq]; an int32 [1, 1]
 // placeholder when the attribute page_size is 0), bias, dropout.
 #define TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()

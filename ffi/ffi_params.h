@@ -79,6 +79,17 @@ inline Status ExpectShape(const char* name, const xla::ffi::AnyBuffer& buffer, s
   return Status::InvalidArgument(std::string(name) + " has shape [" + got + "], expected [" + want + "]");
 }
 
+// An optional operand: `shape` when the call reads it, else (unread) the placeholder the lowering passes
+// (te_jax/_primitives.py), the same rank with every dim 1, or `shape` (the sinks of a call whose lowering merges them
+// after the kernel).
+inline Status ExpectOptional(const char* name, const xla::ffi::AnyBuffer& buffer, bool present,
+                             std::initializer_list<int64_t> shape) {
+  const auto dims = buffer.dimensions();
+  bool placeholder = !present && dims.size() == static_cast<int64_t>(shape.size());
+  for (int64_t d : dims) placeholder = placeholder && d == 1;
+  return placeholder ? Status::Ok() : ExpectShape(name, buffer, shape);
+}
+
 // The backward's dbias result must match bias (the core writes it with bias's layout and dtype).
 inline Status ExpectDbiasLikeBias(const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dbias) {
   const auto dims = bias.dimensions();
@@ -88,14 +99,15 @@ inline Status ExpectDbiasLikeBias(const xla::ffi::AnyBuffer& bias, const xla::ff
 }
 
 // The keys' layout from k and the page table (cpp/attention_params.h): without paging k is [B, Skv, Hkv, D] and the
-// page table an int32 [B, 1] placeholder; with page_size > 0 k is the pool [num_pages, page_size, Hkv, D] and the
+// page table an int32 [1, 1] placeholder; with page_size > 0 k is the pool [num_pages, page_size, Hkv, D] and the
 // page table int32 [B, max_pages_per_seq], which gives the capacity seqlen_kv = max_pages_per_seq * page_size.
 inline Status KeyLayoutFromFfi(const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& page_table, int64_t page_size,
                                AttentionParams* p) {
   const auto table = page_table.dimensions();
-  if (table.size() != 2 || table[0] != p->batch || page_table.element_type() != xla::ffi::DataType::S32) {
+  if (table.size() != 2 || (page_size > 0 && table[0] != p->batch) ||
+      page_table.element_type() != xla::ffi::DataType::S32) {
     return Status::InvalidArgument("page_table must be int32 [B, max_pages_per_seq] with B = " +
-                                   std::to_string(p->batch) + " (int32 [B, 1] zeros without paging)");
+                                   std::to_string(p->batch) + " (an int32 [1, 1] placeholder without paging)");
   }
   if (page_size < 0) {
     return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of 8 in [8, 256], got " +
@@ -103,7 +115,7 @@ inline Status KeyLayoutFromFfi(const xla::ffi::AnyBuffer& k, const xla::ffi::Any
   }
   if (page_size == 0) {
     p->seqlen_kv = k.dimensions()[1];
-    return ExpectShape("page_table", page_table, {p->batch, 1});
+    return ExpectShape("page_table", page_table, {1, 1});
   }
   p->page_size = page_size;
   p->num_pages = k.dimensions()[0];
@@ -139,18 +151,24 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   const int64_t rows1 = p.page_size > 0 ? p.page_size : p.seqlen_kv;
   TE_JAX_RETURN_IF_ERROR(ExpectShape("k", k, {rows0, rows1, p.num_kv_heads, p.head_dim}));
   TE_JAX_RETURN_IF_ERROR(ExpectShape("v", v, {rows0, rows1, p.num_kv_heads, p.head_dim_v}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("q_seqlens", q_seqlens, {p.batch}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_seqlens", kv_seqlens, {p.batch}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("alibi_slopes", alibi_slopes, {p.batch, p.num_heads}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("sinks", sinks, {p.batch, p.num_heads}));
+  if (attrs.mask_type < 0 || attrs.mask_type >= kNumMaskTypes) {
+    return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
+                                   std::to_string(kNumMaskTypes) + ")");
+  }
+  const bool lengths = IsPadding(static_cast<MaskType>(attrs.mask_type));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("q_seqlens", q_seqlens, lengths, {p.batch}));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("kv_seqlens", kv_seqlens, lengths, {p.batch}));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("alibi_slopes", alibi_slopes, attrs.has_alibi, {p.batch, p.num_heads}));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("sinks", sinks, attrs.has_sinks, {p.batch, p.num_heads}));
   if (q_seqlens.element_type() != xla::ffi::DataType::S32 || kv_seqlens.element_type() != xla::ffi::DataType::S32 ||
       alibi_slopes.element_type() != xla::ffi::DataType::F32 || sinks.element_type() != xla::ffi::DataType::F32) {
     return Status::InvalidArgument("q_seqlens and kv_seqlens must be int32, alibi_slopes and sinks float32");
   }
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("q_segment_ids", tokens.q_segment_ids, {p.batch, p.seqlen_q}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_segment_ids", tokens.kv_segment_ids, {p.batch, p.seqlen_kv}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("q_positions", tokens.q_positions, {p.batch, p.seqlen_q}));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("kv_positions", tokens.kv_positions, {p.batch, p.seqlen_kv}));
+  const bool ids = attrs.has_segment_ids, positions = attrs.has_positions;
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("q_segment_ids", tokens.q_segment_ids, ids, {p.batch, p.seqlen_q}));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("kv_segment_ids", tokens.kv_segment_ids, ids, {p.batch, p.seqlen_kv}));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("q_positions", tokens.q_positions, positions, {p.batch, p.seqlen_q}));
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("kv_positions", tokens.kv_positions, positions, {p.batch, p.seqlen_kv}));
   for (const xla::ffi::AnyBuffer* b :
        {&tokens.q_segment_ids, &tokens.kv_segment_ids, &tokens.q_positions, &tokens.kv_positions}) {
     if (b->element_type() != xla::ffi::DataType::S32) {
@@ -158,16 +176,12 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
     }
   }
   TE_JAX_RETURN_IF_ERROR(BiasFromFfi(bias, &p));
-  TE_JAX_RETURN_IF_ERROR(ExpectShape("dropout", dropout, {6}));
-  if (dropout.element_type() != xla::ffi::DataType::U32) return Status::InvalidArgument("dropout must be uint32");
   if (attrs.dropout_threshold < 0 || attrs.dropout_threshold > 0xFFFFFFFFll) {
     return Status::InvalidArgument("dropout_threshold " + std::to_string(attrs.dropout_threshold) +
                                    " is not in [0, 2^32)");
   }
-  if (attrs.mask_type < 0 || attrs.mask_type >= kNumMaskTypes) {
-    return Status::InvalidArgument("mask_type code " + std::to_string(attrs.mask_type) + " is not in [0, " +
-                                   std::to_string(kNumMaskTypes) + ")");
-  }
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("dropout", dropout, attrs.dropout_threshold > 0, {6}));
+  if (dropout.element_type() != xla::ffi::DataType::U32) return Status::InvalidArgument("dropout must be uint32");
   if (attrs.engine < 0 || attrs.engine >= kNumEngines) {
     return Status::InvalidArgument("engine code " + std::to_string(attrs.engine) + " is not in [0, " +
                                    std::to_string(kNumEngines) + ")");

@@ -6,20 +6,21 @@ Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, le
             -> out, lse, workspace
   backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias,
             dropout -> dq, dk, dv, dbias, workspace
-sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's kernels
-in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py); zeros, unread, without (see
-no_sinks). The backward is given that forward's out and lse, and reads nothing of it.
-where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv]):
-always present, zeros when config.has_segment_ids / has_positions say they are absent (see no_tokens), so lowering,
-batching and sharding handle one operand list of one shape. page_table is int32 [B, max_pages_per_seq] when
-config.page_size > 0 (a paged KV cache, forward only: k and v are then the pools [num_pages, page_size, Hkv, D(v)] and
-Skv, in the tokens' shapes too, is the capacity max_pages_per_seq * page_size), else an int32 [B, 1] zero placeholder
-(see no_page_table); the backward takes it too, for one operand list, and refuses paging.
+q_seqlens and kv_seqlens are int32 [B] with a padding mask. alibi_slopes is float32 [B, H] with config.has_alibi.
+sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
+kernels in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py). The backward is given that forward's out and lse, and reads nothing of it.
+where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv])
+with config.has_segment_ids / has_positions. page_table is int32 [B, max_pages_per_seq] when config.page_size > 0 (a
+paged KV cache, forward only: k and v are then the pools [num_pages, page_size, Hkv, D(v)] and Skv, in the tokens'
+shapes too, is the capacity max_pages_per_seq * page_size); the backward takes it too, for one operand list, and
+refuses paging. Each of these operands is always passed, so lowering, batching and sharding handle one operand list:
+absent (its flag off, and sinks always in the backward) it is a placeholder: its rank, every dim 1, that nothing reads
+(see placeholder; the backends read each operand only under its flag, cpp/attention_params.h).
 bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32, bfloat16 or float16; its size-1 dims broadcast), a float32
 [1, 1, 1, 1] placeholder without config.has_bias (see no_bias); dbias has its shape and dtype. dropout is uint32 [6]:
 the PRNG key's two words, then the global (b, h, i, j) of the call's element [0, 0, 0, 0] in the keep-mask of
-te_jax/dropout.py (nonzero for a batch or head shard); zeros, unread, without config.dropout_threshold (see
-no_dropout). It is one per call: vmap never batches it.
+te_jax/dropout.py (nonzero for a batch or head shard); a placeholder without config.dropout_threshold. It is one per
+call: vmap never batches it.
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -31,6 +32,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -51,30 +53,51 @@ NUM_TOKEN_OPERANDS = 4
 _SINKS = 6  # the sinks operand's index in the forward's operands
 
 
-def no_tokens(batch: int, seqlen_q: int, seqlen_kv: int):
-  """The token operands of a call without segment ids and positions: zeros the kernels do not read."""
-  zq, zkv = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
-  return zq, zkv, zq, zkv
+def placeholder(dtype, rank: int = 2):
+  """An absent operand: its rank, every dim 1, one element that nothing reads. A literal constant: zeros of the full
+  shape XLA would broadcast in a kernel per call."""
+  return jnp.asarray(np.zeros((1,) * rank, dtype))
 
 
-def no_sinks(batch: int, num_heads: int):
-  """The sinks operand of a call whose kernels merge no sinks: zeros the kernels do not read."""
-  return jnp.zeros((batch, num_heads), jnp.float32)
+def no_lengths():
+  """q_seqlens or kv_seqlens of a call without a padding mask: every row and key of every batch entry."""
+  return placeholder(np.int32, rank=1)
 
 
-def no_page_table(batch: int):
-  """The page table operand of a call whose k and v are contiguous: zeros the kernels do not read."""
-  return jnp.zeros((batch, 1), jnp.int32)
+def no_tokens():
+  """The token operands of a call without segment ids and positions."""
+  return (placeholder(np.int32),) * 4
+
+
+def no_alibi():
+  return placeholder(np.float32)
+
+
+def no_sinks():
+  """The sinks operand of a call whose kernels merge no sinks."""
+  return placeholder(np.float32)
+
+
+def no_page_table():
+  """The page table operand of a call whose k and v are contiguous."""
+  return placeholder(np.int32)
+
+
+def placeholder_operands(config: AttentionConfig, backward: bool) -> tuple[int, ...]:
+  """Which of the operands before the bias are placeholders, as indices into q_seqlens, kv_seqlens, alibi_slopes,
+  sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions, page_table."""
+  absent = (*(not config.mask_type.is_padding,) * 2, not config.has_alibi, backward or not config.has_sinks,
+            *(not config.has_segment_ids,) * 2, *(not config.has_positions,) * 2, not config.page_size)
+  return tuple(i for i, a in enumerate(absent) if a)
 
 
 def no_bias():
   """The bias operand of a call without a bias: one float32 zero, broadcast everywhere, that the kernels do not read."""
-  return jnp.zeros((1, 1, 1, 1), jnp.float32)
+  return jnp.asarray(np.zeros((1, 1, 1, 1), np.float32))
 
 
 def no_dropout():
-  """The dropout operand of a call without dropout: zeros the kernels do not read."""
-  return jnp.zeros((6,), jnp.uint32)
+  return placeholder(np.uint32, rank=1)
 
 
 def dropout_operand(key_words):
@@ -188,7 +211,8 @@ def _bias_with_full_batch(bias, bias_dim, batch: int):
 def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
   """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last three
   operands being the page table, the bias and the dropout operand and, with returns_dbias, the last result the bias's
-  gradient. Without a bias its placeholder (and its zero gradient) stays as it is: unbatched, one element. The dropout
+  gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero gradient) stay as they
+  are: unbatched, one element. The dropout
   operand stays one per call: example n of batch entry b becomes batch entry b * N + n of the folded call, so it gets
   that entry's part of the one key's mask. A paged call's pools are the exception to batch-major k and v
   (_stack_pools); its page table folds like q_seqlens."""
@@ -199,10 +223,11 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
                      "gets its own part of its mask), not mapped")
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   config = params["config"]
-  keep = ()
+  lengths = 7 if returns_dbias else 3  # q_seqlens' index
+  keep = tuple(lengths + i for i in placeholder_operands(config, backward=returns_dbias))
   if config.page_size:
     args, dims = _stack_pools(args, dims, size)
-    keep = _POOLS
+    keep += _POOLS
   has_bias = config.has_bias
   if has_bias:
     q, q_dim = args[0], dims[0]

@@ -128,8 +128,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 
 # `cp` (a ContextParallel or None) is static like config. Both directions bind the partitioned primitives of
 # te_jax/sharding.py, which wrap the kernel primitives of te_jax/_primitives.py. `tokens` is the tuple of the four
-# segment-id and position operands (zeros when absent); like the lengths, they get no gradient. `sinks` is None or the
-# float32 [H] sink logits: the forward kernels merge them into their rows (config.has_sinks), or, with context
+# segment-id and position operands (placeholders when absent); like the lengths, they get no gradient. `sinks` is None
+# or the float32 [H] sink logits: the forward kernels merge them into their rows (config.has_sinks), or, with context
 # parallelism, apply_sinks merges them into the merged blocks (te_jax/sinks.py); the backward then runs the kernels on
 # the sink softmax's out and lse, and the sinks' gradient comes from those (sink_gradient). k and v are contiguous: the
 # page table operand is a placeholder (a paged call is te_jax/paged_attention.py's). `bias` is the bias operand (the
@@ -137,9 +137,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # operand (key and offsets; te_jax/_primitives.py), which gets no gradient.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
-  per_head = _primitives.no_sinks(*alibi.shape) if sinks is None else jnp.broadcast_to(sinks, alibi.shape)
+  per_head = _primitives.no_sinks() if sinks is None else jnp.broadcast_to(sinks, (q.shape[0], q.shape[2]))
   out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, per_head, tokens,
-                               _primitives.no_page_table(q.shape[0]), bias, dropout)
+                               _primitives.no_page_table(), bias, dropout)
   return apply_sinks(out, lse, per_head) if sinks is not None and not config.has_sinks else (out, lse)
 
 
@@ -153,8 +153,8 @@ def _attention_bwd(config, cp, residuals, cotangents):
   dout, dlse = cotangents
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
-                                         _primitives.no_sinks(*alibi.shape), tokens,
-                                         _primitives.no_page_table(q.shape[0]), bias, dropout)
+                                         _primitives.no_sinks(), tokens, _primitives.no_page_table(), bias,
+                                         dropout)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
   return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks
@@ -199,7 +199,7 @@ def _seqlens_operand(seqlens, name: str, mask: MaskType, batch: int, seqlen: int
     if seqlens is not None:
       raise ValueError(f"{name} is only accepted with a padding mask (padding, padding_causal, "
                        f"padding_causal_bottom_right); mask_type is {mask.name.lower()!r}")
-    return jnp.full((batch,), seqlen, jnp.int32)
+    return _primitives.no_lengths()
   if seqlens is None:
     raise ValueError(f"mask_type {mask.name.lower()!r} requires {name} (int32 [B])")
   seqlens = _as_array(seqlens, name, allow_sequence=True)
@@ -265,7 +265,7 @@ def _check_softcap(softcap) -> float:
 
 def _alibi_operand(alibi_slopes, batch: int, num_heads: int):
   if alibi_slopes is None:
-    return jnp.zeros((batch, num_heads), jnp.float32)
+    return _primitives.no_alibi()
   alibi_slopes = _as_array(alibi_slopes, "alibi_slopes", allow_sequence=True)
   if alibi_slopes.shape not in ((num_heads,), (batch, num_heads)):
     raise ValueError(f"alibi_slopes must have shape [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads}), "
@@ -325,14 +325,14 @@ def _token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, ma
     else:
       kv_ids = _token_array(kv_segment_ids, "kv_segment_ids", batch, seqlen_kv, "Skv")
   else:
-    q_ids, kv_ids = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
+    q_ids, kv_ids = _primitives.no_tokens()[:2]
   if has_positions:
     q_pos = (_token_array(q_positions, "q_positions", batch, seqlen_q, "Sq") if q_positions is not None else
              _indices(batch, seqlen_q))
     kv_pos = (_token_array(kv_positions, "kv_positions", batch, seqlen_kv, "Skv") if kv_positions is not None else
               _indices(batch, seqlen_kv))
   else:
-    q_pos, kv_pos = jnp.zeros((batch, seqlen_q), jnp.int32), jnp.zeros((batch, seqlen_kv), jnp.int32)
+    q_pos, kv_pos = _primitives.no_tokens()[2:]
   return (q_ids, kv_ids, q_pos, kv_pos), has_ids, has_positions
 
 

@@ -151,10 +151,8 @@ def _geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi):
 
 def _block_forward(config, kind, q, k, v, blk: _Block, alibi, dropout):
   full, causal = _kernel_configs(config)
-  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, _no_sinks(alibi),
-                                                  *_no_tokens(q, k),
-                                                  _primitives.no_page_table(q.shape[0]), _primitives.no_bias(),
-                                                  dropout, config=full if kind == "full" else causal)
+  out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_block_options(), dropout,
+                                                  config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
   return out, lse
@@ -165,22 +163,15 @@ def _block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: _Block, al
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
-                                                        _no_sinks(alibi), *_no_tokens(q, k),
-                                                        _primitives.no_page_table(q.shape[0]),
-                                                        _primitives.no_bias(), dropout,
+                                                        *_no_block_options(), dropout,
                                                         config=full if kind == "full" else causal)
   return dq, dk, dv
 
 
-def _no_sinks(alibi):
-  """Blocks run without sinks: they join once, after the blocks' merge (te_jax/attention.py)."""
-  return _primitives.no_sinks(*alibi.shape)
-
-
-def _no_tokens(q, k):
-  """Blocks of calls without segment ids and positions run without them (and without paging and bias, which
-  check_supported refuses with context parallelism)."""
-  return _primitives.no_tokens(q.shape[0], q.shape[1], k.shape[1])
+def _no_block_options():
+  """The sinks, tokens, page table and bias of a block of a call without segment ids and positions: placeholders.
+  Sinks join once, after the blocks' merge (te_jax/attention.py); check_supported refuses paging and a bias."""
+  return (_primitives.no_sinks(), *_primitives.no_tokens(), _primitives.no_page_table(), _primitives.no_bias())
 
 
 def _block_dropout(config, dropout, qo, ko):
@@ -238,11 +229,11 @@ def _poison(bad, *xs):
 
 
 def _global_lengths(config, cp, q, q_seqlens, kv_seqlens):
-  """Without a padding mask fused_attn fills the lengths from the shapes it saw (local ones inside shard_map). Calls
-  here have Sq == Skv (check_supported), so q's length serves both."""
+  """Without a padding mask fused_attn passes placeholders: the global lengths are the shards' times the axis size.
+  Calls here have Sq == Skv (check_supported), so q's length serves both."""
   if config.mask_type.is_padding:
     return q_seqlens, kv_seqlens  # the caller's lengths are global sequence lengths
-  full = jnp.full(q_seqlens.shape, q.shape[1] * cp.size, jnp.int32)
+  full = jnp.full((q.shape[0],), q.shape[1] * cp.size, jnp.int32)
   return full, full
 
 
@@ -456,8 +447,11 @@ def _global_indices(cp: ContextParallel, rank, batch: int, local_len: int):
 
 def _token_sides(config, cp, tokens):
   """((q ids, q positions), (kv ids, kv positions)) of this shard; global indices where the call has no positions,
-  so that causal masks, windows and ALiBi stay right across blocks."""
+  so that causal masks, windows and ALiBi stay right across blocks; ids None where it has none (their placeholders
+  are not per token: nothing to cut, gather or pass along the ring)."""
   q_ids, kv_ids, q_pos, kv_pos = tokens
+  if not config.has_segment_ids:
+    q_ids = kv_ids = None
   if not config.has_positions:
     rank = lax.axis_index(cp.axis)
     q_pos, kv_pos = _global_indices(cp, rank, *q_ids.shape), _global_indices(cp, rank, *kv_ids.shape)
@@ -468,23 +462,23 @@ def _packed_config(config):
   return dataclasses.replace(config, has_positions=True)
 
 
-def _packed_operands(q, k, alibi, q_side, kv_side, dropout):
-  """The lengths (the whole blocks: ids and positions say the rest), alibi, tokens, page table, bias and dropout of
-  one block."""
-  batch = q.shape[0]
-  return (jnp.full((batch,), q.shape[1], jnp.int32), jnp.full((batch,), k.shape[1], jnp.int32), alibi,
-          _no_sinks(alibi), q_side[0], kv_side[0], q_side[1], kv_side[1], _primitives.no_page_table(batch),
+def _packed_operands(alibi, q_side, kv_side, dropout):
+  """The lengths (none: the whole blocks, ids and positions say the rest), alibi, tokens, page table, bias and
+  dropout of one block."""
+  ids = _primitives.no_tokens()[:2] if q_side[0] is None else (q_side[0], kv_side[0])
+  return (_primitives.no_lengths(), _primitives.no_lengths(), alibi, _primitives.no_sinks(), *ids, q_side[1],
+          kv_side[1], _primitives.no_page_table(),
           _primitives.no_bias(), dropout)
 
 
 def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side, dropout):
-  return _primitives.attention_forward_p.bind(q, k, v, *_packed_operands(q, k, alibi, q_side, kv_side, dropout),
+  return _primitives.attention_forward_p.bind(q, k, v, *_packed_operands(alibi, q_side, kv_side, dropout),
                                               config=_packed_config(config))
 
 
 def _packed_block_backward(config, q, out, lse, dout, dlse, alibi, q_side, k, v, kv_side, dropout):
   dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse,
-                                                        *_packed_operands(q, k, alibi, q_side, kv_side, dropout),
+                                                        *_packed_operands(alibi, q_side, kv_side, dropout),
                                                         config=_packed_config(config))
   return dq, dk, dv
 
@@ -624,11 +618,11 @@ def _packed_backward(q, k, v, out, lse, dout, dlse, alibi, tokens, dropout, conf
 # The unpartitioned meaning (one device holds everything): undo the load-balancing order, attend, redo it.
 
 def _tokens_in_natural_order(config, cp, operands):
-  """The segment ids and positions (the first four of `operands`) come in the load-balanced order like q, k, v."""
-  if not uses_tokens(config):
-    return operands
+  """The segment ids and positions (the first four of `operands`) come in the load-balanced order like q, k, v; the
+  placeholders of absent ones have no order."""
   from te_jax.load_balancing import inverse_reorder_for_load_balancing as inv
-  return tuple(inv(x, cp.size, 1) for x in operands[:4]) + tuple(operands[4:])
+  present = (config.has_segment_ids,) * 2 + (config.has_positions,) * 2
+  return tuple(inv(x, cp.size, 1) if p else x for x, p in zip(operands[:4], present)) + tuple(operands[4:])
 
 
 def unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config, cp):

@@ -110,9 +110,9 @@ _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 
 # config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table clamped into the pool;
 # `lengths`: the sequences' lengths clamped to the capacity; `read_lengths`: the same, 0 for a poisoned entry (the
-# keys the forward reads); alibi: float32 [B, H] (zeros without ALiBi). The backward recomputes the forward of the
-# gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes its
-# VJP with the clamped lengths, so a poisoned entry's gradients come out NaN as its outputs do.
+# keys the forward reads); alibi: float32 [B, H] (its placeholder without ALiBi). The backward recomputes the forward of
+# the gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes
+# its VJP with the clamped lengths, so a poisoned entry's gradients come out NaN as its outputs do.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):
   del lengths
@@ -141,11 +141,9 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
   """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/validate.h)."""
   batch, seqlen_q = q.shape[:2]
-  capacity = pages.shape[1] * config.page_size
-  out, lse = _sharding.forward(config, None, q, k_pages, v_pages, jnp.full((batch,), seqlen_q, jnp.int32), kv_lengths,
-                               alibi, _primitives.no_sinks(*alibi.shape),
-                               _primitives.no_tokens(batch, seqlen_q, capacity), pages, _primitives.no_bias(),
-                               _primitives.no_dropout())
+  q_lengths = jnp.asarray(np.full((batch,), seqlen_q, np.int32))
+  out, lse = _sharding.forward(config, None, q, k_pages, v_pages, q_lengths, kv_lengths, alibi, _primitives.no_sinks(),
+                               _primitives.no_tokens(), pages, _primitives.no_bias(), _primitives.no_dropout())
   return (out, lse) if return_lse else out
 
 

@@ -51,6 +51,11 @@ sharded_backward_p = Primitive("te_jax_sharded_attention_backward")
 sharded_backward_p.multiple_results = True
 
 
+# The operands after q, k, v (and the backward's out, lse, dout, dlse), in both directions.
+_OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_pos", "kv_pos", "page_table", "bias",
+            "dropout")
+# An absent option is a one-element placeholder (te_jax/_primitives.py): its size-1 dims, like a bias's broadcast dims,
+# are whole on every device.
 # `alibi` and `sinks` [B, H] shard with the batch and the heads.
 # `tokens`: q_segment_ids, kv_segment_ids, q_positions, kv_positions (te_jax/_primitives.py). They shard like the
 # sequence they belong to: with their batch, and over the context-parallel axis with it (where they are placeholders).
@@ -95,7 +100,7 @@ class _Plan:
 
   def __init__(self, config, cp, mesh, arg_shapes, emit_warnings: bool):
     q, k, v = arg_shapes[:3]
-    self.bias_shape = arg_shapes[-2].shape
+    self.option_shapes = dict(zip(_OPTIONS, (a.shape for a in arg_shapes[-len(_OPTIONS):])))
     self.mesh = mesh
     self.notes: list[str] = []
     batch, seqlen_q, num_heads, _ = q.shape
@@ -140,6 +145,7 @@ class _Plan:
       raise ValueError(f"context_parallel_axis {cp.axis!r} has size {mesh.shape.get(cp.axis)} in the mesh the call "
                        f"is partitioned on, but fused_attn was traced for size {cp.size}")
     self.paged = config.page_size > 0
+    self.dropout = config.dropout_threshold > 0
     self.targets = {
         "q": (b_axes, self.s_axes, h_axes, ()),
         "kv": ((), (), kv_axes, ()) if self.paged else (b_axes, self.s_axes, kv_axes, ()),
@@ -178,38 +184,38 @@ class _Plan:
   def forward_shardings(self):
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     kvs = self.named(*self.targets["kv"])
-    args = (self.named(b, s, h, ()), kvs, kvs, self.named(b), self.named(b), self.named(b, h), self.named(b, h))
-    args += self.token_shardings()
-    args += (self.named(b), self.bias_sharding(), self.named())  # page table, bias, dropout
     results = (self.named(b, s, h, ()), self.named(b, h, s))
-    return args, results
+    return (self.named(b, s, h, ()), kvs, kvs) + self.option_shardings(), results
 
   def backward_shardings(self):
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     qs, kvs, lses = self.named(b, s, h, ()), self.named(*self.targets["kv"]), self.named(b, h, s)
-    args = (qs, kvs, kvs, qs, lses, qs, lses, self.named(b), self.named(b), self.named(b, h), self.named(b, h))
-    args += self.token_shardings()
-    args += (self.named(b), self.bias_sharding(), self.named())  # page table, bias, dropout
-    return args, (qs, kvs, kvs, self.bias_sharding())
+    return (qs, kvs, kvs, qs, lses, qs, lses) + self.option_shardings(), (qs, kvs, kvs, self.optional("bias"))
 
-  def token_shardings(self):
-    """q_segment_ids, kv_segment_ids, q_positions, kv_positions: [B, S] like their sequence."""
-    seq = self.named(self.b_axes, self.s_axes)
-    return (seq, seq, seq, seq)
+  def optional(self, name):
+    """An option's sharding: its dims sharded like the call's where full, whole where 1 (a placeholder's, a bias's
+    broadcast dims). The tokens shard like their sequence, bias like the batch and heads (never its sequences)."""
+    b, s, h = self.b_axes, self.s_axes, self.h_axes
+    dims = {"q_seqlens": (b,), "kv_seqlens": (b,), "alibi": (b, h), "sinks": (b, h), "q_ids": (b, s),
+            "kv_ids": (b, s), "q_pos": (b, s), "kv_pos": (b, s), "page_table": (b, ()), "bias": (b, h, (), ()),
+            "dropout": ((),)}[name]
+    return self.named(*(d if extent != 1 else () for d, extent in zip(dims, self.option_shapes[name])))
 
-  def bias_sharding(self):
-    """bias (and dbias): batch and heads sharded where bias is full, whole where it broadcasts."""
-    batch, heads = self.bias_shape[:2]
-    return self.named(self.b_axes if batch != 1 else (), self.h_axes if heads != 1 else (), (), ())
+  def option_shardings(self):
+    return tuple(self.optional(name) for name in _OPTIONS)
 
   def dbias_sum_axes(self) -> tuple[str, ...]:
     """The mesh axes each device's dbias holds a partial sum over: the batch and head shards of bias's size-1 dims."""
-    batch, heads = self.bias_shape[:2]
+    batch, heads = self.option_shapes["bias"][:2]
     return (self.b_axes if batch == 1 else ()) + (self.h_axes if heads == 1 else ())
 
   def with_shard_offsets(self, q, dropout):
     """This device's dropout operand: the global batch and head of its first q entry added to the call's offsets.
-    q is the local shard; the batch and heads are split into contiguous blocks, in the order of axis_index."""
+    q is the local shard; the batch and heads are split into contiguous blocks, in the order of axis_index. Without
+    dropout the operand is a placeholder."""
+    if not self.dropout:
+      return dropout
+
     def first(axes, local_extent):
       return jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(local_extent) if axes else jnp.uint32(0)
     shift = jnp.stack([jnp.uint32(0), jnp.uint32(0), first(self.b_axes, q.shape[0]), first(self.h_axes, q.shape[2]),
@@ -323,58 +329,56 @@ def _heads_rule(value_types):
   return "(hk g)", {"g": group}
 
 
-def _token_rule(s: str, skv: str) -> str:
-  """q_segment_ids, kv_segment_ids, q_positions, kv_positions: the factors of the sequence each belongs to."""
-  return f"b {s}, b {skv}, b {s}, b {skv}"
-
-
-def _bias_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str, ...]]:
-  """The bias's factors: the call's own where a dim is full, a size-1 factor of its own where it broadcasts (listed
-  second: they need replication)."""
-  bias_shape = _shapes(value_types[-2:-1])[0]
-  factors = [name if extent != 1 else f"bias{axis}" for axis, (name, extent) in enumerate(zip(("b", h, s, skv),
-                                                                                             bias_shape))]
-  return " ".join(factors), tuple(f for f in factors if f.startswith("bias"))
+def _options_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str, ...]]:
+  """The options' factors (_OPTIONS): the call's own where a dim is full, a size-1 factor of its own where it is 1 (a
+  placeholder's, a bias's broadcast dims; they need replication, listed second)."""
+  dims = (("b",), ("b",), ("b", h), ("b", h), ("b", s), ("b", skv), ("b", s), ("b", skv), ("b", "pt"),
+          ("b", h, s, skv), ("rng",))
+  operands, own = [], []
+  for index, (names, shape) in enumerate(zip(dims, _shapes(value_types[-len(_OPTIONS):]))):
+    factors = [name if extent != 1 else f"opt{index}x{axis}" for axis, (name, extent) in enumerate(zip(names, shape))]
+    operands.append(" ".join(factors))
+    own += [f for f, extent in zip(factors, shape) if extent == 1]
+  return ", ".join(operands), tuple(own)
 
 
 def _rule_factors(config, cp, value_types):
   """What both rules share: the heads factor, the two sequence factors, k's and v's leading factors (a paged call's
-  pools have their own, replicated), the bias's factors, and the options (factor sizes, the factors that need
-  replication)."""
+  pools have their own, replicated), the options' factors, and the rule's options (factor sizes, the factors that
+  need replication)."""
   h, sizes = _heads_rule(value_types)
   # Under context parallelism q's and K/V's sequences are one factor, so that they shard in step over the axis. With
   # Sq != Skv (calls with positions or segment ids) the factor has two sizes, which Shardy allows (it takes the
   # smaller); both are multiples of the axis size (context_parallel.check_supported).
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
   kv_rows = "pages psize" if config.page_size else f"b {skv}"
-  bias, bias_factors = _bias_rule(value_types, h, s, skv)
-  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + bias_factors + ("pt", "rng")
-  if config.page_size:
-    need += ("pages", "psize")
-  return h, s, skv, kv_rows, bias, dict(need_replication_factors=need, **sizes)
+  options, own_factors = _options_rule(value_types, h, s, skv)
+  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + own_factors + ("pt", "rng", "pages", "psize")
+  return h, s, skv, kv_rows, options, dict(need_replication_factors=tuple(dict.fromkeys(need)), **sizes)
 
 
 def _with_ordered_replication(rule: str, options: dict):
-  """Shardy wants the factors that need replication in the order they first appear in the rule."""
+  """Shardy wants the factors that need replication in the order they first appear in the rule (of those the call's
+  operands have: a placeholder has no sequence or page factor)."""
   first = {}
   for i, name in enumerate(re.findall(r"\w+", rule)):
     first.setdefault(name, i)
-  need = sorted(options["need_replication_factors"], key=lambda f: first[f])
+  need = sorted((f for f in options["need_replication_factors"] if f in first), key=lambda f: first[f])
   return rule, dict(options, need_replication_factors=tuple(need))
 
 
 def _forward_rule(config, cp, mesh, value_types, result_types):
-  h, s, skv, kv, bias, options = _rule_factors(config, cp, value_types)
+  h, s, skv, kv, operands, options = _rule_factors(config, cp, value_types)
   return _with_ordered_replication(
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b, b, b {h}, b {h}, {_token_rule(s, skv)}, b pt, {bias}, rng -> "
-      f"b {s} {h} dv, b {h} {s}", options)
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, {operands} -> b {s} {h} dv, b {h} {s}", options)
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
-  h, s, skv, kv, bias, options = _rule_factors(config, cp, value_types)
+  h, s, skv, kv, operands, options = _rule_factors(config, cp, value_types)
+  bias = operands.split(", ")[-2]  # dbias has bias's factors
   return _with_ordered_replication(
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, b, b, b {h}, b {h}, "
-      f"{_token_rule(s, skv)}, b pt, {bias}, rng -> b {s} {h} d, {kv} hk d, {kv} hk dv, {bias}", options)
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, {operands} -> "
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, {bias}", options)
 
 
 _partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(14, 15))

@@ -298,9 +298,8 @@ def _paged_primitive(page_size, mask=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT):
   def call(q, k_pages, v_pages, table, lengths):
     b, sq = q.shape[:2]
     return _primitives.attention_forward_p.bind(
-        q, k_pages, v_pages, jnp.full((b,), sq, jnp.int32), lengths, jnp.zeros((b, q.shape[2]), jnp.float32),
-        _primitives.no_sinks(b, q.shape[2]), *_primitives.no_tokens(b, sq, table.shape[1] * page_size), table,
-        _primitives.no_bias(), _primitives.no_dropout(), config=config)
+        q, k_pages, v_pages, jnp.full((b,), sq, jnp.int32), lengths, _primitives.no_alibi(), _primitives.no_sinks(),
+        *_primitives.no_tokens(), table, _primitives.no_bias(), _primitives.no_dropout(), config=config)
   return jax.jit(call)
 
 
@@ -379,8 +378,8 @@ def test_paged_backward_is_refused_at_lowering():
     lse = jnp.zeros((b, h, sq), jnp.float32)
     return _primitives.attention_backward_p.bind(
         q, k_pages, v_pages, out, lse, out, lse, jnp.full((b,), sq, jnp.int32), jnp.asarray(lengths),
-        jnp.zeros((b, h), jnp.float32), _primitives.no_sinks(b, h), *_primitives.no_tokens(b, sq, 24),
-        jnp.asarray(table), _primitives.no_bias(), _primitives.no_dropout(), config=config)
+        _primitives.no_alibi(), _primitives.no_sinks(), *_primitives.no_tokens(), jnp.asarray(table),
+        _primitives.no_bias(), _primitives.no_dropout(), config=config)
   with pytest.raises(ValueError, match=r"the backward takes no paged KV cache \(page_size must be 0, got 8\)"):
     jax.jit(backward).lower(q, k_pages, v_pages)
 

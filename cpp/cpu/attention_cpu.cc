@@ -69,8 +69,11 @@ Variant MakeVariant(const AttentionParams& p, const float* alibi_slopes, int64_t
 // The index-based part of the mask. With positions the causal diagonal and the window are TokenMask's, by position,
 // so the index range is the whole (unpadded: positions never come with padding masks) key axis.
 RowMask BatchMask(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens, int64_t b) {
-  if (p.has_positions) return MakeRowMask(MaskType::kNoMask, q_seqlens[b], kv_seqlens[b], -1, -1);
-  return MakeRowMask(p.mask_type, q_seqlens[b], kv_seqlens[b], p.window_left, p.window_right);
+  // Positions go with the masks without lengths (validate.cc): their causal mask and window are the tokens'.
+  if (p.has_positions) return MakeRowMask(MaskType::kNoMask, p.seqlen_q, p.seqlen_kv, -1, -1);
+  const bool lengths = IsPadding(p.mask_type);
+  return MakeRowMask(p.mask_type, lengths ? q_seqlens[b] : p.seqlen_q, lengths ? kv_seqlens[b] : p.seqlen_kv,
+                     p.window_left, p.window_right);
 }
 
 // The segment ids and positions of one call; BatchTokens gives batch entry b's TokenMask (inactive without them).

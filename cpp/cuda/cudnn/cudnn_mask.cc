@@ -8,8 +8,7 @@ namespace te_jax::cuda::cudnn {
 
 CudnnMask CudnnMaskFor(const AttentionParams& p) {
   CudnnMask m;
-  m.padding = p.mask_type == MaskType::kPadding || p.mask_type == MaskType::kPaddingCausal ||
-              p.mask_type == MaskType::kPaddingCausalBottomRight;
+  m.padding = IsPadding(p.mask_type);
   m.bottom_right = IsBottomRight(p.mask_type);
   if (IsCausal(p.mask_type)) {
     m.right_bound = 0;

@@ -9,8 +9,9 @@
 
 namespace te_jax::cuda {
 
-// The batch's lengths. Out-of-range values (outside [0, S]) are clamped, so nothing reads out of bounds, and flagged:
-// the kernels then write NaN to every output of that batch (the CPU backend raises instead; the Python layer checks
+// The batch's lengths: the operands' with a padding mask, else Sq and Skv (the operands are then one-element
+// placeholders). Out-of-range values (outside [0, S]) are clamped, so nothing reads out of bounds, and flagged: the
+// kernels then write NaN to every output of that batch (the CPU backend raises instead; the Python layer checks
 // concrete lengths before the call).
 struct BatchLengths {
   int q_len;
@@ -20,6 +21,7 @@ struct BatchLengths {
 
 __device__ __forceinline__ BatchLengths ReadLengths(const ShapeArgs& s, const int32_t* q_seqlens,
                                                     const int32_t* kv_seqlens, int b) {
+  if (!IsPadding(static_cast<MaskType>(s.mask_type))) return {s.seqlen_q, s.seqlen_kv, false};
   const int q = q_seqlens[b];
   const int kv = kv_seqlens[b];
   BatchLengths r;
