@@ -129,6 +129,17 @@ def test_large_head_dims_run_the_deterministic_backward():
                               arch="sm_80")) == "bwd_bf16_d128_dv128_scaled_sm_80"
 
 
+def test_sm90_forward_has_a_three_consumer_kernel_for_the_plain_product_at_head_dim_64():
+  # The module name gives its first kernel's tile: 192 rows (three consumer warpgroups) where both head dims pad to 64
+  # and the variant is the plain product; soft-cap, ALiBi, tokens and dropout keep 128 rows (they would spill).
+  base = dict(direction="forward", dtype=1, head_dim=64, head_dim_v=64, softcap=False, alibi=False, arch="sm_90a")
+  assert ext.kernel_name(base) == "fwd_bf16_d64_dv64_scaled_sm_90a_sm90_192x128"
+  assert ext.kernel_name(dict(base, head_dim=56, head_dim_v=40)).endswith("_sm90_192x128")
+  for feature in (dict(softcap=True), dict(alibi=True), dict(tokens=True), dict(dropout=True), dict(head_dim_v=72)):
+    assert ext.kernel_name(dict(base, **feature)).endswith("_sm90_128x128"), feature
+  assert ext.kernel_name(dict(base, head_dim=128, head_dim_v=128)).endswith("_sm90_128x128")
+
+
 def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout():
   # The step's rows are in the module name: 128 where both head dims pad to 64, else 64 (tokens keep one granule per
   # step, dropout 32 keep bits per thread).

@@ -41,6 +41,7 @@ ShapeArgs MakeShape(const AttentionParams& p) {
 struct CallModule {
   const LoadedModule* module = nullptr;
   KernelFamily family = KernelFamily::kSm80;
+  bool three_consumer_forward = false;  // KernelConfig::HasThreeConsumerForward
   CUdevice device = 0;
 };
 
@@ -49,6 +50,7 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&call->device, &arch));
   const KernelConfig config = ConfigFor(params, direction, arch);
   call->family = config.Family();
+  call->three_consumer_forward = config.HasThreeConsumerForward();
   JitReport report;
   return GetLoadedModule(config, call->device, &call->module, &report);
 }
@@ -220,7 +222,11 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
-  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv, UsesTokens(p));
+  // The module's three-consumer kernel (its first) unless the call is causal and short (sm90/tile_size.h).
+  const bool three = call.three_consumer_forward &&
+                     !(IsCausal(p.mask_type) && p.seqlen_q < sm90::kThreeConsumerMinCausalRows);
+  const int kernel = call.three_consumer_forward && !three ? 1 : 0;
+  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv, UsesTokens(p), three ? 3 : 2);
   TmaForwardArgs tma{args, {}, {}, {}};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
@@ -233,9 +239,9 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     TE_JAX_RETURN_IF_ERROR(
         EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n, &tma.v));
   }
-  return Launch(driver, call.module->kernels[0], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
-                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kForwardThreads,
-                call.module->smem_bytes[0], stream, &tma);
+  return Launch(driver, call.module->kernels[kernel], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
+                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::ForwardThreads(tile),
+                call.module->smem_bytes[kernel], stream, &tma);
 }
 
 namespace {

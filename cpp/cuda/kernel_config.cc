@@ -12,6 +12,7 @@ namespace te_jax::cuda {
 namespace {
 
 const char* const kForwardEntries[] = {"te_jax_attention_forward", "te_jax_token_tables", "te_jax_token_spans"};
+const char* const kThreeConsumerForwardEntries[] = {"te_jax_attention_forward", "te_jax_attention_forward_rows128"};
 const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
                                         "te_jax_attention_backward_dq_convert", "te_jax_token_tables",
                                         "te_jax_token_spans"};
@@ -66,6 +67,10 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     return kDecodeEntries;
   }
   const int token_kernels = tokens ? 2 : 0;
+  if (HasThreeConsumerForward()) {
+    *count = 2;
+    return kThreeConsumerForwardEntries;
+  }
   if (direction == Direction::kForward) {
     *count = 1 + token_kernels;
     return kForwardEntries;
@@ -87,6 +92,11 @@ KernelFamily KernelConfig::Family() const {
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
+bool KernelConfig::HasThreeConsumerForward() const {
+  return direction == Direction::kForward && Family() == KernelFamily::kSm90 &&
+         sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, !softcap && !alibi && !tokens && !dropout);
+}
+
 std::string KernelConfig::Name() const { return BaseName() + (pipeline_stress ? "_stress" : ""); }
 
 std::string KernelConfig::BaseName() const {
@@ -103,8 +113,8 @@ std::string KernelConfig::BaseName() const {
     return name + "_sm90_" + std::to_string(sm90::BackwardOwnedRows(head_dim, head_dim_v)) + "x" +
            std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout));
   }
-  if (sm90) {
-    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens);
+  if (sm90) {  // the first kernel's tile
+    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2);
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
   const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v, bias);
@@ -142,10 +152,18 @@ std::string KernelConfig::RenderSource() const {
     }
   } else if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
     // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
-    src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n"
-           "using Fwd = te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
-           "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads, 1)\n"
-           "te_jax_attention_forward(const __grid_constant__ te_jax::cuda::TmaForwardArgs args) { Fwd::Run(args); }\n";
+    src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n";
+    const auto kernel = [&](const char* entry, int consumers) {
+      const std::string fwd = "te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ", " +
+                              std::to_string(consumers) + ">";
+      return "extern \"C\" __global__ void __launch_bounds__(" + fwd + "::kThreads, 1)\n" + entry +
+             "(const __grid_constant__ te_jax::cuda::TmaForwardArgs args) { " + fwd + "::Run(args); }\n";
+    };
+    if (HasThreeConsumerForward()) {
+      src += kernel(kThreeConsumerForwardEntries[0], 3) + kernel(kThreeConsumerForwardEntries[1], 2);
+    } else {
+      src += kernel(kForwardEntries[0], 2);
+    }
     // The token kernels take the plain arguments, which TmaForwardArgs embeds (the launcher passes those).
     if (tokens) src += TokenKernelsSource("te_jax::cuda::ForwardArgs");
   } else if (direction == Direction::kForward) {

@@ -54,12 +54,16 @@ struct KernelConfig {
   bool pipeline_stress = false;
 
   KernelFamily Family() const;
+  // An sm90 forward module with a kernel of three consumer warpgroups (sm90/tile_size.h) first, then the two-consumer
+  // kernel, which short causal calls take.
+  bool HasThreeConsumerForward() const;
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
   std::string RenderSource() const;
-  // Entry points of the module (forward: 1; decode: the 16-row and 64-row kernels, the combine; backward:
-  // preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv, dq), then in a backward with a
-  // bias the dbias conversion, then with tokens the token tables and spans kernels, which run first.
+  // Entry points of the module (forward: 1, or 2 with HasThreeConsumerForward; decode: the 16-row and 64-row
+  // kernels, the combine; backward: preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv,
+  // dq), then in a backward with a bias the dbias conversion, then with tokens the token tables and spans kernels,
+  // which run first.
   const char* const* EntryPoints(int* count) const;
 };
 

@@ -1,8 +1,9 @@
 // Forward flash attention, sm90 family (sm_90a): wgmma products, TMA copies into mbarrier-guarded rings, and warp
-// specialisation. A CTA owns 128 query rows of one (batch, head) and has three warpgroups:
+// specialisation. A CTA owns 64 query rows of one (batch, head) per consumer warpgroup (two, or three for the plain
+// product where both head dims pad to 64: tile_size.h) and has a warpgroup more:
 //   - the producer: one thread issues the TMA copies of q (once) and of each k and v tile into two-stage rings; the
 //     warpgroup gives most of its registers to the others (setmaxnreg);
-//   - two consumers of 64 rows each: s = q k^T with q and k from shared memory, the mask and variant on s, the online
+//   - the consumers, of 64 rows each: s = q k^T with q and k from shared memory, the mask and variant on s, the online
 //     softmax, and o += p v with p from registers. Each iteration issues the next tile's q k^T before this tile's p v
 //     and runs the softmax while both products run, so the tensor cores rarely wait for the softmax.
 // k and v have separate rings: a k stage goes back to the producer as soon as its q k^T is done, so the next tiles' k
@@ -44,21 +45,24 @@ __device__ __forceinline__ bool CtaAny(bool pred) {
   return any != 0;
 }
 
-// Named barriers 2 and 3 take turns between the two consumer warpgroups (FlashAttention-3's ping-pong): a warpgroup
-// waits for its turn before issuing its products and hands the turn over right after, so one warpgroup's softmax
-// runs while the other's products keep the tensor cores busy.
+// The consumer warpgroups take turns in a ring (FlashAttention-3's ping-pong): a warpgroup waits for its turn (named
+// barrier 2 + wg, which it and its predecessor meet) before issuing its products and hands the turn to the next right
+// after, so the others' softmax runs while one's products keep the tensor cores busy.
 __device__ __forceinline__ void WaitTurn(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(2 + wg) : "memory"); }
-__device__ __forceinline__ void PassTurn(int wg) { asm volatile("bar.arrive %0, 256;" ::"r"(3 - wg) : "memory"); }
+template <int kConsumers>
+__device__ __forceinline__ void PassTurn(int wg) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(2 + (wg + 1) % kConsumers) : "memory");
+}
 
-template <typename Element, int kD, int kDv, typename Variant>
+template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 2>
 struct ForwardKernel {
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr bool kDropout = Variant::kHasDropout;
-  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens);
+  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens, kConsumers);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
-  static constexpr int kThreads = kForwardThreads;
+  static constexpr int kThreads = ForwardThreads(kTile);
   static constexpr int kDP = PadTo64(kD);
   static constexpr int kDvP = PadTo64(kDv);
   static constexpr int kQkSteps = (kD + 15) / 16;  // k16 steps of q k^T; the zero padding past kD is skipped
@@ -84,12 +88,15 @@ struct ForwardKernel {
   static constexpr int kTokenRingOffset = kRowSummariesOffset + kBlockM / kTokenGranule * kTokenSummaryBytes;
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 4 * kStages);
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens),
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token ring");
   static_assert(kSmemBytes <= kMaxDynamicSmem, "the tiles fit in shared memory");
-  static_assert(kBlockM == 2 * 64 && kThreads == 3 * 128, "a producer and two consumer warpgroups of 64 rows");
+  static_assert(kBlockM == 64 * kConsumers && kTile.consumers == kConsumers, "consumer warpgroups of 64 rows");
+  static_assert(kConsumers == 2 || ForwardHasThreeConsumerKernel(kD, kDv, !Variant::kHasSoftcap && !Variant::kHasAlibi &&
+                                                                              !kTokens && !kDropout),
+                "three consumer warpgroups only where tile_size.h gives them");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
   // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h).
@@ -250,8 +257,8 @@ struct ForwardKernel {
       for (int st = 0; st < kStages; ++st) {
         MbarrierInit(sm.KFull(st), 1);
         MbarrierInit(sm.VFull(st), 1);
-        MbarrierInit(sm.KEmpty(st), kForwardConsumerWarps);
-        MbarrierInit(sm.VEmpty(st), kForwardConsumerWarps);
+        MbarrierInit(sm.KEmpty(st), 4 * kConsumers);  // a release per consumer warp
+        MbarrierInit(sm.VEmpty(st), 4 * kConsumers);
       }
       FenceMbarrierInit();
     }
@@ -275,12 +282,12 @@ struct ForwardKernel {
     if constexpr (kTokens) straddles = tiles > 0;
 
     if (warpgroup == 0) {
-      DecreaseRegisters<24>();
+      DecreaseRegisters<kProducerRegisters>();
       const bool producer = warp == 0 && lane == 0;
       if (producer) Produce(a, sm, cta, true, 0);
       if (CtaAny<kThreads>(false) && producer) Produce(a, sm, cta, false, tiles);
     } else {
-      IncreaseRegisters<240>();
+      IncreaseRegisters<ForwardConsumerRegisters(kTile)>();
       Consume(args, sm, cta, warpgroup - 1, warp & 3, lane, tiles, full_begin, full_end, straddles);
     }
   }
@@ -470,9 +477,9 @@ struct ForwardKernel {
     };
 
     MbarrierWait(sm.QFull(), 0);
-    // The first warpgroup takes the first turn. Both issue the same number of product groups per pass, so the one
-    // extra hand-over (the second's last) is never waited for.
-    if (wg == 1) PassTurn(wg);
+    // The first warpgroup takes the first turn. All issue the same number of product groups per pass, so the one
+    // extra hand-over (the last's last) is never waited for.
+    if (wg == kConsumers - 1) PassTurn<kConsumers>(wg);
 
     // One pass over the CTA's tiles; ring positions count on from `first` (the second pass follows the first).
     auto pass = [&](auto careful, int first) {
@@ -499,7 +506,7 @@ struct ForwardKernel {
       WaitTurn(wg);
       fence_registers();
       IssueQKt(sc, sm, row0, StageOf(i));
-      PassTurn(wg);
+      PassTurn<kConsumers>(wg);
       draw_keep_bits(cta.tile_begin);
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
@@ -518,7 +525,7 @@ struct ForwardKernel {
         fence_registers();
         IssueQKt(sc, sm, row0, next);
         product(tile - 1, i);
-        PassTurn(wg);
+        PassTurn<kConsumers>(wg);
         draw_keep_bits(tile);
         WgmmaWait<1>();  // q k^T of this tile is done; p v of the previous one may still run
         FenceOperands(reinterpret_cast<float(&)[kBlockN / 2]>(sc));
@@ -541,7 +548,7 @@ struct ForwardKernel {
       WaitTurn(wg);
       fence_registers();
       product(cta.tile_end - 1, i);
-      PassTurn(wg);
+      PassTurn<kConsumers>(wg);
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kDvP / 2]>(o));
       release(sm.VEmpty(StageOf(i)));

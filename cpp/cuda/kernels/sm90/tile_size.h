@@ -14,16 +14,23 @@ TE_JAX_HOST_DEVICE constexpr int PadTo64(int d) { return (d + 63) / 64 * 64; }
 // summaries (32 bytes each), key entries (8 bytes) and query rows' entries (16 bytes).
 inline constexpr int kTokenSummaryBytes = kTokenSummaryInts * 4;
 
-// A producer warpgroup (one thread issues the TMA copies) and two consumer warpgroups of 64 query rows each.
-inline constexpr int kForwardThreads = 384;
-inline constexpr int kForwardConsumerWarps = 8;
 inline constexpr int kMaxDynamicSmem = 227 * 1024;  // sm90's opt-in limit per block
 
+// A producer warpgroup (one thread issues the TMA copies) and consumer warpgroups of 64 query rows each.
 struct ForwardTile {
-  int block_m;  // query rows per CTA
-  int block_n;  // keys per pipeline stage
-  int stages;   // k and v each have a ring of this many stages
+  int block_m;    // query rows per CTA: 64 per consumer warpgroup
+  int block_n;    // keys per pipeline stage
+  int stages;     // k and v each have a ring of this many stages
+  int consumers;  // consumer warpgroups
 };
+
+TE_JAX_HOST_DEVICE constexpr int ForwardThreads(ForwardTile t) { return 128 * (1 + t.consumers); }
+
+// The producer keeps 24 registers per thread (setmaxnreg); the consumers share the rest of the 64K register file.
+inline constexpr int kProducerRegisters = 24;
+TE_JAX_HOST_DEVICE constexpr int ForwardConsumerRegisters(ForwardTile t) {
+  return (65536 - 128 * kProducerRegisters) / (128 * t.consumers) / 8 * 8;
+}
 
 // The forward's token tables: the CTA's query rows' entries, "saw a key" flags and granule summaries, and a ring of a
 // stage more than k's (attention_fwd.cuh says why), each a key tile's entries and its granules' summaries.
@@ -39,17 +46,33 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile 
          8 * (1 + 4 * t.stages);  // mbarriers: q full; k full, k empty, v full, v empty per stage
 }
 
-// 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers for 64 logits and the two
-// stages fit (with the token tables, for kernels built with tokens: d = 256, dv <= 64 fits only without); else 64.
-TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tokens = false) {
-  const ForwardTile wide{128, 128, 2};
+// Two consumer warpgroups: 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers
+// for 64 logits and the two stages fit (with the token tables, for kernels built with tokens: d = 256, dv <= 64 fits
+// only without); else 64. Three (ForwardHasThreeConsumerKernel): FlashAttention-3's 192-row tile.
+TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tokens = false, int consumers = 2) {
+  if (consumers == 3) return {192, 128, 2, 3};
+  const ForwardTile wide{128, 128, 2, 2};
   if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide, tokens) <= kMaxDynamicSmem) return wide;
-  return {128, 64, 2};
+  return {128, 64, 2, 2};
 }
 
-TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false) {
-  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens), tokens);
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false, int consumers = 2) {
+  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers), tokens);
 }
+
+// Where both head dims pad to 64 a tile's products are short against its softmax, and with two warpgroups the tensor
+// cores wait for it: a forward module there also has a kernel of three consumer warpgroups, whose softmax runs under
+// the two others' products (H200, d 64, b s = 16k: 0.84-0.92x cuDNN -> 0.94-1.11x at s >= 2k, docs/BENCHMARKS.md run
+// 41). Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits) or tokens, the
+// 160 registers per consumer thread spill in the loop.
+TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, bool plain) {
+  return plain && PadTo64(d) == 64 && PadTo64(dv) == 64;
+}
+
+// Causal calls of at most this many query rows take the module's two-consumer kernel: the 192-row tiles' padding rows
+// and diagonal cost more there than the third warpgroup gains (causal s 512: 0.66x cuDNN with 128 rows, 0.60x with
+// 192; s 2k: 0.81x and 0.82x).
+inline constexpr int kThreeConsumerMinCausalRows = 1025;
 
 // Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements).
 TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
