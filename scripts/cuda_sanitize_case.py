@@ -1,7 +1,8 @@
 """A tiny forward + backward run for compute-sanitizer (memcheck / racecheck): ragged padding + causal + window + GQA +
-softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits columns), and a D != Dv causal case,
-each with both backwards (atomic dq and deterministic), on te_jax's kernels; then a causal forward whose v holds a
-NaN at a key the first rows do not see (the forward's rare path for non-finite values in a straddling tile); then a
+softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits columns), a D != Dv causal case and
+the plain product at d 64 (the sm90 forward's three consumer warpgroups), each with both backwards (atomic dq and
+deterministic), on te_jax's kernels; then causal forwards whose v holds a NaN at a key the first rows do not see (the
+forward's rare path for non-finite values in a straddling tile; 1100 rows take the three-consumer kernel); then a
 paged decode call with a page id outside the pool; then an additive bias whose rows start off 16-byte boundaries (its
 last chunk reaches past the operand), in full shape (dbias written directly) and broadcast (the float accumulator),
 with -inf rows. Exit status 1 on unexpected results."""
@@ -17,7 +18,8 @@ import te_jax._cuda  # noqa: F401
 ok = True
 for (d, dv, mask, extra), deterministic in ((case, det) for case in ((64, 64, "padding_causal", True),
                                                                    (192, 128, "padding_causal", True),
-                                                                   (40, 72, "causal_bottom_right", False))
+                                                                   (40, 72, "causal_bottom_right", False),
+                                                                   (64, 64, "no_mask", False))
                                             for det in (False, True)):
   rng = np.random.default_rng(0)
   b, sq, skv, h, hkv = 2, 70, 90, 4, 2
@@ -34,15 +36,16 @@ for (d, dv, mask, extra), deterministic in ((case, det) for case in ((64, 64, "p
   ok &= all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
 # The NaN sits at key 100 of kv head 1 (query heads 2 and 3): their rows 100.. are NaN in column 3, every other
 # output stays finite.
-rng = np.random.default_rng(1)
-q = jnp.asarray(rng.standard_normal((1, 160, 4, 64)), jnp.bfloat16)
-k, v = (jnp.asarray(rng.standard_normal((1, 160, 2, 64)), jnp.bfloat16) for _ in range(2))
-v = v.at[0, 100, 1, 3].set(jnp.nan)
-out = np.asarray(jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", engine="te"))(q, k, v),
-                 np.float32)
-expected = np.zeros(out.shape, bool)
-expected[0, 100:, 2:, 3] = True
-ok &= bool(np.array_equal(~np.isfinite(out), expected))
+for seqlen in (160, 1100):
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((1, seqlen, 4, 64)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((1, seqlen, 2, 64)), jnp.bfloat16) for _ in range(2))
+  v = v.at[0, 100, 1, 3].set(jnp.nan)
+  out = np.asarray(jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", engine="te"))(q, k, v),
+                   np.float32)
+  expected = np.zeros(out.shape, bool)
+  expected[0, 100:, 2:, 3] = True
+  ok &= bool(np.array_equal(~np.isfinite(out), expected))
 # The decode kernels (Sq <= 16): a split-KV call over a shuffled page pool, GQA 4, ragged lengths, with a traced page
 # id outside the pool in the last sequence (clamped in the kernel: nothing is read outside the pool; that entry is NaN,
 # the others finite).

@@ -44,10 +44,11 @@ def _features(path: str) -> list[tuple[str, float]]:
 def main(bench_dir: str, dst: str) -> None:
   at = lambda name: os.path.join(bench_dir, name)  # noqa: E731
   groups = [
-      ("forward (run 14)", _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd",
-                                       [(d, s, True) for d in (64, 128, 256) for s in (2048, 16384)])),
-      ("forward + backward (runs 33, 18, 36)",
-       _cuda_bench(at("h200-bwd64-steps128.json"), "fwd+bwd", "f+b", [(64, s, True) for s in (2048, 16384)]) +
+      ("forward (runs 42, 14)",
+       _cuda_bench(at("h200-fwd64-three-consumers.json"), "fwd", "fwd", [(64, s, True) for s in (2048, 16384)]) +
+       _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd", [(d, s, True) for d in (128, 256) for s in (2048, 16384)])),
+      ("forward + backward (runs 42, 18, 36)",
+       _cuda_bench(at("h200-fwd64-three-consumers.json"), "fwd+bwd", "f+b", [(64, s, True) for s in (2048, 16384)]) +
        _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)]) +
        _cuda_bench(at("h200-bwd256-sm90.json"), "fwd+bwd", "f+b", [(256, s, True) for s in (2048, 16384)])),
       ("decode (run 19)", _decode(at("h200-decode.json"))),
