@@ -128,6 +128,29 @@ def test_absent_operands_cost_no_kernels(path):
   assert set(ops) <= {"parameter", "constant", "custom-call", "get-tuple-element", "tuple"}, sorted(set(ops))
 
 
+@pytest.mark.parametrize("operand, shape, match", [
+    (3, (3,), r"q_seqlens has shape \[3\], expected \[2\]"),  # neither the placeholder [1] nor [B]
+    (5, (2, 3), r"alibi_slopes has shape \[2, 3\], expected \[2, 4\]"),
+    (8, (2, 13), r"kv_segment_ids has shape \[2, 13\], expected \[2, 21\]"),  # q's length on the kv side
+    (13, (6, 1), r"dropout has shape \[6, 1\], expected \[6\]"),
+])
+def test_ffi_handler_names_an_unread_operand_of_the_wrong_shape(operand, shape, match):
+  """An operand the call does not read must be its placeholder (its rank, every dim 1) or its full shape; anything
+  else is an error naming it, before any kernel runs (a causal call reads no lengths, no slopes, no ids)."""
+  from te_jax import _primitives
+  from te_jax.attention_config import AttentionConfig
+  from te_jax.mask_type import MaskType
+  q, k, v = _small()
+  config = AttentionConfig(mask_type=MaskType.CAUSAL, window_left=-1, window_right=-1, scale=0.25, softcap=0.0,
+                           has_alibi=False)
+  operands = [q, k, v, _primitives.no_lengths(), _primitives.no_lengths(), _primitives.no_alibi(),
+              _primitives.no_sinks(), *_primitives.no_tokens(), _primitives.no_page_table(), _primitives.no_bias(),
+              _primitives.no_dropout()]
+  operands[operand] = jnp.zeros(shape, operands[operand].dtype)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT: " + match):
+    jax.block_until_ready(_primitives.attention_forward_p.bind(*operands, config=config))
+
+
 def test_legacy_hlo_and_descriptor_contents():
   with te_jax.custom_call_path("legacy"):
     lowered = _loss_fn(**KW).lower(*_loss_args())
