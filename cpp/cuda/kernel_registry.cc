@@ -87,7 +87,9 @@ int SmemBytes(const KernelConfig& c, int index) {
   if (c.decode) return index < 2 ? decode::SmemBytes(c.head_dim, c.head_dim_v, decode::RowTilesOfKernel(index)) : 0;
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) {
-      if (c.HasThreeConsumerForward()) return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, false, index == 0 ? 3 : 2);
+      if (c.HasThreeConsumerForward()) {  // the three-consumer kernel, then the two-consumer one
+        return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, false, index == 0 ? 3 : 2);
+      }
       return index == 0 ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;  // the token kernels: none
     }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion

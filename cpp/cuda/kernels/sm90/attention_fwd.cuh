@@ -94,8 +94,8 @@ struct ForwardKernel {
                 "tile_size.h and the kernel disagree on the token ring");
   static_assert(kSmemBytes <= kMaxDynamicSmem, "the tiles fit in shared memory");
   static_assert(kBlockM == 64 * kConsumers && kTile.consumers == kConsumers, "consumer warpgroups of 64 rows");
-  static_assert(kConsumers == 2 || ForwardHasThreeConsumerKernel(kD, kDv, !Variant::kHasSoftcap && !Variant::kHasAlibi &&
-                                                                              !kTokens && !kDropout),
+  static constexpr bool kPlain = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kTokens && !kDropout;
+  static_assert(kConsumers == 2 || ForwardHasThreeConsumerKernel(kD, kDv, kPlain),
                 "three consumer warpgroups only where tile_size.h gives them");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
