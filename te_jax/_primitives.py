@@ -8,7 +8,8 @@ Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, le
             dropout -> dq, dk, dv, dbias, workspace
 q_seqlens and kv_seqlens are int32 [B] with a padding mask. alibi_slopes is float32 [B, H] with config.has_alibi.
 sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
-kernels in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py). The backward is given that forward's out and lse, and reads nothing of it.
+kernels in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py). The backward is given
+that forward's out and lse, and reads nothing of it.
 where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv])
 with config.has_segment_ids / has_positions. page_table is int32 [B, max_pages_per_seq] when config.page_size > 0 (a
 paged KV cache, forward only: k and v are then the pools [num_pages, page_size, Hkv, D(v)] and Skv, in the tokens'
@@ -70,6 +71,7 @@ def no_tokens():
 
 
 def no_alibi():
+  """The ALiBi slopes of a call without ALiBi."""
   return placeholder(np.float32)
 
 
@@ -93,10 +95,11 @@ def placeholder_operands(config: AttentionConfig, backward: bool) -> tuple[int, 
 
 def no_bias():
   """The bias operand of a call without a bias: one float32 zero, broadcast everywhere, that the kernels do not read."""
-  return jnp.asarray(np.zeros((1, 1, 1, 1), np.float32))
+  return placeholder(np.float32, rank=4)
 
 
 def no_dropout():
+  """The dropout operand of a call without dropout."""
   return placeholder(np.uint32, rank=1)
 
 
@@ -212,10 +215,9 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
   """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last three
   operands being the page table, the bias and the dropout operand and, with returns_dbias, the last result the bias's
   gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero gradient) stay as they
-  are: unbatched, one element. The dropout
-  operand stays one per call: example n of batch entry b becomes batch entry b * N + n of the folded call, so it gets
-  that entry's part of the one key's mask. A paged call's pools are the exception to batch-major k and v
-  (_stack_pools); its page table folds like q_seqlens."""
+  are: unbatched, one element. The dropout operand stays one per call: example n of batch entry b becomes batch entry
+  b * N + n of the folded call, so it gets that entry's part of the one key's mask. A paged call's pools are the
+  exception to batch-major k and v (_stack_pools); its page table folds like q_seqlens."""
   *args, dropout = args
   *dims, dropout_dim = dims
   if dropout_dim is not None:

@@ -467,8 +467,7 @@ def _packed_operands(alibi, q_side, kv_side, dropout):
   dropout of one block."""
   ids = _primitives.no_tokens()[:2] if q_side[0] is None else (q_side[0], kv_side[0])
   return (_primitives.no_lengths(), _primitives.no_lengths(), alibi, _primitives.no_sinks(), *ids, q_side[1],
-          kv_side[1], _primitives.no_page_table(),
-          _primitives.no_bias(), dropout)
+          kv_side[1], _primitives.no_page_table(), _primitives.no_bias(), dropout)
 
 
 def _packed_block_forward(config, q, alibi, q_side, k, v, kv_side, dropout):
