@@ -120,7 +120,8 @@ def test_small_case_keeps_what_matters():
 
 def test_registry_has_every_backend():
   names = [b.name for b in registry.all_backends()]
-  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "jax-cudnn", "jax-xla", "pallas",
+  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-cp-ring", "te_jax-cp-all_gather",
+                   "jax-cudnn", "jax-xla", "pallas",
                    "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn"):
     assert expected in names
   assert registry.default_baseline("cpu") == "jax-xla" and registry.default_baseline("gpu") == "jax-cudnn"

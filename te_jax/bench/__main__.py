@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   python -m te_jax.bench --preset fa --mode fwd,fwd+bwd --csv fa.csv --plot fa.png --keep-going --isolate
   python -m te_jax.bench --preset llama --backends te_jax-ffi,jax-cudnn,torch-flash
   python -m te_jax.bench --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal --window 1023,0 --mode fwd
+  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp --baseline te_jax-ffi --cp-devices 4 --batch 1 --seq 131072 \
+      --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd+bwd   context-parallel scaling on 4 GPUs
 """
 
 
@@ -84,6 +86,8 @@ def parse_args(argv):
   r.add_argument("--sample-ms", type=float, help="target length of one timed sample in ms (default 20 on a GPU, "
                  "150 on the CPU)")
   r.add_argument("--seed", type=int, default=0)
+  r.add_argument("--cp-devices", type=int, help="devices the context-parallel backends (te_jax-cp-ring, "
+                 "te_jax-cp-all_gather) shard the sequence over: the first N (default: all)")
   return p.parse_args(argv)
 
 
@@ -452,6 +456,11 @@ def main(argv=None) -> int:
   configure_environment()
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
+  if args.cp_devices is not None:
+    if args.cp_devices < 2:
+      raise SystemExit(f"--cp-devices must be 2 or more, got {args.cp_devices}")
+    from te_jax.bench.backends_jax import ContextParallelBackend
+    os.environ[ContextParallelBackend.DEVICES_ENV] = str(args.cp_devices)
   if args.from_json:
     return render_saved(args)
   return run(args, argv)

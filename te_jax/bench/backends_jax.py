@@ -1,5 +1,6 @@
-"""JAX backends: te_jax (FFI and legacy custom calls), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash
-attention and flash-attn-jax. All are timed and measured by JaxPrepared, so they differ only in the attention call."""
+"""JAX backends: te_jax (FFI and legacy custom calls; context parallelism over several devices), jax.nn.
+dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and flash-attn-jax. All are timed and measured by
+JaxPrepared, so they differ only in the attention call and where its operands live."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import time
 
 import numpy as np
@@ -27,12 +29,12 @@ class JaxPrepared(Prepared):
   def __init__(self, backend: "JaxBackend", inputs, mode: str, num_sets: int):
     import jax
     case = inputs.case
-    self._jax = jax
+    self._jax, self._backend = jax, backend
     fn = backend.attention_fn(case, inputs.alibi)
     host = [(s.q, s.k, s.v, s.dout) for s in inputs.sets[:num_sets]]
     if mode == "fwd":
       host = [backend.fwd_operands(case, q, k, v) for q, k, v, _ in host]
-    sets = [tuple(jax.device_put(np.asarray(x)) for x in operands) for operands in host]
+    sets = [backend.place(case, tuple(np.asarray(x) for x in operands)) for operands in host]
     with backend.lowering_context():
       if mode == "fwd":
         args = sets
@@ -89,7 +91,8 @@ class JaxPrepared(Prepared):
   def outputs(self) -> dict:
     result = self._compiled(*self._args[0])
     result = result if isinstance(result, (tuple, list)) else (result,)
-    return {name: np.asarray(np.asarray(x).astype(np.float32), np.float64) for name, x in zip(self._names, result)}
+    return {name: np.asarray(self._backend.restore(np.asarray(x).astype(np.float32)), np.float64)
+            for name, x in zip(self._names, result)}
 
   def close(self) -> None:
     self._compiled = self._args = None
@@ -110,6 +113,15 @@ class JaxBackend(Backend):
 
   def lowering_context(self):
     return contextlib.nullcontext()
+
+  def place(self, case: Case, arrays: tuple) -> tuple:
+    """The operands on the device(s), in setup."""
+    import jax
+    return tuple(jax.device_put(x) for x in arrays)
+
+  def restore(self, x):
+    """An output ([B, S, ...], as a NumPy array) in the order of the case's sequence, for the error check."""
+    return x
 
   def platform_reason(self, platform: str) -> str | None:
     return super().platform_reason(platform)
@@ -159,6 +171,71 @@ class TeJaxBackend(JaxBackend):
   def lowering_context(self):
     import te_jax
     return te_jax.custom_call_path(self.path)
+
+
+class ContextParallelBackend(TeJaxBackend):
+  """te_jax.fused_attn with context parallelism (te_jax-cp-ring, te_jax-cp-all_gather): q, k, v and dout sharded
+  along the sequence over a 1-D mesh of the first N devices (`--cp-devices N`, default all), in the load-balanced
+  order (te_jax.reorder_for_load_balancing, done in setup; the outputs are put back in natural order for the error
+  check). Against te_jax-ffi on one device, its speedup over N is the scaling efficiency (issue 14)."""
+
+  DEVICES_ENV = "TE_JAX_BENCH_CP_DEVICES"  # set by --cp-devices; an environment variable, so --isolate workers see it
+
+  def __init__(self, strategy: str):
+    super().__init__("ffi")
+    self.strategy = strategy
+    self.name = f"te_jax-cp-{strategy}"
+    self.label = f"te_jax context parallelism ({strategy}, load-balanced)"
+    self.url = f'te_jax.fused_attn(context_parallel_axis=..., context_parallel_strategy="{strategy}")'
+    # The core's context-parallel layouts: Sq == Skv, no bottom-right diagonal; windows only with all_gather.
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=strategy == "all_gather", softcap=True,
+                             alibi=True, causal_cross=False)
+
+  @classmethod
+  def devices(cls):
+    import jax
+    devices = jax.devices()
+    return devices[:int(os.environ.get(cls.DEVICES_ENV) or len(devices))]
+
+  def platform_reason(self, platform: str) -> str | None:
+    reason = super().platform_reason(platform)
+    if reason:
+      return reason
+    n = len(self.devices())
+    return None if n >= 2 else f"context parallelism needs 2 or more devices; {n} here (--cp-devices, and on the CPU " \
+                                "XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    chunks = 2 * len(self.devices())
+    if case.seq_q != case.seq_kv or case.seq_q % chunks:
+      return f"Sq = Skv, a multiple of 2 x {chunks // 2} devices (load-balanced chunks)"
+    return None
+
+  def _mesh(self):
+    import jax
+    return jax.sharding.Mesh(np.asarray(self.devices()), ("cp",))
+
+  def place(self, case: Case, arrays: tuple) -> tuple:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from te_jax import reorder_for_load_balancing
+    n, sharding = len(self.devices()), NamedSharding(self._mesh(), PartitionSpec(None, "cp"))
+    return tuple(jax.device_put(reorder_for_load_balancing(x, n, 1), sharding) for x in arrays)
+
+  def restore(self, x):
+    from te_jax import inverse_reorder_for_load_balancing
+    return np.asarray(inverse_reorder_for_load_balancing(x, len(self.devices()), 1))
+
+  def attention_fn(self, case: Case, alibi):
+    import jax.numpy as jnp
+    import te_jax
+    kwargs = case.te_jax_kwargs()
+    slopes = None if alibi is None else jnp.asarray(alibi)
+
+    def fn(q, k, v):
+      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, context_parallel_axis="cp",
+                               context_parallel_strategy=self.strategy, context_parallel_load_balanced=True, **kwargs)
+    return fn
 
 
 def _jax_nn_kwargs() -> set[str]:
@@ -284,6 +361,6 @@ class FlashAttnJaxBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"),
-                 PallasBackend(), FlashAttnJaxBackend()):
+                 ContextParallelBackend("ring"), ContextParallelBackend("all_gather"), PagedBackend(16),
+                 PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend()):
   register(_backend)
