@@ -128,6 +128,28 @@ def test_absent_operands_cost_no_kernels(path):
   assert set(ops) <= {"parameter", "constant", "custom-call", "get-tuple-element", "tuple"}, sorted(set(ops))
 
 
+def test_vmap_keeps_placeholders_unbatched():
+  """Under vmap (the mapped axis folded into the batch) the absent operands stay one-element placeholders, and the
+  lengths of a call without a padding mask stay absent: nothing of the full batch is materialised for them."""
+  q, k, v = _small()
+  mapped = jax.vmap(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal"))
+  jaxpr = jax.make_jaxpr(mapped)(*(jnp.stack([x, x]) for x in (q, k, v)))
+
+  def te_jax_calls(jaxpr):  # through the custom_vjp's and the partitioning's inner jaxprs
+    for e in jaxpr.eqns:
+      if e.primitive.name.startswith("te_jax"):
+        yield e
+      for p in e.params.values():
+        inner = getattr(p, "jaxpr", p)
+        if hasattr(inner, "eqns"):
+          yield from te_jax_calls(inner)
+  calls = list(te_jax_calls(jaxpr.jaxpr))
+  assert len(calls) == 1
+  shapes = [tuple(x.aval.shape) for x in calls[0].invars]
+  assert shapes[0] == (4,) + q.shape[1:]  # the two mapped examples folded into the batch
+  assert shapes[3:12] == [(1,), (1,)] + [(1, 1)] * 7 and shapes[13] == (1,)  # lengths ... page table; dropout
+
+
 @pytest.mark.parametrize("operand, shape, match", [
     (3, (3,), r"q_seqlens has shape \[3\], expected \[2\]"),  # neither the placeholder [1] nor [B]
     (5, (2, 3), r"alibi_slopes has shape \[2, 3\], expected \[2, 4\]"),
