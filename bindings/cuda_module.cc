@@ -56,8 +56,9 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 // {"direction", "dtype" (core code), "head_dim", "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and, for the
 // backward, optionally "deterministic" (bool, default false), for the forward optionally "decode" (bool, default
 // false: the decode kernels, cpp/cuda/decode_geometry.h), optionally "tokens" (bool, default false: segment ids
-// or positions), "dropout" (bool, default false), and "bias_dtype" (core code of the additive bias's dtype; absent or
-// None: no bias).
+// or positions), "dropout" (bool, default false), "bias_dtype" (core code of the additive bias's dtype; absent or
+// None: no bias) and, for the forward with a bias, "bias_fits_tma" (bool, default false: the bias's rows are whole
+// 16-byte chunks, cpp/cuda/kernel_config.h).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -101,6 +102,10 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
     }
     c.bias_dtype = static_cast<DType>(bias_dtype);
     if (c.decode) throw nb::value_error("the decode kernels take no bias");
+  }
+  c.bias_fits_tma = d.contains("bias_fits_tma") && nb::cast<bool>(d["bias_fits_tma"]);
+  if (c.bias_fits_tma && !(c.bias && c.direction == cuda::Direction::kForward)) {
+    throw nb::value_error("bias_fits_tma applies to the forward with a bias (bias_dtype) only");
   }
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;
@@ -191,5 +196,12 @@ NB_MODULE(_te_jax_cuda, m) {
       },
       nb::arg("config"));
   m.def("kernel_name", [](const nb::dict& config) { return bindings::ConfigFromDict(config).Name(); });
+  // The module a call of these params takes on `arch` (no GPU needed): its name says the family and tile.
+  m.def(
+      "call_kernel_name",
+      [](const nb::dict& fields, const std::string& direction, const std::string& arch) {
+        return cuda::ConfigFor(bindings::ParamsFromDict(fields), bindings::CudaDirection(direction), arch).Name();
+      },
+      nb::arg("params"), nb::arg("direction"), nb::arg("arch"));
   m.def("render_source", [](const nb::dict& config) { return bindings::ConfigFromDict(config).RenderSource(); });
 }

@@ -1,5 +1,5 @@
 """What each optional feature of issue 12 costs over plain attention on the GPU, with cuDNN beside where jax.nn has the
-same feature: sinks, an additive [1, H, S, S] bias, dropout (jax.nn has no dropout: cuDNN's comes through JAX's own
+same feature: sinks, an additive [1, H, S, S] bias, a [B, 1, 1, S] one (key_bias: a key mask's shape), dropout (jax.nn has no dropout: cuDNN's comes through JAX's own
 private cuDNN call, jax._src.cudnn.fused_attention_stablehlo).
 
   python scripts/feature_cost.py [--features sinks,bias,dropout] [--seq 4096] [--dim 128] [--heads 16] [--repeats 20]
@@ -57,6 +57,7 @@ def main() -> None:
   options = {
       "sinks": dict(sink_logits=jnp.asarray(rng.standard_normal(h), jnp.float32)),
       "bias": dict(bias=jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.bfloat16)),
+      "key_bias": dict(bias=jnp.asarray(rng.standard_normal((b, 1, 1, s)), jnp.bfloat16)),
       "dropout": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
   }
 
@@ -72,6 +73,7 @@ def main() -> None:
                                                       dropout_rate=rate)
 
   peers = {"bias": lambda: (cudnn(), cudnn(bias=options["bias"]["bias"])),
+           "key_bias": lambda: (cudnn(), cudnn(bias=options["key_bias"]["bias"])),
            "dropout": lambda: (cudnn_private(0.0), cudnn_private(0.1))}
 
   def modes(attn):

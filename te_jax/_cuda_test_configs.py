@@ -75,7 +75,8 @@ DROPOUT_CASES = [
 
 # Additive-bias cases (the kernels built with a bias), tests/test_cuda_bias.py: the case as above, the bias's pattern
 # (which of [B, H, Sq, Skv] it keeps full; the others are 1) and its dtype. Lengths that are not multiples of 8 make
-# the bias rows start off 16-byte boundaries; Sq = 4 keeps a bias call off the decode kernels.
+# the bias rows start off 16-byte boundaries (those forwards run the sm80 family; biases whose rows are whole 16-byte
+# chunks, the "tma" cases among them, the sm90 forward on sm_90a); Sq = 4 keeps a bias call off the decode kernels.
 BIAS_CASES = [
     # name,                       dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,                  window,   cap,  alibi, ragged  pattern bias dtype
     (("bias_bhqk_causal_d128",    "bfloat16", 2, 200, 200, 4, 2,   128, 128, "causal",              (-1, -1), 0.0,  False, False), "bhqk", "bfloat16"),
@@ -89,6 +90,10 @@ BIAS_CASES = [
     (("bias_bhqk_odd_lengths",    "float16",  2, 77,  93,  2, 1,   96,  32,  "no_mask",             (17, 33), 0.0,  False, False), "bhqk", "bfloat16"),
     (("bias_b11k_decode_shape",   "bfloat16", 2, 4,   300, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "b11k", "bfloat16"),
     (("bias_1hqk_d192_dv128",     "bfloat16", 2, 120, 140, 4, 2,   192, 128, "padding",             (-1, -1), 5.0,  False, True),  "1hqk", "bfloat16"),
+    (("bias_b11k_tma_ragged",     "bfloat16", 3, 160, 176, 4, 2,   64,  64,  "padding_causal",      (-1, -1), 0.0,  False, True),  "b11k", "bfloat16"),
+    (("bias_1hqk_tma_d256_f32",   "float16",  1, 150, 160, 2, 2,   256, 256, "causal",              (-1, -1), 0.0,  False, False), "1hqk", "float32"),
+    (("bias_bhqk_tma_d192_window", "bfloat16", 2, 120, 136, 4, 2,  192, 128, "padding",             (40, 8),  5.0,  True,  True),  "bhqk", "float16"),
+    (("bias_bh1k_tma_gqa_br",     "float16",  2, 130, 264, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "bh1k", "bfloat16"),
 ]
 
 # Packed sequences with a bias (the kernels built with both): a packed case, its kind of tokens, the bias pattern and
@@ -100,6 +105,7 @@ BIAS_PACKED_CASES = [
 
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2}
 _BIAS_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+_BIAS_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DECODE_MAX_SEQLEN_Q = 16  # cpp/cuda/kernels/decode/tile_size.h
 
 # The modules the GPU tests run: each case's configuration in the forward and both backward kinds (the tests run every
@@ -116,9 +122,21 @@ def _configs(cases, **features) -> list[dict]:
                **features) for dr, det, dec, dt, d, dv, sc, al in keys]
 
 
+def bias_fits_tma(case, pattern: str, bias_dtype: str) -> bool:
+  """Whether a case's bias rows are whole 16-byte chunks of keys (cpp/cuda/kernel_config.h, BiasFitsTma): the sm90
+  forward's on sm_90a."""
+  return pattern[3] != "1" and case[4] * _BIAS_DTYPE_BYTES[bias_dtype] % 16 == 0
+
+
+def _bias_configs(case, tokens: bool, pattern: str, bias_dtype: str) -> list[dict]:
+  fits = bias_fits_tma(case, pattern, bias_dtype)
+  return [dict(c, bias_fits_tma=c["direction"] == "forward" and fits)
+          for c in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias_dtype])]
+
+
 CONFIGS = (_configs(CASES + DECODE_CASES) + _configs([c for c, _ in DROPOUT_CASES], dropout=True) +
            _configs([c for c, _ in PACKED_CASES], tokens=True) +
-           [config for case, tokens, bias in [(c, False, b) for c, _, b in BIAS_CASES] +
-                                             [(c, True, b) for c, _, _, b in BIAS_PACKED_CASES]
-            for config in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias])])
+           [config for case, tokens, pattern, bias in [(c, False, p, b) for c, p, b in BIAS_CASES] +
+                                                      [(c, True, p, b) for c, _, p, b in BIAS_PACKED_CASES]
+            for config in _bias_configs(case, tokens, pattern, bias)])
 CONFIGS = [c for i, c in enumerate(CONFIGS) if c not in CONFIGS[:i]]  # bias cases may share a module

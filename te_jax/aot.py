@@ -31,11 +31,13 @@ def config_set(name: str, arch: str) -> list[dict]:
   every D = Dv multiple of 8 up to 256, plain variant), 'ci' (a small cross-section incl. D != Dv), 'bench', 'tests'.
   Module kinds: forward, decode (the forward of few query positions), backward and the deterministic backward; and
   with tokens (segment ids or positions), dropout or an additive bias (of a dtype), forward and both backwards."""
-  def make(direction, dtype, d, dv, softcap=False, alibi=False, tokens=False, dropout=False, bias=None):
+  def make(direction, dtype, d, dv, softcap=False, alibi=False, tokens=False, dropout=False, bias=None,
+           bias_fits_tma=False):
     kind, _, det = direction.partition("-")
     return dict(direction="forward" if kind == "decode" else kind, decode=kind == "decode", dtype=DTYPES[dtype],
                 head_dim=d, head_dim_v=dv, softcap=softcap, alibi=alibi, deterministic=det == "deterministic",
-                tokens=tokens, dropout=dropout, bias_dtype=None if bias is None else BIAS_DTYPES[bias], arch=arch)
+                tokens=tokens, dropout=dropout, bias_dtype=None if bias is None else BIAS_DTYPES[bias],
+                bias_fits_tma=bias_fits_tma, arch=arch)
 
   # The backward's two module kinds: atomic dq (the default) and fused_attn(deterministic=True).
   both = ("forward", "decode", "backward", "backward-deterministic")
@@ -56,7 +58,8 @@ def config_set(name: str, arch: str) -> list[dict]:
            [make(dr, dt, d, dv, sc, al, tokens=True) for dr in packed for dt, d, dv, sc, al in
             (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True))] + \
            [make(dr, "bfloat16", 128, 128, dropout=True) for dr in packed] + \
-           [make(dr, dt, d, dv, sc, al, bias=bias) for dr in packed for dt, d, dv, sc, al, bias in
+           [make(dr, dt, d, dv, sc, al, bias=bias, bias_fits_tma=fits)
+            for dr, fits in [(dr, False) for dr in packed] + [("forward", True)] for dt, d, dv, sc, al, bias in
             (("bfloat16", 128, 128, False, False, "bfloat16"), ("float16", 64, 64, True, True, "float32"))]
   if name == "bench":
     return [make(dr, "bfloat16", d, d) for dr in both for d in (64, 128, 256)]

@@ -165,19 +165,48 @@ def test_sm90_backward_splits_columns_above_head_dim_128():
   assert ext.kernel_name(dict(base, head_dim=128, head_dim_v=128)).endswith("_sm90_128x64")
 
 
-def test_bias_modules_are_sm80_family_with_32_row_tiles():
-  # A bias runs te_jax's sm80 family on every arch (its forward iterates 32-key tiles), never the decode kernels.
+def test_bias_modules_families():
+  # The sm90 forward serves a bias whose rows TMA copies (bias_fits_tma) where its ring fits beside the tiles (a float
+  # bias takes 64-key tiles, and at d = 256 the sm80 family); the sm80 family serves the rest, every backward and every
+  # arch but sm_90a; never the decode kernels.
   base = dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, arch="sm_90a")
-  assert ext.kernel_name(dict(base, direction="forward", bias_dtype=0)) == \
-      "fwd_bf16_d128_dv128_scaled_bias_f32_sm_90a_sm80_128x32"
+  fwd = dict(base, direction="forward")
+  assert ext.kernel_name(dict(fwd, bias_dtype=1, bias_fits_tma=True)) == \
+      "fwd_bf16_d128_dv128_scaled_bias_bf16_sm_90a_sm90_128x128"
+  assert ext.kernel_name(dict(fwd, bias_dtype=0, bias_fits_tma=True)) == \
+      "fwd_bf16_d128_dv128_scaled_bias_f32_sm_90a_sm90_128x64"
+  assert ext.kernel_name(dict(fwd, bias_dtype=0)) == "fwd_bf16_d128_dv128_scaled_bias_f32_sm_90a_sm80_128x32"
+  assert ext.kernel_name(dict(fwd, head_dim=64, head_dim_v=64, bias_dtype=2, bias_fits_tma=True)).endswith(
+      "_bias_fp16_sm_90a_sm90_128x128")  # two consumer warpgroups: the three-consumer kernel is the plain product's
+  assert ext.kernel_name(dict(fwd, head_dim=256, head_dim_v=256, bias_dtype=1, bias_fits_tma=True)).endswith(
+      "_sm90_128x64")
+  assert "_sm80_" in ext.kernel_name(dict(fwd, head_dim=256, head_dim_v=256, bias_dtype=0, bias_fits_tma=True))
+  assert "_sm80_" in ext.kernel_name(dict(fwd, bias_dtype=1, bias_fits_tma=True, arch="sm_80"))
   assert ext.kernel_name(dict(base, direction="backward", bias_dtype=1)) == "bwd_bf16_d128_dv128_scaled_bias_bf16_sm_90a"
   assert ext.kernel_name(dict(base, direction="backward", deterministic=True, bias_dtype=2, tokens=True)) == \
       "bwd_det_bf16_d128_dv128_scaled_tokens_bias_fp16_sm_90a"
-  assert ext.kernel_name(dict(base, direction="forward", bias_dtype=None)) == "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
+  assert ext.kernel_name(dict(fwd, bias_dtype=None)) == "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
+  with pytest.raises(ValueError, match="bias_fits_tma applies to the forward with a bias"):
+    ext.kernel_name(dict(base, direction="backward", bias_dtype=1, bias_fits_tma=True))
   with pytest.raises(ValueError, match="decode kernels take no bias"):
-    ext.kernel_name(dict(base, direction="forward", decode=True, bias_dtype=1))
+    ext.kernel_name(dict(fwd, decode=True, bias_dtype=1))
   with pytest.raises(ValueError, match="bias_dtype must be"):
-    ext.kernel_name(dict(base, direction="forward", bias_dtype=7))
+    ext.kernel_name(dict(fwd, bias_dtype=7))
+
+
+@pytest.mark.parametrize("broadcast, seqlen_kv, bias_dtype, family", [
+    (0b0000, 96, 1, "_sm90_128x128"),  # [B, H, Sq, Skv] bf16, rows of 192 bytes
+    (0b0101, 96, 2, "_sm90_128x128"),  # [1, H, 1, Skv]: a query-broadcast bias stages one row
+    (0b0000, 92, 0, "_sm90_128x64"),   # float rows of 368 bytes: the float bias's 64-key tiles
+    (0b0000, 90, 1, "_sm80_128x32"),   # rows of 180 bytes: not whole 16-byte chunks
+    (0b1000, 96, 1, "_sm80_128x32"),   # [B, H, Sq, 1]: broadcast along the keys
+])
+def test_which_family_serves_a_bias_call(broadcast, seqlen_kv, bias_dtype, family):
+  params = dict(_backward_params(128, 128, False), seqlen_kv=seqlen_kv, has_bias=True, bias_dtype=bias_dtype,
+                bias_broadcast=broadcast)
+  assert ext.call_kernel_name(params, "forward", "sm_90a").endswith(family)
+  assert ext.call_kernel_name(params, "backward", "sm_90a").endswith("_sm_90a")  # the sm80 backward
+  assert "_sm80_" in ext.call_kernel_name(params, "forward", "sm_80")
 
 
 def test_backward_workspace_holds_a_summed_dbias_accumulator():

@@ -226,8 +226,9 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   const bool three = call.three_consumer_forward &&
                      !(IsCausal(p.mask_type) && p.seqlen_q < sm90::kThreeConsumerMinCausalRows);
   const int kernel = call.three_consumer_forward && !three ? 1 : 0;
-  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv, UsesTokens(p), three ? 3 : 2);
-  TmaForwardArgs tma{args, {}, {}, {}};
+  const sm90::ForwardTile tile =
+      sm90::ForwardTileSize(d, dv, UsesTokens(p), three ? 3 : 2, p.has_bias ? DTypeSize(p.bias_dtype) : 0);
+  TmaForwardArgs tma{args, {}, {}, {}, {}};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
   if (p.seqlen_kv == 0) {
@@ -238,6 +239,11 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
         EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, d, tile.block_n, &tma.k));
     TE_JAX_RETURN_IF_ERROR(
         EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n, &tma.v));
+  }
+  // Without a bias the kernel reads no bias map (q's stands in).
+  tma.bias = tma.q;
+  if (p.has_bias && p.seqlen_kv > 0) {
+    TE_JAX_RETURN_IF_ERROR(EncodeBiasTensorMap(driver, p, b.bias, tile.block_m, &tma.bias));
   }
   return Launch(driver, call.module->kernels[kernel], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
                 static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::ForwardThreads(tile),

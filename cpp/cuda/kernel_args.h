@@ -117,12 +117,14 @@ struct alignas(128) TensorMap {
 };
 
 // The sm90 forward's parameters: the forward's, and TMA tensor maps of q, k and v as 4-D tensors [B][S][H][D] (innermost
-// first: D, H, S, B), each copied box by box as 64 columns x the tile's rows of one (batch, head).
+// first: D, H, S, B), each copied box by box as 64 columns x the tile's rows of one (batch, head); with a bias, its map
+// as a 3-D tensor [B' H'][Sq'][Skv'] (sm90/bias_tile.h).
 struct TmaForwardArgs {
   ForwardArgs args;
   TensorMap q;
   TensorMap k;
   TensorMap v;
+  TensorMap bias;  // read only by kernels built with a bias (sm90/bias_tile.h)
 };
 
 // The length guard (kernels/common/length_guard.cuh) around an engine that trusts its run-time lengths: before it,

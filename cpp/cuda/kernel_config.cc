@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "cpp/bias.h"
 #include "cpp/cuda/decode_geometry.h"
 #include "cpp/cuda/token_workspace.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
@@ -85,16 +86,18 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  // A bias is on the sm80 family only so far.
-  if (kind != ModuleKind::kAttention || arch != "sm_90a" || bias) return KernelFamily::kSm80;
-  const bool served = direction == Direction::kForward ? sm90::ServesForward(head_dim, head_dim_v)
-                                                       : sm90::ServesBackward(head_dim, head_dim_v, !deterministic);
+  // A bias: the sm80 family but for the forward of one whose rows TMA copies (kernels/sm90/bias_tile.h).
+  const bool sm80_bias = bias && !(direction == Direction::kForward && bias_fits_tma);
+  if (kind != ModuleKind::kAttention || arch != "sm_90a" || sm80_bias) return KernelFamily::kSm80;
+  const bool served = direction == Direction::kForward
+                          ? sm90::ServesForward(head_dim, head_dim_v, tokens, bias ? DTypeSize(bias_dtype) : 0)
+                          : sm90::ServesBackward(head_dim, head_dim_v, !deterministic);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
 bool KernelConfig::HasThreeConsumerForward() const {
   return direction == Direction::kForward && Family() == KernelFamily::kSm90 &&
-         sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, !softcap && !alibi && !tokens && !dropout);
+         sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, !softcap && !alibi && !tokens && !dropout && !bias);
 }
 
 std::string KernelConfig::Name() const { return BaseName() + (pipeline_stress ? "_stress" : ""); }
@@ -114,7 +117,8 @@ std::string KernelConfig::BaseName() const {
            std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout));
   }
   if (sm90) {  // the first kernel's tile
-    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2);
+    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2,
+                                                      bias ? DTypeSize(bias_dtype) : 0);
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
   const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v, bias);
@@ -236,6 +240,7 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.dropout = params.dropout_threshold > 0;
   c.bias = params.has_bias;
   c.bias_dtype = params.has_bias ? params.bias_dtype : DType::kFloat32;
+  c.bias_fits_tma = direction == Direction::kForward && BiasFitsTma(params);
   c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   c.arch = arch;
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
@@ -250,6 +255,11 @@ KernelConfig LengthGuardConfig(const std::string& arch) {
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
   c.pipeline_stress = stress != nullptr && std::string(stress) == "1";
   return c;
+}
+
+bool BiasFitsTma(const AttentionParams& params) {
+  return params.has_bias && !(params.bias_broadcast & kBroadcastKey) &&
+         params.seqlen_kv * DTypeSize(params.bias_dtype) % 16 == 0;
 }
 
 std::string ArchForComputeCapability(int major, int minor) {

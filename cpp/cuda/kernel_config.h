@@ -43,11 +43,13 @@ struct KernelConfig {
   // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); both
   // families serve it.
   bool dropout = false;
-  // An additive logit bias (issue 12) of element type bias_dtype: the kernels built with the variant's bias, their
-  // 32-row iteration tiles (sm80/tile_size.h), and in the backward the dbias conversion kernel as the entry after the
-  // attention kernels. The sm80 family serves it on every arch.
+  // An additive logit bias (issue 12) of element type bias_dtype: the kernels built with the variant's bias, and in
+  // the backward the dbias conversion kernel as the entry after the attention kernels. The sm80 family serves it on
+  // every arch; on sm_90a the sm90 forward serves a bias whose rows TMA copies (bias_fits_tma, set for the forward
+  // only: BiasFitsTma).
   bool bias = false;
   DType bias_dtype = DType::kFloat32;
+  bool bias_fits_tma = false;
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.
@@ -68,6 +70,10 @@ struct KernelConfig {
 };
 
 KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+
+// Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv
+// elements) whole 16-byte chunks.
+bool BiasFitsTma(const AttentionParams& params);
 KernelConfig LengthGuardConfig(const std::string& arch);
 
 // "sm_80", "sm_86", "sm_89", "sm_90a" (Hopper's arch-specific target), "sm_100a", ... from a compute capability.

@@ -85,12 +85,14 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
   if (c.decode) return index < 2 ? decode::SmemBytes(c.head_dim, c.head_dim_v, decode::RowTilesOfKernel(index)) : 0;
+  const int bias_bytes = c.bias ? DTypeSize(c.bias_dtype) : 0;
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) {
       if (c.HasThreeConsumerForward()) {  // the three-consumer kernel, then the two-consumer one
         return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, false, index == 0 ? 3 : 2);
       }
-      return index == 0 ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens) : 0;  // the token kernels: none
+      return index == 0 ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, 2, bias_bytes)
+                        : 0;  // the token kernels: none
     }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
     using Kind = sm90::BackwardKernelKind;
@@ -102,7 +104,6 @@ int SmemBytes(const KernelConfig& c, int index) {
     return 0;
   }
   // The token-table kernels (the last two entries with tokens) and the dbias conversion take no dynamic shared memory.
-  const int bias_bytes = c.bias ? DTypeSize(c.bias_dtype) : 0;
   if (c.direction == Direction::kForward) {
     return index == 0 ? sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, bias_bytes) : 0;
   }

@@ -1,10 +1,12 @@
 // TMA tensor maps of the attention operands for the sm90 family: q, k, v and out are [B][S][H][D] with D contiguous,
 // described as 4-D tensors (D, H, S, B innermost first) whose box is 64 columns x `rows` rows of one (batch, head),
-// with the 128-byte swizzle the wgmma descriptors expect (kernels/sm90/swizzled_tile.h).
+// with the 128-byte swizzle the wgmma descriptors expect (kernels/sm90/swizzled_tile.h). An additive bias is described
+// as a 3-D tensor of its own dims (kernels/sm90/bias_tile.h).
 #pragma once
 
 #include <cstdint>
 
+#include "cpp/attention_params.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/dtype.h"
@@ -14,5 +16,10 @@ namespace te_jax::cuda {
 
 Status EncodeHeadsTensorMap(const DriverApi* driver, DType dtype, const void* base, int64_t batch, int64_t seqlen,
                             int64_t heads, int64_t head_dim, int rows, TensorMap* map);
+
+// The bias of a call (p.has_bias, its rows whole 16-byte chunks: BiasFitsTma) as [B' H'][Sq'][Skv'], boxes of 128 bytes
+// of keys x `rows` query rows (1 for a query-broadcast bias).
+Status EncodeBiasTensorMap(const DriverApi* driver, const AttentionParams& p, const void* base, int rows,
+                           TensorMap* map);
 
 }  // namespace te_jax::cuda

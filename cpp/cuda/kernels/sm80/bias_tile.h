@@ -12,43 +12,11 @@
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/common/bias_element.h"
 #include "cpp/cuda/kernels/sm80/cp_async.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 
 namespace te_jax::cuda::sm80 {
-
-// A bias element type's storage and conversions: 16-bit types (BFloat16, Float16) as uint16_t; Float32 as float.
-// The bias and dbias tiles are read and written through 32-bit shared-window addresses by volatile asm: staged per
-// stage and indexed at run time, a generic pointer loses its state space, and the 64-bit generic loads cost the d =
-// 128 forward its registers. Only these asm statements touch the tiles, so they need no memory clobber (which would
-// make the compiler reload every shared-memory value of the fragment loop after each dS store).
-template <typename Bias>
-struct BiasElementOf {
-  using Storage = uint16_t;
-  static __device__ __forceinline__ float LoadShared(uint32_t addr) {
-    uint32_t x;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(x) : "r"(addr));
-    return Bias::ToFloat(static_cast<uint16_t>(x));
-  }
-  static __device__ __forceinline__ uint16_t LoadGlobal(const uint16_t* p) { return __ldg(p); }
-  static __device__ __forceinline__ uint32_t Splat(uint16_t x) { return static_cast<uint32_t>(x) * 0x10001u; }
-  static __device__ __forceinline__ void StoreGlobal(uint16_t* p, float x) {
-    __stcg(p, static_cast<uint16_t>(Bias::Pack(x, 0.0f)));
-  }
-};
-
-template <>
-struct BiasElementOf<Float32> {
-  using Storage = float;
-  static __device__ __forceinline__ float LoadShared(uint32_t addr) {
-    float x;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr));
-    return x;
-  }
-  static __device__ __forceinline__ float LoadGlobal(const float* p) { return __ldg(p); }
-  static __device__ __forceinline__ uint32_t Splat(float x) { return __float_as_uint(x); }
-  static __device__ __forceinline__ void StoreGlobal(float* p, float x) { __stcg(p, x); }
-};
 
 // The bias of one (batch, head): element (i, j) at data[offset + i * query_stride + j * key_stride].
 struct BiasRows {

@@ -17,6 +17,9 @@
 // row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
 // Dropout (Variant::kHasDropout; kernels/common/dropout.h) draws a tile's keep bits while its q k^T runs and scales p
 // after the online softmax has taken the row sums (lse is dropout's not), before p v.
+// An additive bias (Variant::kHasBias; sm90/bias_tile.h) has a ring of its own: the producer copies each tile's block
+// of it after the tile's k, and the consumers add it to the logits after the variant's (so the logits are in natural
+// units, not raw products) and hand the stage back once added.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -25,6 +28,7 @@
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
+#include "cpp/cuda/kernels/sm90/bias_tile.h"
 #include "cpp/cuda/kernels/sm90/pipeline.h"
 #include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
@@ -58,7 +62,9 @@ template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 
 struct ForwardKernel {
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr bool kDropout = Variant::kHasDropout;
-  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens, kConsumers);
+  static constexpr bool kBias = Variant::kHasBias;
+  static constexpr int kBiasBytes = Variant::Bias::kBytes;
+  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens, kConsumers, kBiasBytes);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -70,8 +76,11 @@ struct ForwardKernel {
   using QTile = SwizzledTile<kBlockM, kDP>;
   using KTile = SwizzledTile<kBlockN, kDP>;
   using VTile = SwizzledTile<kBlockN, kDvP>;
+  using BiasStage = BiasTile<typename Variant::Bias, kBlockM, kBlockN>;
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
+  // A bias: its ring after v's (whole 1024-byte swizzle atoms, as k's and v's stages are).
+  static constexpr int kBiasOffset = kVOffset + kStages * VTile::kBytes;
   // Tokens: after the v ring, the CTA's query rows' entries, "saw a key" flags and granule summaries, then the token
   // ring, each stage a key tile's entries and granule summaries. The rows' state stays in shared memory, read or set
   // where a tile needs it: held in registers through the loop, it made the d = 128 and d = 256 kernels spill.
@@ -82,25 +91,27 @@ struct ForwardKernel {
   static constexpr int kTokenStages = kStages + 1;
   static constexpr int kKeyGranules = kBlockN / kTokenGranule;
   static constexpr int kKeyGranuleBytes = 8 * kTokenGranule + kTokenSummaryBytes;  // a granule's entries and summary
-  static constexpr int kTokensOffset = kVOffset + kStages * VTile::kBytes;
+  static constexpr int kTokensOffset = kBiasOffset + (kBias ? kStages * BiasStage::kBytes : 0);
   static constexpr int kRowSeenOffset = kTokensOffset + 16 * kBlockM;
   static constexpr int kRowSummariesOffset = kRowSeenOffset + 4 * kBlockM;
   static constexpr int kTokenRingOffset = kRowSummariesOffset + kBlockM / kTokenGranule * kTokenSummaryBytes;
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
-  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 4 * kStages);
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers),
+  static constexpr int kBarriers = 1 + 4 * kStages + (kBias ? 2 * kStages : 0);
+  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * kBarriers;
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token ring");
   static_assert(kSmemBytes <= kMaxDynamicSmem, "the tiles fit in shared memory");
   static_assert(kBlockM == 64 * kConsumers && kTile.consumers == kConsumers, "consumer warpgroups of 64 rows");
-  static constexpr bool kPlain = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kTokens && !kDropout;
+  static constexpr bool kPlain = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kTokens && !kDropout && !kBias;
   static_assert(kConsumers == 2 || ForwardHasThreeConsumerKernel(kD, kDv, kPlain),
                 "three consumer warpgroups only where tile_size.h gives them");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
-  // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h).
-  static constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+  // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h); a
+  // bias adds to natural-unit logits.
+  static constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kBias;
 
   // The shared-memory map, from the 1024-byte-aligned base.
   struct Smem {
@@ -113,6 +124,9 @@ struct ForwardKernel {
     __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
     __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
     __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
+    __device__ __forceinline__ BiasStage Bias(int stage) const { return {base + kBiasOffset + stage * BiasStage::kBytes}; }
+    __device__ __forceinline__ uint32_t BiasFull(int stage) const { return QFull() + 8 * (1 + 4 * kStages + stage); }
+    __device__ __forceinline__ uint32_t BiasEmpty(int stage) const { return QFull() + 8 * (1 + 5 * kStages + stage); }
     // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
     // granules' summaries.
     __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
@@ -129,10 +143,10 @@ struct ForwardKernel {
   static __device__ __forceinline__ uint32_t ParityOf(int i) { return sm90::ParityOf<kStages>(i); }
   static __device__ __forceinline__ int TokenStageOf(int i) { return i % kTokenStages; }
 
-  // The producer thread: q once, then k and v of tiles [tile_begin, tile_end), counting ring positions from `i`. With
-  // tokens, the query rows' entries and granule summaries come with q and each tile's key entries and granule summaries
-  // with its k (the rows past Sq are not copied: the index range hides every key from them; the granules past Skv are
-  // not copied either, and the keys table's padding fills the last one).
+  // The producer thread: q once, then k, the bias and v of tiles [tile_begin, tile_end), counting ring positions from
+  // `i`. With tokens, the query rows' entries and granule summaries come with q and each tile's key entries and granule
+  // summaries with its k (the rows past Sq are not copied: the index range hides every key from them; the granules
+  // past Skv are not copied either, and the keys table's padding fills the last one).
   static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
                                                  bool load_q, int i) {
     const ShapeArgs& s = a.args.shape;
@@ -162,6 +176,11 @@ struct ForwardKernel {
         BulkLoad(sm.KeyEntries(ts), tokens.keys + tile * kBlockN, granules * 8 * kTokenGranule, sm.KFull(stage));
         BulkLoad(sm.KeySummaries(ts), tokens.kv_summary + tile * kKeyGranules * kTokenSummaryInts,
                  granules * kTokenSummaryBytes, sm.KFull(stage));
+      }
+      if constexpr (kBias) {
+        MbarrierWait(sm.BiasEmpty(stage), parity);
+        sm.Bias(stage).Load(&a.bias, sm.BiasFull(stage), BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0),
+                            tile * kBlockN);
       }
       MbarrierWait(sm.VEmpty(stage), parity);
       LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
@@ -253,12 +272,17 @@ struct ForwardKernel {
       PrefetchTensorMap(&a.q);
       PrefetchTensorMap(&a.k);
       PrefetchTensorMap(&a.v);
+      if constexpr (kBias) PrefetchTensorMap(&a.bias);
       MbarrierInit(sm.QFull(), 1);
       for (int st = 0; st < kStages; ++st) {
         MbarrierInit(sm.KFull(st), 1);
         MbarrierInit(sm.VFull(st), 1);
         MbarrierInit(sm.KEmpty(st), 4 * kConsumers);  // a release per consumer warp
         MbarrierInit(sm.VEmpty(st), 4 * kConsumers);
+        if constexpr (kBias) {
+          MbarrierInit(sm.BiasFull(st), 1);
+          MbarrierInit(sm.BiasEmpty(st), 4 * kConsumers);
+        }
       }
       FenceMbarrierInit();
     }
@@ -320,6 +344,12 @@ struct ForwardKernel {
     if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[cta.b * s.num_heads + cta.head];
     const int diag = static_cast<int>(cta.mask.diag_offset);
     const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
+    // A bias: the rows of its stages the thread reads (a query-broadcast bias's one-row boxes: row 0).
+    [[maybe_unused]] int bias_rows[2];
+    if constexpr (kBias) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) bias_rows[r] = args.bias.query_stride == 0 ? 0 : local_row + 8 * r;
+    }
     // The row position the variant sees: the token's with packed sequences, else the diagonal's.
     auto row_position = [&](int r) {
       if constexpr (kTokens) {
@@ -334,6 +364,8 @@ struct ForwardKernel {
     uint32_t p[kBlockN / 16][4];
     float sc[kBlockN / 8][4];
 
+    // Hands a stage back to the producer once every warp of the consumer warpgroups is done with it.
+    auto release = [&](uint32_t bar) { ReleaseStage(bar, lane); };
     // Tokens: whether tile `tile` (ring position `at`, its k landed) is interior, every row seeing every key of it by
     // the index range and by the tokens' summaries. Asked before q k^T, where no logits are live: held through the
     // logits, the summaries made the d = 128 kernel spill.
@@ -372,10 +404,29 @@ struct ForwardKernel {
         const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
         return (col >= keys[r].x) & (col < keys[r].y) & TokenSees(rows[r], key_token(j, e));
       };
+      // A bias: every element's logit, the variant's plus the bias, once the tile's bias stage has landed; the stage
+      // goes back to the producer right after.
+      auto biased_logits = [&]() {
+        if constexpr (kBias) {
+          const BiasStage bias = sm.Bias(StageOf(at));
+          MbarrierWait(sm.BiasFull(StageOf(at)), ParityOf(at));
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const float2 b = bias.Pair(bias_rows[r], 8 * j + 2 * t);
+              sc[j][2 * r] = variant.Logit(sc[j][2 * r], row_position(r), key_position(j, 2 * r)) + b.x;
+              sc[j][2 * r + 1] = variant.Logit(sc[j][2 * r + 1], row_position(r), key_position(j, 2 * r + 1)) + b.y;
+            }
+          release(sm.BiasEmpty(StageOf(at)));
+        }
+      };
       // A tile every row fully sees: the variant alone (raw scores need nothing).
       auto interior_tile = [&]() {
         if constexpr (kTokens) row_seen(0) = row_seen(1) = 1;
-        if constexpr (!kRawScores) {
+        if constexpr (kBias) {
+          biased_logits();
+        } else if constexpr (!kRawScores) {
 #pragma unroll
           for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -390,13 +441,14 @@ struct ForwardKernel {
           rows[0] = row_token(0);
           rows[1] = row_token(1);
         }
+        biased_logits();
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
             float logit = sc[j][e];
-            if constexpr (!kRawScores) logit = variant.Logit(logit, row_position(r), key_position(j, e));
+            if constexpr (!kRawScores && !kBias) logit = variant.Logit(logit, row_position(r), key_position(j, e));
             bool visible = col >= keys[r].x && col < keys[r].y;
             if constexpr (kTokens) {
               visible = sees(j, e, rows);
@@ -465,8 +517,6 @@ struct ForwardKernel {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) PackAFragment<Element>(sc, kk, p[kk]);
     };
-    // Hands a stage back to the producer once every warp of both consumer warpgroups is done with it.
-    auto release = [&](uint32_t bar) { ReleaseStage(bar, lane); };
 
     // Every register the products touch, pinned before a WgmmaFence (wgmma.h).
     auto fence_registers = [&]() {
@@ -566,7 +616,11 @@ struct ForwardKernel {
       for (int r = 0; r < 2; ++r) sees_keys[r] = row_seen(r) != 0;
     }
     float inv_sum[2], lse[2];
-    softmax.Finish(sees_keys, inv_sum, lse);
+    if constexpr (kBias) {
+      softmax.FinishWithBias(sees_keys, inv_sum, lse);
+    } else {
+      softmax.Finish(sees_keys, inv_sum, lse);
+    }
     MergeRowSinks(args.sinks, static_cast<int64_t>(cta.b) * s.num_heads + cta.head, inv_sum, lse);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -39,32 +39,43 @@ TE_JAX_HOST_DEVICE constexpr int ForwardTokenBytes(ForwardTile t) {
          (t.stages + 1) * (8 * t.block_n + t.block_n / kTokenGranule * kTokenSummaryBytes);
 }
 
-TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t, bool tokens = false) {
+// A stage of the bias ring (sm90/bias_tile.h): the CTA's rows x the stage's keys in the bias's element type.
+TE_JAX_HOST_DEVICE constexpr int ForwardBiasTileBytes(int rows, int keys, int bias_bytes) {
+  return rows * keys * bias_bytes;
+}
+
+// bias_bytes: the element size of the bias of a kernel built with one (0 without).
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t, bool tokens = false,
+                                                     int bias_bytes = 0) {
   return 1024 +  // slack to align the tiles to the swizzle atom
          t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
-         (tokens ? ForwardTokenBytes(t) : 0) +
-         8 * (1 + 4 * t.stages);  // mbarriers: q full; k full, k empty, v full, v empty per stage
+         t.stages * ForwardBiasTileBytes(t.block_m, t.block_n, bias_bytes) + (tokens ? ForwardTokenBytes(t) : 0) +
+         8 * (1 + 4 * t.stages) +  // mbarriers: q full; k full, k empty, v full, v empty per stage
+         (bias_bytes > 0 ? 8 * 2 * t.stages : 0);  // and bias full, bias empty per stage
 }
 
 // Two consumer warpgroups: 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers
-// for 64 logits and the two stages fit (with the token tables, for kernels built with tokens: d = 256, dv <= 64 fits
-// only without); else 64. Three (ForwardHasThreeConsumerKernel): FlashAttention-3's 192-row tile.
-TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tokens = false, int consumers = 2) {
+// for 64 logits and the two stages fit (with the token tables or the bias ring of kernels built with them: d = 256,
+// dv <= 64 fits only without tokens, and a float bias takes 64); else 64. Three (ForwardHasThreeConsumerKernel):
+// FlashAttention-3's 192-row tile.
+TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tokens = false, int consumers = 2,
+                                                        int bias_bytes = 0) {
   if (consumers == 3) return {192, 128, 2, 3};
   const ForwardTile wide{128, 128, 2, 2};
-  if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide, tokens) <= kMaxDynamicSmem) return wide;
+  if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide, tokens, bias_bytes) <= kMaxDynamicSmem) return wide;
   return {128, 64, 2, 2};
 }
 
-TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false, int consumers = 2) {
-  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers), tokens);
+TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false, int consumers = 2,
+                                                  int bias_bytes = 0) {
+  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers, bias_bytes), tokens, bias_bytes);
 }
 
 // Where both head dims pad to 64 a tile's products are short against its softmax, and with two warpgroups the tensor
 // cores wait for it: a forward module there also has a kernel of three consumer warpgroups, whose softmax runs under
 // the two others' products (H200, d 64, b s = 16k: 0.84-0.92x cuDNN -> 0.94-1.11x at s >= 2k, docs/BENCHMARKS.md run
-// 41). Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits) or tokens, the
-// 160 registers per consumer thread spill in the loop.
+// 41). Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits), tokens or a
+// bias, the 160 registers per consumer thread spill in the loop (and a bias ring of 192-row tiles would not fit).
 TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, bool plain) {
   return plain && PadTo64(d) == 64 && PadTo64(dv) == 64;
 }
@@ -74,9 +85,11 @@ TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, b
 // 192; s 2k: 0.81x and 0.82x).
 inline constexpr int kThreeConsumerMinCausalRows = 1025;
 
-// Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements).
-TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv) {
-  return d % 8 == 0 && dv % 8 == 0 && d >= 8 && dv >= 8 && d <= 256 && dv <= 256;
+// Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements), where the tiles fit in shared
+// memory with the token tables or the bias ring of a kernel built with them (a float bias at d = 256 does not).
+TE_JAX_HOST_DEVICE constexpr bool ServesForward(int d, int dv, bool tokens = false, int bias_bytes = 0) {
+  return d % 8 == 0 && dv % 8 == 0 && d >= 8 && dv >= 8 && d <= 256 && dv <= 256 &&
+         ForwardSmemBytes(d, dv, tokens, 2, bias_bytes) <= kMaxDynamicSmem;
 }
 
 // The backward's two kernels (attention_bwd.cuh) share one shape: a CTA owns rows (keys for dk/dv, queries for dq)

@@ -16,6 +16,14 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_
       : "memory");
 }
 
+// Loads the box at coordinates (c0, c1, c2), innermost first, of a 3-D tensor map (the bias's, sm90/bias_tile.h).
+__device__ __forceinline__ void TmaLoad3d(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // Copies `bytes` of contiguous global memory to shared memory (both addresses 16-byte aligned, bytes a multiple of 16),
 // counting them on the mbarrier `bar` like a tensor copy.
 __device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
