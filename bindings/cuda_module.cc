@@ -57,8 +57,8 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 // backward, optionally "deterministic" (bool, default false), for the forward optionally "decode" (bool, default
 // false: the decode kernels, cpp/cuda/decode_geometry.h), optionally "tokens" (bool, default false: segment ids
 // or positions), "dropout" (bool, default false), "bias_dtype" (core code of the additive bias's dtype; absent or
-// None: no bias) and, for the forward with a bias, "bias_fits_tma" (bool, default false: the bias's rows are whole
-// 16-byte chunks, cpp/cuda/kernel_config.h).
+// None: no bias) and, with a bias, "bias_fits_tma" (bool, default false: the bias's rows are whole 16-byte chunks,
+// cpp/cuda/kernel_config.h).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -104,9 +104,7 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
     if (c.decode) throw nb::value_error("the decode kernels take no bias");
   }
   c.bias_fits_tma = d.contains("bias_fits_tma") && nb::cast<bool>(d["bias_fits_tma"]);
-  if (c.bias_fits_tma && !(c.bias && c.direction == cuda::Direction::kForward)) {
-    throw nb::value_error("bias_fits_tma applies to the forward with a bias (bias_dtype) only");
-  }
+  if (c.bias_fits_tma && !c.bias) throw nb::value_error("bias_fits_tma applies to a bias (bias_dtype) only");
   c.arch = nb::cast<std::string>(d["arch"]);
   return c;
 }

@@ -4,8 +4,8 @@ the plain product at d 64 (the sm90 forward's three consumer warpgroups), each w
 deterministic), on te_jax's kernels; then causal forwards whose v holds a NaN at a key the first rows do not see (the
 forward's rare path for non-finite values in a straddling tile; 1100 rows take the three-consumer kernel); then a
 paged decode call with a page id outside the pool; then an additive bias whose rows start off 16-byte boundaries (its
-last chunk reaches past the operand), in full shape (dbias written directly) and broadcast (the float accumulator),
-with -inf rows. Exit status 1 on unexpected results."""
+last chunk reaches past the operand) and one whose rows TMA copies, in full shape (dbias written directly) and
+broadcast (the float accumulator), with -inf rows. Exit status 1 on unexpected results."""
 import sys
 
 import jax
@@ -59,23 +59,25 @@ lengths = np.asarray([256, 37, 100], np.int32)
 out = np.asarray(jax.jit(te_jax.paged_attention)(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths)),
                  np.float32)
 ok &= bool(np.isfinite(out[:2]).all() and np.isnan(out[2]).all())
-# A bias over Skv = 77 keys (issue 12): bf16 [B, H, Sq, Skv] with both backwards, float32 [1, H, 1, Skv] (summed
-# dbias) with the atomic one, GQA, causal; -inf entries (a whole row, a key).
+# A bias (issue 12) over Skv = 77 keys (rows off 16-byte boundaries: the sm80 kernels) and over 80 (rows TMA copies:
+# the sm90 kernels on sm_90a): bf16 [B, H, Sq, Skv] with both backwards, float32 [1, H, 1, Skv] (summed dbias) with the
+# atomic one, GQA, causal; -inf entries (a whole row, a key).
 rng = np.random.default_rng(3)
 q = jnp.asarray(rng.standard_normal((2, 70, 4, 64)), jnp.bfloat16)
-k, v = (jnp.asarray(rng.standard_normal((2, 77, 2, 64)), jnp.bfloat16) for _ in range(2))
-for shape, dtype, deterministic in (((2, 4, 70, 77), jnp.bfloat16, False), ((2, 4, 70, 77), jnp.bfloat16, True),
-                                    ((1, 4, 1, 77), jnp.float32, False)):
-  bias = np.asarray(rng.standard_normal(shape), np.float32)
-  if shape[2] == 1:
-    bias[..., 5] = -np.inf  # key 5 hidden from every row
-  else:
-    bias[:, :, 9, :] = -np.inf  # row 9 sees nothing
-  bias = jnp.asarray(bias, dtype)
-  kw = dict(mask_type="causal", deterministic=deterministic, engine="te")
-  f = jax.jit(lambda q, k, v, b: jax.vjp(lambda q, k, v, b: te_jax.fused_attn(q, k, v, bias=b, **kw), q, k, v, b)[1](
-      jnp.ones((2, 70, 4, 64), jnp.bfloat16)))
-  grads = jax.block_until_ready(f(q, k, v, bias))
-  ok &= all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+for skv in (77, 80):
+  k, v = (jnp.asarray(rng.standard_normal((2, skv, 2, 64)), jnp.bfloat16) for _ in range(2))
+  for shape, dtype, deterministic in (((2, 4, 70, skv), jnp.bfloat16, False), ((2, 4, 70, skv), jnp.bfloat16, True),
+                                      ((1, 4, 1, skv), jnp.float32, False)):
+    bias = np.asarray(rng.standard_normal(shape), np.float32)
+    if shape[2] == 1:
+      bias[..., 5] = -np.inf  # key 5 hidden from every row
+    else:
+      bias[:, :, 9, :] = -np.inf  # row 9 sees nothing
+    bias = jnp.asarray(bias, dtype)
+    kw = dict(mask_type="causal", deterministic=deterministic, engine="te")
+    f = jax.jit(lambda q, k, v, b: jax.vjp(lambda q, k, v, b: te_jax.fused_attn(q, k, v, bias=b, **kw), q, k, v, b)[1](
+        jnp.ones((2, 70, 4, 64), jnp.bfloat16)))
+    grads = jax.block_until_ready(f(q, k, v, bias))
+    ok &= all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
 print("sanitize cases as expected:", ok)
 sys.exit(0 if ok else 1)

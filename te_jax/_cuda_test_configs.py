@@ -124,14 +124,13 @@ def _configs(cases, **features) -> list[dict]:
 
 def bias_fits_tma(case, pattern: str, bias_dtype: str) -> bool:
   """Whether a case's bias rows are whole 16-byte chunks of keys (cpp/cuda/kernel_config.h, BiasFitsTma): the sm90
-  forward's on sm_90a."""
+  family's on sm_90a."""
   return pattern[3] != "1" and case[4] * _BIAS_DTYPE_BYTES[bias_dtype] % 16 == 0
 
 
 def _bias_configs(case, tokens: bool, pattern: str, bias_dtype: str) -> list[dict]:
   fits = bias_fits_tma(case, pattern, bias_dtype)
-  return [dict(c, bias_fits_tma=c["direction"] == "forward" and fits)
-          for c in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias_dtype])]
+  return [dict(c, bias_fits_tma=fits) for c in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias_dtype])]
 
 
 CONFIGS = (_configs(CASES + DECODE_CASES) + _configs([c for c, _ in DROPOUT_CASES], dropout=True) +

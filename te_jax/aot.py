@@ -59,7 +59,7 @@ def config_set(name: str, arch: str) -> list[dict]:
             (("bfloat16", 128, 128, False, False), ("float16", 64, 64, True, True))] + \
            [make(dr, "bfloat16", 128, 128, dropout=True) for dr in packed] + \
            [make(dr, dt, d, dv, sc, al, bias=bias, bias_fits_tma=fits)
-            for dr, fits in [(dr, False) for dr in packed] + [("forward", True)] for dt, d, dv, sc, al, bias in
+            for dr in packed for fits in (False, True) for dt, d, dv, sc, al, bias in
             (("bfloat16", 128, 128, False, False, "bfloat16"), ("float16", 64, 64, True, True, "float32"))]
   if name == "bench":
     return [make(dr, "bfloat16", d, d) for dr in both for d in (64, 128, 256)]

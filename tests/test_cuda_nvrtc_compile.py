@@ -166,9 +166,9 @@ def test_sm90_backward_splits_columns_above_head_dim_128():
 
 
 def test_bias_modules_families():
-  # The sm90 forward serves a bias whose rows TMA copies (bias_fits_tma) where its ring fits beside the tiles (a float
-  # bias takes 64-key tiles, and at d = 256 the sm80 family); the sm80 family serves the rest, every backward and every
-  # arch but sm_90a; never the decode kernels.
+  # The sm90 family serves a bias whose rows TMA copies (bias_fits_tma) where its ring fits beside the tiles (the
+  # forward of a float bias takes 64-key tiles, and at d = 256 the sm80 family; the backward steps 64 rows); the sm80
+  # family serves the rest and every arch but sm_90a; never the decode kernels.
   base = dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, arch="sm_90a")
   fwd = dict(base, direction="forward")
   assert ext.kernel_name(dict(fwd, bias_dtype=1, bias_fits_tma=True)) == \
@@ -182,12 +182,20 @@ def test_bias_modules_families():
       "_sm90_128x64")
   assert "_sm80_" in ext.kernel_name(dict(fwd, head_dim=256, head_dim_v=256, bias_dtype=0, bias_fits_tma=True))
   assert "_sm80_" in ext.kernel_name(dict(fwd, bias_dtype=1, bias_fits_tma=True, arch="sm_80"))
-  assert ext.kernel_name(dict(base, direction="backward", bias_dtype=1)) == "bwd_bf16_d128_dv128_scaled_bias_bf16_sm_90a"
-  assert ext.kernel_name(dict(base, direction="backward", deterministic=True, bias_dtype=2, tokens=True)) == \
+  bwd = dict(base, direction="backward")
+  assert ext.kernel_name(dict(bwd, bias_dtype=1)) == "bwd_bf16_d128_dv128_scaled_bias_bf16_sm_90a"
+  assert ext.kernel_name(dict(bwd, bias_dtype=1, bias_fits_tma=True)) == \
+      "bwd_bf16_d128_dv128_scaled_bias_bf16_sm_90a_sm90_128x64"
+  assert ext.kernel_name(dict(bwd, head_dim=64, head_dim_v=64, bias_dtype=1, bias_fits_tma=True)).endswith(
+      "_sm90_128x64")  # 64-row steps: a 128-row step's bias stages do not fit
+  # The default scheme's dq block leaves no room for a float bias's stages at d 128; the deterministic one does.
+  assert ext.kernel_name(dict(bwd, bias_dtype=0, bias_fits_tma=True)) == "bwd_bf16_d128_dv128_scaled_bias_f32_sm_90a"
+  assert ext.kernel_name(dict(bwd, deterministic=True, bias_dtype=0, bias_fits_tma=True)).endswith("_sm90_128x64")
+  assert ext.kernel_name(dict(bwd, deterministic=True, bias_dtype=2, tokens=True)) == \
       "bwd_det_bf16_d128_dv128_scaled_tokens_bias_fp16_sm_90a"
   assert ext.kernel_name(dict(fwd, bias_dtype=None)) == "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
-  with pytest.raises(ValueError, match="bias_fits_tma applies to the forward with a bias"):
-    ext.kernel_name(dict(base, direction="backward", bias_dtype=1, bias_fits_tma=True))
+  with pytest.raises(ValueError, match="bias_fits_tma applies to a bias"):
+    ext.kernel_name(dict(bwd, bias_fits_tma=True))
   with pytest.raises(ValueError, match="decode kernels take no bias"):
     ext.kernel_name(dict(fwd, decode=True, bias_dtype=1))
   with pytest.raises(ValueError, match="bias_dtype must be"):
@@ -205,7 +213,8 @@ def test_which_family_serves_a_bias_call(broadcast, seqlen_kv, bias_dtype, famil
   params = dict(_backward_params(128, 128, False), seqlen_kv=seqlen_kv, has_bias=True, bias_dtype=bias_dtype,
                 bias_broadcast=broadcast)
   assert ext.call_kernel_name(params, "forward", "sm_90a").endswith(family)
-  assert ext.call_kernel_name(params, "backward", "sm_90a").endswith("_sm_90a")  # the sm80 backward
+  backward = ext.call_kernel_name(params, "backward", "sm_90a")
+  assert backward.endswith("_sm90_128x64" if bias_dtype > 0 and "sm90" in family else "_sm_90a"), backward
   assert "_sm80_" in ext.call_kernel_name(params, "forward", "sm_80")
 
 

@@ -279,7 +279,22 @@ Status EncodeBackwardTensorMaps(const DriverApi* driver, const AttentionParams& 
   }
   if (p.seqlen_q == 0) tma->q = tma->dout = tma->k;
   if (p.seqlen_kv == 0) tma->k = tma->v = tma->q;
+  // Without a bias the kernels read no bias map (q's stands in).
+  tma->bias = tma->q;
+  if (p.has_bias && p.seqlen_q > 0 && p.seqlen_kv > 0) {
+    TE_JAX_RETURN_IF_ERROR(EncodeBiasTensorMap(driver, p, b.bias, rows, &tma->bias));
+  }
   return Status::Ok();
+}
+
+// The dbias accumulator to dbias (the module's entry after the attention kernels), where the call has one.
+Status LaunchBiasGradConversion(const DriverApi* driver, const LoadedModule* module, BackwardArgs& args, bool needed,
+                                CUstream stream) {
+  if (!needed) return Status::Ok();
+  // A grid-stride loop: enough blocks to fill the GPU, not one per 256 elements of a large bias.
+  const unsigned blocks = CeilDiv(std::min<int64_t>(args.bias.elements, int64_t{1} << 22), sm80::kRowKernelThreads);
+  return Launch(driver, module->kernels[3], "attention backward dbias conversion", blocks, 1, 1, sm80::kRowKernelThreads,
+                0, stream, &args);
 }
 
 // The float dq accumulator's bytes (0 when the call does not accumulate dq).
@@ -374,7 +389,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                 sm80::kRowKernelThreads, module->smem_bytes[0], stream, &args));
   if (call.family == KernelFamily::kSm90) {
     if (p.batch == 0) return Status::Ok();
-    TmaBackwardArgs tma{args, {}, {}, {}, {}};
+    TmaBackwardArgs tma{args, {}, {}, {}, {}, {}};
     TE_JAX_RETURN_IF_ERROR(EncodeBackwardTensorMaps(driver, p, b, &tma));
     const unsigned owned = sm90::BackwardOwnedRows(d, dv);
     // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
@@ -382,12 +397,14 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                   static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch),
                                   sm90::kBackwardThreads, module->smem_bytes[1], stream, &tma));
     if (accumulate_dq) {
-      return Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
-                    sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args);
+      TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
+                                    sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args));
+    } else {
+      TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, owned),
+                                    static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch),
+                                    sm90::kBackwardThreads, module->smem_bytes[2], stream, &tma));
     }
-    return Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, owned),
-                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::kBackwardThreads,
-                  module->smem_bytes[2], stream, &tma);
+    return LaunchBiasGradConversion(driver, module, args, dbias_accum && !no_pairs, stream);
   }
   const sm80::TileSize dkdv = sm80::BackwardDkDvTileSize(d, dv, accumulate_dq, p.has_bias);
   // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
@@ -403,11 +420,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                   static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), 32 * dq.warps,
                                   module->smem_bytes[2], stream, &args));
   }
-  if (!dbias_accum || no_pairs) return Status::Ok();
-  // A grid-stride loop: enough blocks to fill the GPU, not one per 256 elements of a large bias.
-  const unsigned blocks = CeilDiv(std::min<int64_t>(args.bias.elements, int64_t{1} << 22), sm80::kRowKernelThreads);
-  return Launch(driver, module->kernels[3], "attention backward dbias conversion", blocks, 1, 1, sm80::kRowKernelThreads,
-                0, stream, &args);
+  return LaunchBiasGradConversion(driver, module, args, dbias_accum && !no_pairs, stream);
 }
 
 }  // namespace te_jax::cuda

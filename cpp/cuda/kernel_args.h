@@ -185,6 +185,7 @@ struct TmaBackwardArgs {
   TensorMap k;
   TensorMap v;
   TensorMap dout;
+  TensorMap bias;  // read only by kernels built with a bias (sm90/bias_tile.h)
 };
 
 }  // namespace te_jax::cuda

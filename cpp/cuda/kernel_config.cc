@@ -56,6 +56,14 @@ const char* BiasElement(DType dtype) {
                                      : "te_jax::cuda::Float16";
 }
 
+// The dbias accumulator's conversion (kernels/sm80/attention_bwd.cuh), the entry after a backward's attention kernels.
+std::string BiasGradConvertSource(DType bias_dtype, const char* entry) {
+  return std::string("using BiasGradConvert = te_jax::cuda::sm80::BiasGradConvertKernel<") + BiasElement(bias_dtype) +
+         ">;\n"
+         "extern \"C\" __global__ void __launch_bounds__(BiasGradConvert::kThreads)\n" + entry +
+         "(const te_jax::cuda::BackwardArgs args) { BiasGradConvert::Run(args); }\n";
+}
+
 }  // namespace
 
 const char* const* KernelConfig::EntryPoints(int* count) const {
@@ -86,12 +94,12 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
-  // A bias: the sm80 family but for the forward of one whose rows TMA copies (kernels/sm90/bias_tile.h).
-  const bool sm80_bias = bias && !(direction == Direction::kForward && bias_fits_tma);
-  if (kind != ModuleKind::kAttention || arch != "sm_90a" || sm80_bias) return KernelFamily::kSm80;
+  // A bias: the sm80 family but where TMA copies its rows (kernels/sm90/bias_tile.h).
+  if (kind != ModuleKind::kAttention || arch != "sm_90a" || (bias && !bias_fits_tma)) return KernelFamily::kSm80;
+  const int bias_bytes = bias ? DTypeSize(bias_dtype) : 0;
   const bool served = direction == Direction::kForward
-                          ? sm90::ServesForward(head_dim, head_dim_v, tokens, bias ? DTypeSize(bias_dtype) : 0)
-                          : sm90::ServesBackward(head_dim, head_dim_v, !deterministic);
+                          ? sm90::ServesForward(head_dim, head_dim_v, tokens, bias_bytes)
+                          : sm90::ServesBackward(head_dim, head_dim_v, !deterministic, tokens, dropout, bias_bytes);
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
@@ -114,7 +122,7 @@ std::string KernelConfig::BaseName() const {
   if (direction != Direction::kForward) {
     if (!sm90) return name;
     return name + "_sm90_" + std::to_string(sm90::BackwardOwnedRows(head_dim, head_dim_v)) + "x" +
-           std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout));
+           std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout, bias));
   }
   if (sm90) {  // the first kernel's tile
     const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2,
@@ -182,7 +190,8 @@ std::string KernelConfig::RenderSource() const {
     const char* const* entries = EntryPoints(&count);
     src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
            "#include \"cpp/cuda/kernels/sm90/attention_bwd.cuh\"\n"
-           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims + ">;\n"
+           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims +
+           (bias ? ", true" : "") + ">;\n"
            "using DkDv = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", true, " +
            (deterministic ? "false" : "true") + ">;\n" +
            (deterministic
@@ -196,6 +205,7 @@ std::string KernelConfig::RenderSource() const {
                                "(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { Dq::Run(args); }\n"
                          : std::string("extern \"C\" __global__ void __launch_bounds__(DqConvert::kThreads)\n") +
                                entries[2] + "(const te_jax::cuda::BackwardArgs args) { DqConvert::Run(args); }\n";
+    if (bias) src += BiasGradConvertSource(bias_dtype, entries[3]);
     // The token kernels take the plain arguments, which TmaBackwardArgs embeds (the launcher passes those).
     if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
   } else {
@@ -215,12 +225,7 @@ std::string KernelConfig::RenderSource() const {
       src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
              "(const te_jax::cuda::BackwardArgs args) { " + kernels[i] + "::Run(args); }\n";
     }
-    if (bias) {
-      src += std::string("using BiasGradConvert = te_jax::cuda::sm80::BiasGradConvertKernel<") +
-             BiasElement(bias_dtype) + ">;\n"
-             "extern \"C\" __global__ void __launch_bounds__(BiasGradConvert::kThreads)\n" + entries[3] +
-             "(const te_jax::cuda::BackwardArgs args) { BiasGradConvert::Run(args); }\n";
-    }
+    if (bias) src += BiasGradConvertSource(bias_dtype, entries[3]);
     if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
   }
   return src;
@@ -240,7 +245,7 @@ KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const
   c.dropout = params.dropout_threshold > 0;
   c.bias = params.has_bias;
   c.bias_dtype = params.has_bias ? params.bias_dtype : DType::kFloat32;
-  c.bias_fits_tma = direction == Direction::kForward && BiasFitsTma(params);
+  c.bias_fits_tma = BiasFitsTma(params);
   c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   c.arch = arch;
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");

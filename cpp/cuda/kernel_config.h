@@ -45,8 +45,8 @@ struct KernelConfig {
   bool dropout = false;
   // An additive logit bias (issue 12) of element type bias_dtype: the kernels built with the variant's bias, and in
   // the backward the dbias conversion kernel as the entry after the attention kernels. The sm80 family serves it on
-  // every arch; on sm_90a the sm90 forward serves a bias whose rows TMA copies (bias_fits_tma, set for the forward
-  // only: BiasFitsTma).
+  // every arch; on sm_90a the sm90 family serves a bias whose rows TMA copies (bias_fits_tma: BiasFitsTma) where its
+  // ring fits (sm90/tile_size.h).
   bool bias = false;
   DType bias_dtype = DType::kFloat32;
   bool bias_fits_tma = false;

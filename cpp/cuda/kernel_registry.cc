@@ -97,7 +97,7 @@ int SmemBytes(const KernelConfig& c, int index) {
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
     using Kind = sm90::BackwardKernelKind;
     const auto smem = [&](Kind kind) {
-      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, kind, c.tokens, c.dropout);
+      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, kind, c.tokens, c.dropout, bias_bytes);
     };
     if (index == 1) return smem(c.deterministic ? Kind::kDkDv : Kind::kDkDvAccumulatingDq);
     if (index == 2 && c.deterministic) return smem(Kind::kDq);

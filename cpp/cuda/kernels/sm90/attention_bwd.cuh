@@ -25,6 +25,11 @@
 // the tokens say are fully seen, and test ids and positions per element elsewhere; ALiBi sees positions.
 // Dropout (Variant::kHasDropout; kernels/common/dropout.h): a step's keep bits are drawn while its products run and
 // enter the algebra as each element's factor.
+// An additive bias (Variant::kHasBias; sm90/bias_tile.h): each step's block of it, [queries][keys] of the step's query
+// head, lands in the stage with the step's tiles and adds to each recomputed logit; the dk/dv kernel adds each logit's
+// gradient to dbias as it computes it (kernels/sm80/bias_tile.h's BiasGradTarget: straight into dbias where no dim of
+// it is summed, else with float atomics into the accumulator; a query-broadcast bias's first summed over the thread's
+// and its quad's queries), and writes the zeros of the query rows its steps never visit.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -35,6 +40,8 @@
 #include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
+#include "cpp/cuda/kernels/sm80/bias_tile.h"
+#include "cpp/cuda/kernels/sm90/bias_tile.h"
 #include "cpp/cuda/kernels/sm90/pipeline.h"
 #include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
@@ -50,8 +57,10 @@ __device__ __forceinline__ void ConsumersSync() { asm volatile("bar.sync 1, 256;
 // the dk/dv kernel also adds dq to the accumulator.
 template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false>
 struct BackwardKernel {
+  static constexpr bool kBias = Variant::kHasBias;
+  static constexpr int kBiasBytes = Variant::Bias::kBytes;
   static constexpr int kOwned = BackwardOwnedRows(kD, kDv);
-  static constexpr int kStep = BackwardStepRows(kD, kDv, Variant::kHasTokens, Variant::kHasDropout);
+  static constexpr int kStep = BackwardStepRows(kD, kDv, Variant::kHasTokens, Variant::kHasDropout, kBias);
   static constexpr int kStages = kBackwardStages;
   static constexpr int kThreads = kBackwardThreads;
   static constexpr int kDP = PadTo64(kD);
@@ -77,7 +86,10 @@ struct BackwardKernel {
   static constexpr int kOwned1Offset = Owned0::kBytes;
   static constexpr int kStep0Offset = kOwned1Offset + Owned1::kBytes;
   static constexpr int kStep1Offset = kStep0Offset + kStages * Step0::kBytes;
-  static constexpr int kStatsOffset = kStep1Offset + kStages * Step1::kBytes;
+  // A bias: per stage the step's [queries][keys] block, after the step tiles' ring.
+  using BiasStage = BiasTile<typename Variant::Bias, kOwnsKeys ? kStep : kOwned, kOwnsKeys ? kOwned : kStep>;
+  static constexpr int kBiasOffset = kStep1Offset + kStages * Step1::kBytes;
+  static constexpr int kStatsOffset = kBiasOffset + (kBias ? kStages * BiasStage::kBytes : 0);
   // The step's [owned rows][step rows] tiles in shared memory: ds^T (ds in the dq kernel) with kAccumulateDq or split
   // columns, p^T with split columns in the dk/dv kernel; then with kAccumulateDq the step's float dq block (the
   // accumulator's layout).
@@ -111,7 +123,7 @@ struct BackwardKernel {
   static constexpr BackwardKernelKind kKind = kAccumulateDq ? BackwardKernelKind::kDkDvAccumulatingDq
                                               : kOwnsKeys   ? BackwardKernelKind::kDkDv
                                                             : BackwardKernelKind::kDq;
-  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kKind, kTokens, kDropout),
+  static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kKind, kTokens, kDropout, kBiasBytes),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(kSmemBytes <= kMaxDynamicSmem, "the kernel's tiles fit in shared memory");
   static_assert(!kTokens || kStepTokensOffset + kStages * kStepTokenBytes == kBarrierOffset,
@@ -138,6 +150,7 @@ struct BackwardKernel {
     __device__ __forceinline__ Owned1 Own1() const { return {base + kOwned1Offset}; }
     __device__ __forceinline__ Step0 Stp0(int stage) const { return {base + kStep0Offset + stage * Step0::kBytes}; }
     __device__ __forceinline__ Step1 Stp1(int stage) const { return {base + kStep1Offset + stage * Step1::kBytes}; }
+    __device__ __forceinline__ BiasStage Bias(int stage) const { return {base + kBiasOffset + stage * BiasStage::kBytes}; }
     __device__ __forceinline__ StepTile Ds() const { return {base + kDsOffset}; }
     __device__ __forceinline__ StepTile P() const { return {base + kPOffset}; }
     __device__ __forceinline__ uint32_t DqBlock() const { return base + kDqOffset; }
@@ -264,6 +277,11 @@ struct BackwardKernel {
                  kTokenSummaryBytes, sm.Full(stage));
       }
       LoadTile<kTensorMapBoxRows>(sm.Stp1(stage), step1, sm.Full(stage), w.StepHead(i), w.StepRow0(i), w.b);
+      if constexpr (kBias) {
+        const int queries0 = kOwnsKeys ? w.StepRow0(i) : w.owned0, keys0 = kOwnsKeys ? w.owned0 : w.StepRow0(i);
+        sm.Bias(stage).template Load<kTensorMapBoxRows>(
+            &a.bias, sm.Full(stage), BiasBoxes::Of(a.args.bias, s.num_heads, w.b, w.QueryHead(i), queries0), keys0);
+      }
     }
   }
 
@@ -297,9 +315,11 @@ struct BackwardKernel {
       PrefetchTensorMap(&a.k);
       PrefetchTensorMap(&a.v);
       PrefetchTensorMap(&a.dout);
+      if constexpr (kBias) PrefetchTensorMap(&a.bias);
       MbarrierInit(sm.OwnedFull(), 2);
       for (int st = 0; st < kStages; ++st) {
-        MbarrierInit(sm.Full(st), 2 + (kOwnsKeys ? 32 : 0));  // the two copies' arrivals, and the stats warp's
+        // The copies' arrivals (the two tiles', the bias's), and the stats warp's.
+        MbarrierInit(sm.Full(st), 2 + (kBias ? 1 : 0) + (kOwnsKeys ? 32 : 0));
         // Every consumer thread arrives: the stats warp overwrites the stage's lse and delta' with plain stores, and
         // each thread's own arrival orders its reads of them before those stores.
         MbarrierInit(sm.Empty(st), 256);
@@ -418,6 +438,12 @@ struct BackwardKernel {
 
     [[maybe_unused]] KernelDropout dropout;
     if constexpr (kDropout) dropout = KernelDropout::Of(args.dropout);
+    // A bias: a query-broadcast one's stages hold one row. The dk/dv kernel sums a query-broadcast bias's gradient
+    // over the step's queries before adding it to the accumulator (where dbias is written straight, such a bias has
+    // one query).
+    [[maybe_unused]] const bool bias_one_row = kBias && args.bias.query_stride == 0;
+    [[maybe_unused]] const bool dbias_sums_queries = bias_one_row && args.dbias_accum != nullptr;
+    using BiasGrad = sm80::BiasGradTarget<typename Variant::Bias>;
     float sc[kScoreCols / 8][4], dp[kScoreCols / 8][4];
     uint32_t pa[kScoreCols / 16][4], da[kScoreCols / 16][4];
     float dq[kAccumulateDq ? kDqN / 2 : 1];  // kAccumulateDq: the step's dq block, this warpgroup's columns
@@ -464,6 +490,30 @@ struct BackwardKernel {
       WgmmaWait<0>();
       FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(sc));
       FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(dp));
+
+      // dk/dv with a bias: a query-broadcast bias's sums per owned key. (Where the step's logit gradients go is
+      // rebuilt from the parameters at each use: held through the step, it made the d = 128 kernel spill.)
+      [[maybe_unused]] float key_sums[2] = {0.0f, 0.0f};
+      auto dbias = [&]() { return BiasGrad::Of(args, w.b, head); };
+      // The bias of (query, key) from the stage, and (dk/dv) the logit's gradient to dbias.
+      auto bias_at = [&](int query, int key) {
+        if constexpr (kBias) {
+          const int queries0 = kOwnsKeys ? step0 : w.owned0, keys0 = kOwnsKeys ? w.owned0 : step0;
+          return sm.Bias(stage).At(bias_one_row ? 0 : query - queries0, key - keys0);
+        } else {
+          return 0.0f;
+        }
+      };
+      auto add_dbias = [&](int query, int key, float dlogit, int r) {
+        if constexpr (kBias && kOwnsKeys) {
+          if (query >= s.seqlen_q || key >= s.seqlen_kv) return;
+          if (dbias_sums_queries) {
+            key_sums[r] += dlogit;
+          } else {
+            dbias().Add(dbias().At(query, key), dlogit, w.len.invalid);
+          }
+        }
+      };
 
       // p and ds in place of s and dp; (query, key) of element e of n8 tile j.
       auto apply = [&](auto masked) {
@@ -516,11 +566,14 @@ struct BackwardKernel {
               const int4 query_entry = query_token(j, e);
               const int2 key_entry = key_token(j, e);
               if constexpr (decltype(masked)::value) visible = visible & TokenSees(query_entry, key_entry);
-              ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query_entry.w, key_entry.y, visible, lse,
-                                              delta, 0.0f, keep);
+              const float dlogit = ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query_entry.w,
+                                                                   key_entry.y, visible, lse, delta,
+                                                                   bias_at(query, key), keep);
+              add_dbias(query, key, dlogit, e >> 1);
             } else {
-              ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta, 0.0f,
-                                              keep);
+              const float dlogit = ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key,
+                                                                   visible, lse, delta, bias_at(query, key), keep);
+              add_dbias(query, key, dlogit, e >> 1);
             }
           }
       };
@@ -535,6 +588,16 @@ struct BackwardKernel {
         apply(Masked<true>{});
       } else {
         apply(Masked<false>{});
+      }
+      if constexpr (kBias && kOwnsKeys) {
+        if (dbias_sums_queries) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float sum = QuadSum(key_sums[r]);
+            const int key = owned_row + 8 * r;
+            if (t == 0 && key < s.seqlen_kv) dbias().Add(dbias().At(0, key), sum, w.len.invalid);
+          }
+        }
       }
 #pragma unroll
       for (int kk = 0; kk < kScoreCols / 16; ++kk) {
@@ -599,6 +662,16 @@ struct BackwardKernel {
     }
     if constexpr (kAccumulateDq) {
       if (leader) BulkWaitComplete();  // the block's shared memory lives until the copy engine is done with it
+    }
+    if constexpr (kBias && kOwnsKeys) {
+      // Written straight, dbias gets the zeros of the query rows no step visited, for the owned keys of each head.
+      if (args.dbias_accum == nullptr) {
+        for (int h = 0; h < w.group; ++h) {
+          sm80::ZeroUnvisitedBiasGrad<typename Variant::Bias, kOwned, 256>(
+              BiasGrad::Of(args, w.b, w.owned_head * w.group + h), w.tile_begin * kStep, (w.tile_begin + w.tiles) * kStep,
+              w.owned0, s.seqlen_q, s.seqlen_kv, w.len.invalid, 128 * wg + 32 * warp_in_wg + lane);
+        }
+      }
     }
 
     // Every owned row is written (zeros where no step saw it; NaN for a batch with invalid lengths).

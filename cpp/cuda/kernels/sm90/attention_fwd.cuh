@@ -179,7 +179,7 @@ struct ForwardKernel {
       }
       if constexpr (kBias) {
         MbarrierWait(sm.BiasEmpty(stage), parity);
-        sm.Bias(stage).Load(&a.bias, sm.BiasFull(stage), BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0),
+        sm.Bias(stage).template Load<kBlockM>(&a.bias, sm.BiasFull(stage), BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0),
                             tile * kBlockN);
       }
       MbarrierWait(sm.VEmpty(stage), parity);

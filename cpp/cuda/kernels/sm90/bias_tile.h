@@ -1,6 +1,7 @@
-// The additive logit bias in the sm90 forward (issue 12): each key tile's block of the bias, rows [m0, m0 + kRows)
-// (query positions) x columns [n0, n0 + kCols) (keys) of one (batch, head), copied by TMA into a ring of its own beside
-// k and v and read by the consumers element by element, added after the variant's logit and before the mask.
+// The additive logit bias in the sm90 family (issue 12): a tile's block of the bias, rows [m0, m0 + kRows) (query
+// positions) x columns [n0, n0 + kCols) (keys) of one (batch, head), copied by TMA into a ring stage beside the tile's
+// k and v (the forward) or the step's tiles (the backward: the step's queries x the owned keys in the dk/dv kernel, the
+// owned queries x the step's keys in the dq kernel), and read by the consumers element by element.
 //
 // The tensor map (cpp/cuda/tensor_maps.h) sees the operand as [B' H'][Sq'][Skv'], its own dims with the broadcast
 // ones 1, so a box's coordinates are (key, query row or 0, b' H' + h'). TMA copies rows whose stride is a whole number
@@ -44,22 +45,33 @@ struct BiasTile {
 
   uint32_t base;  // shared-window address, 1024-byte aligned
 
-  // The producer thread: the boxes of key tile `n0` (one per column block, counted on `full` with one arrival).
+  // The producer thread: the tile at keys `n0`, in boxes of the tensor map's kBoxRows rows (one row for a
+  // query-broadcast bias) per column block, counted on `full` with one arrival.
+  template <int kBoxRows>
   __device__ __forceinline__ void Load(const void* map, uint32_t full, const BiasBoxes& boxes, int n0) const {
+    static_assert(kRows % kBoxRows == 0, "whole boxes");
     StressDelay();
     MbarrierArriveExpectBytes(full, (boxes.one_row ? 1 : kRows) * kCols * kSize);
+    const int boxes_per_block = boxes.one_row ? 1 : kRows / kBoxRows;
 #pragma unroll
     for (int c = 0; c < kCols / kBlockCols; ++c) {
-      TmaLoad3d(base + c * kBlockBytes, map, full, n0 + c * kBlockCols, boxes.row0, boxes.plane);
+      for (int r = 0; r < boxes_per_block; ++r) {
+        TmaLoad3d(base + c * kBlockBytes + r * kBoxRows * 128, map, full, n0 + c * kBlockCols,
+                  boxes.row0 + r * kBoxRows, boxes.plane);
+      }
     }
   }
 
-  // Elements (row, col) and (row, col + 1), col even: one 4- or 8-byte word of a 16-byte chunk.
-  __device__ __forceinline__ float2 Pair(int row, int col) const {
+  // The address of element (row, col): column block, row, then the swizzled 16-byte chunk.
+  __device__ __forceinline__ uint32_t Address(int row, int col) const {
     const int byte = (col % kBlockCols) * kSize;
-    return Element::LoadSharedPair(base + (col / kBlockCols) * kBlockBytes + row * 128 +
-                                   (((byte / 16) ^ (row % 8)) * 16) + byte % 16);
+    return base + (col / kBlockCols) * kBlockBytes + row * 128 + (((byte / 16) ^ (row % 8)) * 16) + byte % 16;
   }
+
+  // Elements (row, col) and (row, col + 1), col even: one 4- or 8-byte word of a 16-byte chunk.
+  __device__ __forceinline__ float2 Pair(int row, int col) const { return Element::LoadSharedPair(Address(row, col)); }
+
+  __device__ __forceinline__ float At(int row, int col) const { return Element::LoadShared(Address(row, col)); }
 };
 
 }  // namespace te_jax::cuda::sm90

@@ -112,9 +112,10 @@ TE_JAX_HOST_DEVICE constexpr int BackwardOwnedRows(int d, int dv) { return Backw
 // 64 x 64 x 64 products, short against the elementwise work and the barriers between them: on an H200, forward +
 // backward 0.79-0.90x cuDNN with 64-row steps, 0.85-0.98x with 128 (docs/BENCHMARKS.md run 33); above d = 64 the step's
 // scores and their gradients (2 x 64 floats per thread at 128 rows) no longer fit beside the accumulators. Tokens keep
-// 64 (a step is one granule of the token summaries), as does dropout (32 keep bits per thread and step).
-TE_JAX_HOST_DEVICE constexpr int BackwardStepRows(int d, int dv, bool tokens, bool dropout) {
-  return PadTo64(d) == 64 && PadTo64(dv) == 64 && !tokens && !dropout ? 128 : 64;
+// 64 (a step is one granule of the token summaries), as do dropout (32 keep bits per thread and step) and a bias
+// (whose 128 x 128 ring stages do not fit beside the d = 64 tiles).
+TE_JAX_HOST_DEVICE constexpr int BackwardStepRows(int d, int dv, bool tokens, bool dropout, bool bias = false) {
+  return PadTo64(d) == 64 && PadTo64(dv) == 64 && !tokens && !dropout && !bias ? 128 : 64;
 }
 
 // The backward's token tables: the owned rows' entries and granule summaries, and per stage the step rows' entries
@@ -129,8 +130,11 @@ TE_JAX_HOST_DEVICE constexpr int BackwardTokenBytes(int owned) {
 // the deterministic scheme.
 enum class BackwardKernelKind { kDkDvAccumulatingDq, kDkDv, kDq };
 
-TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernelKind kind, bool tokens, bool dropout) {
-  const int step = BackwardStepRows(d, dv, tokens, dropout);
+// bias_bytes: the element size of the bias of a kernel built with one (0 without); its ring's stages hold the step's
+// [rows][owned rows] block of it.
+TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernelKind kind, bool tokens, bool dropout,
+                                                   int bias_bytes = 0) {
+  const int step = BackwardStepRows(d, dv, tokens, dropout, bias_bytes > 0);
   const int owned = BackwardOwnedRows(d, dv);
   const bool accumulate_dq = kind == BackwardKernelKind::kDkDvAccumulatingDq;
   const bool splits = BackwardSplitsColumns(d, dv);
@@ -138,6 +142,7 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
   // with split columns in the dk/dv kernel.
   const int step_tiles = (accumulate_dq || splits ? 1 : 0) + (splits && kind != BackwardKernelKind::kDq ? 1 : 0);
   return 1024 + (owned + kBackwardStages * step) * (PadTo64(d) + PadTo64(dv)) * 2 +
+         kBackwardStages * step * owned * bias_bytes +
          kBackwardStages * step * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
          step_tiles * owned * step * 2 + (accumulate_dq ? step * PadTo64(d) * 4 : 0) +
          (tokens ? BackwardTokenBytes(owned) : 0) +
@@ -146,9 +151,16 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
 
 // With split columns the default scheme's dq block (64 x d floats) does not fit beside the ring: those head dims take
 // the deterministic scheme, which the sm80 tuning picks for d + dv > 256 (rounded up to 16); the default scheme of the
-// rest (e.g. d 192, dv 64) stays on the sm80 family.
-TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv, bool accumulate_dq) {
-  return ServesForward(d, dv) && !(accumulate_dq && BackwardSplitsColumns(d, dv));
+// rest (e.g. d 192, dv 64) stays on the sm80 family, as do the kernels whose bias ring does not fit (a float bias
+// beside the default scheme's dq block).
+TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv, bool accumulate_dq, bool tokens = false,
+                                                 bool dropout = false, int bias_bytes = 0) {
+  using Kind = BackwardKernelKind;
+  const bool fits = accumulate_dq
+                        ? BackwardSmemBytes(d, dv, Kind::kDkDvAccumulatingDq, tokens, dropout, bias_bytes) <= kMaxDynamicSmem
+                        : BackwardSmemBytes(d, dv, Kind::kDkDv, tokens, dropout, bias_bytes) <= kMaxDynamicSmem &&
+                              BackwardSmemBytes(d, dv, Kind::kDq, tokens, dropout, bias_bytes) <= kMaxDynamicSmem;
+  return ServesForward(d, dv) && !(accumulate_dq && BackwardSplitsColumns(d, dv)) && fits;
 }
 
 }  // namespace te_jax::cuda::sm90
