@@ -1,6 +1,6 @@
 """What each optional feature of issue 12 costs over plain attention on the GPU, with cuDNN beside where jax.nn has the
-same feature: sinks, an additive [1, H, S, S] bias, a [B, 1, 1, S] one (key_bias: a key mask's shape), dropout (jax.nn has no dropout: cuDNN's comes through JAX's own
-private cuDNN call, jax._src.cudnn.fused_attention_stablehlo).
+same feature: sinks, an additive [1, H, S, S] bias, a [B, 1, 1, S] one (key_bias: a key mask's shape), dropout
+(jax.nn has no dropout: cuDNN's comes through JAX's own private cuDNN call, jax._src.cudnn.fused_attention_stablehlo).
 
   python scripts/feature_cost.py [--features sinks,bias,dropout] [--seq 4096] [--dim 128] [--heads 16] [--repeats 20]
                                  [--calls 10] [--json out.json]

@@ -36,9 +36,9 @@ def _decode(path: str) -> list[tuple[str, float]]:
   return out
 
 
-def _features(path: str) -> list[tuple[str, float]]:
+def _features(path: str, feature: str) -> list[tuple[str, float]]:
   return [(f"{r['feature']} {r['mode']}", r["cudnn_with_ms"] / r["te_with_ms"])
-          for r in json.load(open(path))["rows"] if "cudnn_with_ms" in r]
+          for r in json.load(open(path))["rows"] if r["feature"] == feature and "cudnn_with_ms" in r]
 
 
 def main(bench_dir: str, dst: str) -> None:
@@ -52,7 +52,8 @@ def main(bench_dir: str, dst: str) -> None:
        _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)]) +
        _cuda_bench(at("h200-bwd256-sm90.json"), "fwd+bwd", "f+b", [(256, s, True) for s in (2048, 16384)])),
       ("decode (run 19)", _decode(at("h200-decode.json"))),
-      ("with a bias / dropout (run 26)", _features(at("h200-features.json"))),
+      ("with a bias (run 45) / dropout (run 26)",
+       _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-features.json"), "dropout")),
   ]
   labels, ratios, colors = [], [], []
   for (_, items), color in zip(groups, ("C0", "C1", "C2", "C3")):

@@ -75,8 +75,9 @@ DROPOUT_CASES = [
 
 # Additive-bias cases (the kernels built with a bias), tests/test_cuda_bias.py: the case as above, the bias's pattern
 # (which of [B, H, Sq, Skv] it keeps full; the others are 1) and its dtype. Lengths that are not multiples of 8 make
-# the bias rows start off 16-byte boundaries (those forwards run the sm80 family; biases whose rows are whole 16-byte
-# chunks, the "tma" cases among them, the sm90 forward on sm_90a); Sq = 4 keeps a bias call off the decode kernels.
+# the bias rows start off 16-byte boundaries (those run the sm80 kernels; biases whose rows are whole 16-byte chunks,
+# the "tma" cases among them, the sm90 kernels on sm_90a, but for a float bias at d 256, whose ring does not fit:
+# "no_room"); Sq = 4 keeps a bias call off the decode kernels.
 BIAS_CASES = [
     # name,                       dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,                  window,   cap,  alibi, ragged  pattern bias dtype
     (("bias_bhqk_causal_d128",    "bfloat16", 2, 200, 200, 4, 2,   128, 128, "causal",              (-1, -1), 0.0,  False, False), "bhqk", "bfloat16"),
@@ -91,7 +92,7 @@ BIAS_CASES = [
     (("bias_b11k_decode_shape",   "bfloat16", 2, 4,   300, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "b11k", "bfloat16"),
     (("bias_1hqk_d192_dv128",     "bfloat16", 2, 120, 140, 4, 2,   192, 128, "padding",             (-1, -1), 5.0,  False, True),  "1hqk", "bfloat16"),
     (("bias_b11k_tma_ragged",     "bfloat16", 3, 160, 176, 4, 2,   64,  64,  "padding_causal",      (-1, -1), 0.0,  False, True),  "b11k", "bfloat16"),
-    (("bias_1hqk_tma_d256_f32",   "float16",  1, 150, 160, 2, 2,   256, 256, "causal",              (-1, -1), 0.0,  False, False), "1hqk", "float32"),
+    (("bias_1hqk_d256_f32_no_room", "float16",  1, 150, 160, 2, 2,   256, 256, "causal",              (-1, -1), 0.0,  False, False), "1hqk", "float32"),
     (("bias_bhqk_tma_d192_window", "bfloat16", 2, 120, 136, 4, 2,  192, 128, "padding",             (40, 8),  5.0,  True,  True),  "bhqk", "float16"),
     (("bias_bh1k_tma_gqa_br",     "float16",  2, 130, 264, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "bh1k", "bfloat16"),
 ]
@@ -130,7 +131,8 @@ def bias_fits_tma(case, pattern: str, bias_dtype: str) -> bool:
 
 def _bias_configs(case, tokens: bool, pattern: str, bias_dtype: str) -> list[dict]:
   fits = bias_fits_tma(case, pattern, bias_dtype)
-  return [dict(c, bias_fits_tma=fits) for c in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias_dtype])]
+  return [dict(c, bias_fits_tma=fits)
+          for c in _configs([case], tokens=tokens, bias_dtype=_BIAS_DTYPE_CODES[bias_dtype])]
 
 
 CONFIGS = (_configs(CASES + DECODE_CASES) + _configs([c for c, _ in DROPOUT_CASES], dropout=True) +

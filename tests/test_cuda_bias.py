@@ -3,9 +3,9 @@ against the float64 reference for each broadcast pattern (bhqk, 1hqk, b11k, 11qk
 windows, soft-cap, ALiBi, GQA/MQA, D != Dv, bf16 and fp16 inputs, float32, bf16 and fp16 biases, lengths whose bias
 rows start off 16-byte boundaries; both backwards (deterministic=True refuses a bias whose gradient sums over a dim);
 FFI and legacy bitwise equal; a -inf bias that masks whole rows gives out 0, lse -inf and zero gradients; packed
-sequences with a bias; cuDNN refuses a bias and engine="auto" runs te_jax's kernels. On an H200 the biases whose rows are
-whole 16-byte chunks (the "tma" cases among them) run the sm90 kernels, the others the sm80 ones. Skipped without a
-GPU."""
+sequences with a bias; cuDNN refuses a bias and engine="auto" runs te_jax's kernels. On an H200 the biases whose rows
+are whole 16-byte chunks (the "tma" cases among them) run the sm90 kernels, the others the sm80 ones. Skipped without
+a GPU."""
 
 from __future__ import annotations
 

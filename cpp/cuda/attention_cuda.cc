@@ -293,8 +293,8 @@ Status LaunchBiasGradConversion(const DriverApi* driver, const LoadedModule* mod
   if (!needed) return Status::Ok();
   // A grid-stride loop: enough blocks to fill the GPU, not one per 256 elements of a large bias.
   const unsigned blocks = CeilDiv(std::min<int64_t>(args.bias.elements, int64_t{1} << 22), sm80::kRowKernelThreads);
-  return Launch(driver, module->kernels[3], "attention backward dbias conversion", blocks, 1, 1, sm80::kRowKernelThreads,
-                0, stream, &args);
+  return Launch(driver, module->kernels[3], "attention backward dbias conversion", blocks, 1, 1,
+                sm80::kRowKernelThreads, 0, stream, &args);
 }
 
 // The float dq accumulator's bytes (0 when the call does not accumulate dq).

@@ -38,7 +38,8 @@ Status EncodeBiasTensorMap(const DriverApi* driver, const AttentionParams& p, co
                               static_cast<cuuint64_t>(l.dims[0] * l.dims[1])};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(l.dims[3] * size),
                                  static_cast<cuuint64_t>(l.dims[2] * l.dims[3] * size)};  // bytes, dims 1..2
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / size), static_cast<cuuint32_t>(l.dims[2] == 1 ? 1 : rows), 1};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / size), static_cast<cuuint32_t>(l.dims[2] == 1 ? 1 : rows),
+                             1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUtensorMapDataType type = p.bias_dtype == DType::kFloat32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : p.bias_dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16

@@ -24,7 +24,8 @@ struct BiasElementOf {
   static __device__ __forceinline__ float2 LoadSharedPair(uint32_t addr) {
     uint32_t x;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(x) : "r"(addr));
-    return make_float2(Bias::ToFloat(static_cast<uint16_t>(x & 0xffffu)), Bias::ToFloat(static_cast<uint16_t>(x >> 16)));
+    return make_float2(Bias::ToFloat(static_cast<uint16_t>(x & 0xffffu)),
+                       Bias::ToFloat(static_cast<uint16_t>(x >> 16)));
   }
   static __device__ __forceinline__ uint16_t LoadGlobal(const uint16_t* p) { return __ldg(p); }
   static __device__ __forceinline__ uint32_t Splat(uint16_t x) { return static_cast<uint32_t>(x) * 0x10001u; }

@@ -150,7 +150,9 @@ struct BackwardKernel {
     __device__ __forceinline__ Owned1 Own1() const { return {base + kOwned1Offset}; }
     __device__ __forceinline__ Step0 Stp0(int stage) const { return {base + kStep0Offset + stage * Step0::kBytes}; }
     __device__ __forceinline__ Step1 Stp1(int stage) const { return {base + kStep1Offset + stage * Step1::kBytes}; }
-    __device__ __forceinline__ BiasStage Bias(int stage) const { return {base + kBiasOffset + stage * BiasStage::kBytes}; }
+    __device__ __forceinline__ BiasStage Bias(int stage) const {
+      return {base + kBiasOffset + stage * BiasStage::kBytes};
+    }
     __device__ __forceinline__ StepTile Ds() const { return {base + kDsOffset}; }
     __device__ __forceinline__ StepTile P() const { return {base + kPOffset}; }
     __device__ __forceinline__ uint32_t DqBlock() const { return base + kDqOffset; }
@@ -668,8 +670,9 @@ struct BackwardKernel {
       if (args.dbias_accum == nullptr) {
         for (int h = 0; h < w.group; ++h) {
           sm80::ZeroUnvisitedBiasGrad<typename Variant::Bias, kOwned, 256>(
-              BiasGrad::Of(args, w.b, w.owned_head * w.group + h), w.tile_begin * kStep, (w.tile_begin + w.tiles) * kStep,
-              w.owned0, s.seqlen_q, s.seqlen_kv, w.len.invalid, 128 * wg + 32 * warp_in_wg + lane);
+              BiasGrad::Of(args, w.b, w.owned_head * w.group + h), w.tile_begin * kStep,
+              (w.tile_begin + w.tiles) * kStep, w.owned0, s.seqlen_q, s.seqlen_kv, w.len.invalid,
+              128 * wg + 32 * warp_in_wg + lane);
         }
       }
     }

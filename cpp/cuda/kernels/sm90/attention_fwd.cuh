@@ -124,7 +124,9 @@ struct ForwardKernel {
     __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
     __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
     __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
-    __device__ __forceinline__ BiasStage Bias(int stage) const { return {base + kBiasOffset + stage * BiasStage::kBytes}; }
+    __device__ __forceinline__ BiasStage Bias(int stage) const {
+      return {base + kBiasOffset + stage * BiasStage::kBytes};
+    }
     __device__ __forceinline__ uint32_t BiasFull(int stage) const { return QFull() + 8 * (1 + 4 * kStages + stage); }
     __device__ __forceinline__ uint32_t BiasEmpty(int stage) const { return QFull() + 8 * (1 + 5 * kStages + stage); }
     // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
@@ -179,8 +181,8 @@ struct ForwardKernel {
       }
       if constexpr (kBias) {
         MbarrierWait(sm.BiasEmpty(stage), parity);
-        sm.Bias(stage).template Load<kBlockM>(&a.bias, sm.BiasFull(stage), BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0),
-                            tile * kBlockN);
+        sm.Bias(stage).template Load<kBlockM>(
+            &a.bias, sm.BiasFull(stage), BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0), tile * kBlockN);
       }
       MbarrierWait(sm.VEmpty(stage), parity);
       LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);

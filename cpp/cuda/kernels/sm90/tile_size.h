@@ -156,10 +156,9 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
 TE_JAX_HOST_DEVICE constexpr bool ServesBackward(int d, int dv, bool accumulate_dq, bool tokens = false,
                                                  bool dropout = false, int bias_bytes = 0) {
   using Kind = BackwardKernelKind;
-  const bool fits = accumulate_dq
-                        ? BackwardSmemBytes(d, dv, Kind::kDkDvAccumulatingDq, tokens, dropout, bias_bytes) <= kMaxDynamicSmem
-                        : BackwardSmemBytes(d, dv, Kind::kDkDv, tokens, dropout, bias_bytes) <= kMaxDynamicSmem &&
-                              BackwardSmemBytes(d, dv, Kind::kDq, tokens, dropout, bias_bytes) <= kMaxDynamicSmem;
+  const auto smem = [&](Kind kind) { return BackwardSmemBytes(d, dv, kind, tokens, dropout, bias_bytes); };
+  const bool fits = accumulate_dq ? smem(Kind::kDkDvAccumulatingDq) <= kMaxDynamicSmem
+                                  : smem(Kind::kDkDv) <= kMaxDynamicSmem && smem(Kind::kDq) <= kMaxDynamicSmem;
   return ServesForward(d, dv) && !(accumulate_dq && BackwardSplitsColumns(d, dv)) && fits;
 }
 
