@@ -52,7 +52,7 @@ def main(bench_dir: str, dst: str) -> None:
        _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)]) +
        _cuda_bench(at("h200-bwd256-sm90.json"), "fwd+bwd", "f+b", [(256, s, True) for s in (2048, 16384)])),
       ("decode (run 19)", _decode(at("h200-decode.json"))),
-      ("with a bias (run 45) / dropout (run 26)",
+      ("with a bias (run 46) / dropout (run 26)",
        _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-features.json"), "dropout")),
   ]
   labels, ratios, colors = [], [], []

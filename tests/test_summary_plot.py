@@ -28,8 +28,11 @@ def test_draws_the_summary_from_the_committed_data(tmp_path):
   assert fwd_bwd["f+b d64 s16k causal"] == pytest.approx(423.0 / 429.5, rel=0.01)  # run 33's table: 0.98
   decode = dict(plot._decode(f"{bench}/h200-decode.json"))
   assert decode["decode b8 q1 kv8k"] == pytest.approx(94 / 92, rel=0.02)  # run 19's table: 1.03
-  features = dict(plot._features(f"{bench}/h200-features.json"))
-  assert features["dropout fwd"] == pytest.approx(1.428 / 1.739)
+  dropout = dict(plot._features(f"{bench}/h200-features.json", "dropout"))
+  assert dropout["dropout fwd"] == pytest.approx(1.428 / 1.739)
+  assert "bias fwd" not in dropout  # the bias's figures are run 46's, on the sm90 kernels
+  bias = dict(plot._features(f"{bench}/h200-bias-sm90.json", "bias"))
+  assert bias["bias fwd+bwd"] == pytest.approx(5.097 / 5.023, rel=0.01)  # run 46's table: 1.01
   out = tmp_path / "summary.png"
   plot.main(bench, str(out))
   assert out.stat().st_size > 10_000

@@ -392,10 +392,14 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
     TmaBackwardArgs tma{args, {}, {}, {}, {}, {}};
     TE_JAX_RETURN_IF_ERROR(EncodeBackwardTensorMaps(driver, p, b, &tma));
     const unsigned owned = sm90::BackwardOwnedRows(d, dv);
-    // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element.
-    TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv", CeilDiv(p.seqlen_kv, owned),
-                                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch),
-                                  sm90::kBackwardThreads, module->smem_bytes[1], stream, &tma));
+    // With seqlen_q == 0 the dk/dv kernel still runs: it writes zeros (or NaN) to every dk and dv element. Its grid is
+    // (key blocks, kv heads, batch), with a bias (batch, key blocks, kv heads) (kernels/sm90/attention_bwd.cuh).
+    const unsigned key_blocks = CeilDiv(p.seqlen_kv, owned), heads = static_cast<unsigned>(p.num_kv_heads),
+                   batch = static_cast<unsigned>(p.batch);
+    TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv",
+                                  p.has_bias ? batch : key_blocks, p.has_bias ? key_blocks : heads,
+                                  p.has_bias ? heads : batch, sm90::kBackwardThreads, module->smem_bytes[1], stream,
+                                  &tma));
     if (accumulate_dq) {
       TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
                                     sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args));
