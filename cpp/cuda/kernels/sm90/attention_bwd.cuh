@@ -200,11 +200,15 @@ struct BackwardKernel {
       // The grid is (key blocks, kv heads, batch), or with a bias (batch, key blocks, kv heads): the batch entries of a
       // key block run side by side, so their float atomics into a dbias accumulator summed over the batch meet in L2
       // rather than in memory (the launcher's grid follows kBias).
-      const int3 at = kBias ? make_int3(blockIdx.y, blockIdx.z, blockIdx.x)
-                            : make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
-      w.owned0 = at.x * kOwned;
-      w.owned_head = at.y;
-      w.b = at.z;
+      if constexpr (kBias) {
+        w.owned0 = blockIdx.y * kOwned;
+        w.owned_head = blockIdx.z;
+        w.b = blockIdx.x;
+      } else {
+        w.owned0 = blockIdx.x * kOwned;
+        w.owned_head = blockIdx.y;
+        w.b = blockIdx.z;
+      }
       w.len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, w.b);
       w.mask = MakeMask(s, w.len);
       const RowSpan rows = RowsOfKeys(w.mask, w.owned0, w.owned0 + kOwned);
