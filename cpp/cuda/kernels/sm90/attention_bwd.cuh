@@ -502,10 +502,10 @@ struct BackwardKernel {
       FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(sc));
       FenceOperands(reinterpret_cast<float(&)[kScoreCols / 2]>(dp));
 
-      // dk/dv with a bias: a query-broadcast bias's sums per owned key. (Where the step's logit gradients go is
-      // rebuilt from the parameters at each use: held through the step, it made the d = 128 kernel spill.)
-      [[maybe_unused]] float key_sums[2] = {0.0f, 0.0f};
+      // dk/dv with a bias: where the step's logit gradients go (dbias, or its accumulator, at the step's query head),
+      // and a query-broadcast bias's sums per owned key.
       auto dbias = [&]() { return BiasGrad::Of(args, w.b, head); };
+      [[maybe_unused]] float key_sums[2] = {0.0f, 0.0f};
       // The bias of (query, key) from the stage, and (dk/dv) the logit's gradient to dbias.
       auto bias_at = [&](int query, int key) {
         if constexpr (kBias) {
