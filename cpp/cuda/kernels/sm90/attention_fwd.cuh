@@ -81,9 +81,10 @@ struct ForwardKernel {
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
   // A bias: its ring after v's (whole 1024-byte swizzle atoms, as k's and v's stages are).
   static constexpr int kBiasOffset = kVOffset + kStages * VTile::kBytes;
-  // Tokens: after the v ring, the CTA's query rows' entries, "saw a key" flags and granule summaries, then the token
-  // ring, each stage a key tile's entries and granule summaries. The rows' state stays in shared memory, read or set
-  // where a tile needs it: held in registers through the loop, it made the d = 128 and d = 256 kernels spill.
+  // Tokens: after the v ring (and a bias's), the CTA's query rows' entries, "saw a key" flags and granule summaries,
+  // then the token ring, each stage a key tile's entries and granule summaries. The rows' state stays in shared memory,
+  // read or set where a tile needs it: held in registers through the loop, it made the d = 128 and d = 256 kernels
+  // spill.
   // A tile's tokens land with its k (counted on the k stage's full barrier) but are read until its logits are done,
   // after the k stage went back (right after q k^T). So the ring has a stage more than k's: the producer, which waits
   // for each v stage's release in order, has seen ring position i - kStages - 1 (the previous tenant of position i's

@@ -41,7 +41,7 @@ struct BiasTile {
   static constexpr int kBlockBytes = kRows * 128;
   static constexpr int kBytes = kRows * kCols * kSize;
   static_assert(kCols % kBlockCols == 0 && kRows % 8 == 0, "whole 128-byte blocks of whole 8-row swizzle atoms");
-  static_assert(kBytes == ForwardBiasTileBytes(kRows, kCols, kSize), "tile_size.h and the bias tile disagree");
+  static_assert(kBytes == BiasTileBytes(kRows, kCols, kSize), "tile_size.h and the bias tile disagree");
 
   uint32_t base;  // shared-window address, 1024-byte aligned
 

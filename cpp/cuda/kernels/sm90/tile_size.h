@@ -39,8 +39,8 @@ TE_JAX_HOST_DEVICE constexpr int ForwardTokenBytes(ForwardTile t) {
          (t.stages + 1) * (8 * t.block_n + t.block_n / kTokenGranule * kTokenSummaryBytes);
 }
 
-// A stage of the bias ring (sm90/bias_tile.h): the CTA's rows x the stage's keys in the bias's element type.
-TE_JAX_HOST_DEVICE constexpr int ForwardBiasTileBytes(int rows, int keys, int bias_bytes) {
+// A stage of a bias ring (sm90/bias_tile.h): query rows x keys in the bias's element type.
+TE_JAX_HOST_DEVICE constexpr int BiasTileBytes(int rows, int keys, int bias_bytes) {
   return rows * keys * bias_bytes;
 }
 
@@ -49,7 +49,7 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile 
                                                      int bias_bytes = 0) {
   return 1024 +  // slack to align the tiles to the swizzle atom
          t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
-         t.stages * ForwardBiasTileBytes(t.block_m, t.block_n, bias_bytes) + (tokens ? ForwardTokenBytes(t) : 0) +
+         t.stages * BiasTileBytes(t.block_m, t.block_n, bias_bytes) + (tokens ? ForwardTokenBytes(t) : 0) +
          8 * (1 + 4 * t.stages) +  // mbarriers: q full; k full, k empty, v full, v empty per stage
          (bias_bytes > 0 ? 8 * 2 * t.stages : 0);  // and bias full, bias empty per stage
 }
@@ -142,7 +142,7 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
   // with split columns in the dk/dv kernel.
   const int step_tiles = (accumulate_dq || splits ? 1 : 0) + (splits && kind != BackwardKernelKind::kDq ? 1 : 0);
   return 1024 + (owned + kBackwardStages * step) * (PadTo64(d) + PadTo64(dv)) * 2 +
-         kBackwardStages * step * owned * bias_bytes +
+         kBackwardStages * BiasTileBytes(step, owned, bias_bytes) +
          kBackwardStages * step * 2 * 4 +  // each stage's rows' lse and delta' (dk/dv)
          step_tiles * owned * step * 2 + (accumulate_dq ? step * PadTo64(d) * 4 : 0) +
          (tokens ? BackwardTokenBytes(owned) : 0) +
