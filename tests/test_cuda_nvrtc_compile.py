@@ -218,6 +218,23 @@ def test_which_family_serves_a_bias_call(broadcast, seqlen_kv, bias_dtype, famil
   assert "_sm80_" in ext.call_kernel_name(params, "forward", "sm_80")
 
 
+def test_the_tests_set_holds_the_modules_the_bias_cases_run():
+  # tests/test_cuda_bias.py's cases take the modules the "tests" AOT set precompiles (its bias_fits_tma, computed in
+  # Python, agrees with the core's BiasFitsTma), so a GPU run compiles none of them at test time.
+  from te_jax._cuda_test_configs import BIAS_CASES  # noqa: PLC0415
+  names = {ext.kernel_name(c) for c in aot.config_set("tests", "sm_90a")}
+  dtypes = {"bfloat16": 1, "float16": 2, "float32": 0}
+  for case, pattern, bias_dtype in BIAS_CASES:
+    params = dict(batch=case[2], seqlen_q=case[3], seqlen_kv=case[4], num_heads=case[5], num_kv_heads=case[6],
+                  head_dim=case[7], head_dim_v=case[8], dtype=dtypes[case[1]], mask_type=1, window_left=-1,
+                  window_right=-1, scale=0.1, softcap=case[11], has_alibi=case[12], has_bias=True,
+                  bias_dtype=dtypes[bias_dtype],
+                  bias_broadcast=sum(1 << i for i, keep in enumerate(pattern) if keep == "1"))
+    for direction, deterministic in (("forward", False), ("backward", False), ("backward", True)):
+      name = ext.call_kernel_name(dict(params, deterministic=deterministic), direction, "sm_90a")
+      assert name in names, (case[0], name)
+
+
 def test_backward_workspace_holds_a_summed_dbias_accumulator():
   # dbias sums over a broadcast dim: a float32 accumulator of the bias's shape after the dq accumulator (256-byte
   # aligned); a full-shape bias is written directly and needs nothing.
