@@ -70,11 +70,11 @@ struct KernelConfig {
 };
 
 KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+KernelConfig LengthGuardConfig(const std::string& arch);
 
 // Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv
 // elements) whole 16-byte chunks.
 bool BiasFitsTma(const AttentionParams& params);
-KernelConfig LengthGuardConfig(const std::string& arch);
 
 // "sm_80", "sm_86", "sm_89", "sm_90a" (Hopper's arch-specific target), "sm_100a", ... from a compute capability.
 std::string ArchForComputeCapability(int major, int minor);

@@ -182,8 +182,8 @@ struct ForwardKernel {
       }
       if constexpr (kBias) {
         MbarrierWait(sm.BiasEmpty(stage), parity);
-        sm.Bias(stage).template Load<kBlockM>(
-            &a.bias, sm.BiasFull(stage), BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0), tile * kBlockN);
+        const BiasBoxes boxes = BiasBoxes::Of(a.args.bias, s.num_heads, cta.b, cta.head, cta.m0);
+        sm.Bias(stage).template Load<kBlockM>(&a.bias, sm.BiasFull(stage), boxes, tile * kBlockN);
       }
       MbarrierWait(sm.VEmpty(stage), parity);
       LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
