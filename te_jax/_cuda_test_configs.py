@@ -77,7 +77,8 @@ DROPOUT_CASES = [
 # (which of [B, H, Sq, Skv] it keeps full; the others are 1) and its dtype. Lengths that are not multiples of 8 make
 # the bias rows start off 16-byte boundaries (those run the sm80 kernels; biases whose rows are whole 16-byte chunks,
 # the "tma" cases among them, the sm90 kernels on sm_90a, but for a float bias at d 256, whose ring does not fit:
-# "no_room"); Sq = 4 keeps a bias call off the decode kernels.
+# "no_room"); Sq = 4 keeps a bias call off the decode kernels (a bias does anyway: "one_query", whose one-row bias's
+# gradient is written straight, as a full one's).
 BIAS_CASES = [
     # name,                       dtype,      b, sq,  skv, h, hkv, d,   dv,  mask,                  window,   cap,  alibi, ragged  pattern bias dtype
     (("bias_bhqk_causal_d128",    "bfloat16", 2, 200, 200, 4, 2,   128, 128, "causal",              (-1, -1), 0.0,  False, False), "bhqk", "bfloat16"),
@@ -95,6 +96,8 @@ BIAS_CASES = [
     (("bias_1hqk_d256_f32_no_room", "float16",  1, 150, 160, 2, 2,   256, 256, "causal",              (-1, -1), 0.0,  False, False), "1hqk", "float32"),
     (("bias_bhqk_tma_d192_window", "bfloat16", 2, 120, 136, 4, 2,  192, 128, "padding",             (40, 8),  5.0,  True,  True),  "bhqk", "float16"),
     (("bias_bh1k_tma_gqa_br",     "float16",  2, 130, 264, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "bh1k", "bfloat16"),
+    (("bias_bh1k_tma_one_query",  "bfloat16", 2, 1,   264, 8, 2,   128, 128, "causal_bottom_right", (-1, -1), 0.0,  False, False), "bh1k", "bfloat16"),
+    (("bias_b11k_tma_d256",       "float16",  2, 100, 128, 2, 2,   256, 256, "causal",              (-1, -1), 0.0,  False, False), "b11k", "bfloat16"),
 ]
 
 # Packed sequences with a bias (the kernels built with both): a packed case, its kind of tokens, the bias pattern and
