@@ -96,10 +96,9 @@ KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
   // A bias: the sm80 family but where TMA copies its rows (kernels/sm90/bias_tile.h).
   if (kind != ModuleKind::kAttention || arch != "sm_90a" || (bias && !bias_fits_tma)) return KernelFamily::kSm80;
-  const int bias_bytes = bias ? DTypeSize(bias_dtype) : 0;
   const bool served = direction == Direction::kForward
-                          ? sm90::ServesForward(head_dim, head_dim_v, tokens, bias_bytes)
-                          : sm90::ServesBackward(head_dim, head_dim_v, !deterministic, tokens, dropout, bias_bytes);
+                          ? sm90::ServesForward(head_dim, head_dim_v, tokens, BiasBytes())
+                          : sm90::ServesBackward(head_dim, head_dim_v, !deterministic, tokens, dropout, BiasBytes());
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
@@ -125,8 +124,8 @@ std::string KernelConfig::BaseName() const {
            std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout, bias));
   }
   if (sm90) {  // the first kernel's tile
-    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2,
-                                                      bias ? DTypeSize(bias_dtype) : 0);
+    const sm90::ForwardTile t =
+        sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2, BiasBytes());
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
   const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v, bias);

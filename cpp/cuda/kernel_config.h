@@ -50,6 +50,7 @@ struct KernelConfig {
   bool bias = false;
   DType bias_dtype = DType::kFloat32;
   bool bias_fits_tma = false;
+  int BiasBytes() const { return bias ? DTypeSize(bias_dtype) : 0; }  // the bias's element size, 0 without one
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.

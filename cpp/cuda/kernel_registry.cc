@@ -85,7 +85,7 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
   if (c.decode) return index < 2 ? decode::SmemBytes(c.head_dim, c.head_dim_v, decode::RowTilesOfKernel(index)) : 0;
-  const int bias_bytes = c.bias ? DTypeSize(c.bias_dtype) : 0;
+  const int bias_bytes = c.BiasBytes();
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) {
       if (c.HasThreeConsumerForward()) {  // the three-consumer kernel, then the two-consumer one

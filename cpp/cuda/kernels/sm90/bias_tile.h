@@ -5,7 +5,7 @@
 //
 // The tensor map (cpp/cuda/tensor_maps.h) sees the operand as [B' H'][Sq'][Skv'], its own dims with the broadcast
 // ones 1, so a box's coordinates are (key, query row or 0, b' H' + h'). TMA copies rows whose stride is a whole number
-// of 16-byte chunks, so the family serves a bias whose key extent is one (KernelConfig::bias_aligned); the sm80
+// of 16-byte chunks, so the family serves a bias whose key extent is one (KernelConfig::bias_fits_tma); the sm80
 // family takes the rest, key-broadcast biases ([.., Sq, 1]) included. The tile is stored as the k and v tiles are
 // (swizzled_tile.h): column blocks of 128-byte rows (64 16-bit or 32 float elements) with the 128-byte swizzle, so the
 // 8 rows of a fragment's loads fall in 8 different bank groups. A query-broadcast bias ([.., 1, Skv], e.g. a key mask)

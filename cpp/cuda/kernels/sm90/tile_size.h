@@ -74,8 +74,9 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = f
 // Where both head dims pad to 64 a tile's products are short against its softmax, and with two warpgroups the tensor
 // cores wait for it: a forward module there also has a kernel of three consumer warpgroups, whose softmax runs under
 // the two others' products (H200, d 64, b s = 16k: 0.84-0.92x cuDNN -> 0.94-1.11x at s >= 2k, docs/BENCHMARKS.md run
-// 41). Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits), tokens or a
-// bias, the 160 registers per consumer thread spill in the loop (and a bias ring of 192-row tiles would not fit).
+// 41). Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits) or tokens, the
+// 160 registers per consumer thread spill in the loop; a bias keeps two consumer warpgroups too (a three-consumer
+// kernel with a bias was never built or measured).
 TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, bool plain) {
   return plain && PadTo64(d) == 64 && PadTo64(dv) == 64;
 }
