@@ -201,5 +201,19 @@ NB_MODULE(_te_jax_cuda, m) {
         return cuda::ConfigFor(bindings::ParamsFromDict(fields), bindings::CudaDirection(direction), arch).Name();
       },
       nb::arg("params"), nb::arg("direction"), nb::arg("arch"));
+  // The entry point of the forward module's kernel a call of these params takes on `arch` (no GPU needed).
+  m.def(
+      "call_forward_entry",
+      [](const nb::dict& fields, const std::string& arch) {
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        const cuda::KernelConfig config = cuda::ConfigFor(params, cuda::Direction::kForward, arch);
+        cuda::Sm90ForwardKernel kernel;
+        if (config.Family() == cuda::KernelFamily::kSm90) {
+          bindings::ThrowIfError(cuda::Sm90ForwardKernelFor(config, params, &kernel));
+        }
+        int count = 0;
+        return std::string(config.EntryPoints(&count)[kernel.index]);
+      },
+      nb::arg("params"), nb::arg("arch"));
   m.def("render_source", [](const nb::dict& config) { return bindings::ConfigFromDict(config).RenderSource(); });
 }

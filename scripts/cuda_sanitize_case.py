@@ -2,7 +2,8 @@
 softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits columns), a D != Dv causal case and
 the plain product at d 64 (the sm90 forward's three consumer warpgroups), each with both backwards (atomic dq and
 deterministic), on te_jax's kernels; then causal forwards whose v holds a NaN at a key the first rows do not see (the
-forward's rare path for non-finite values in a straddling tile; 1100 rows take the three-consumer kernel); then a
+forward's rare path for non-finite values in a straddling tile; 160 rows take the persistent kernel, 1100 the
+three-consumer one), and one whose CTAs each take several query blocks (the persistent kernel's loop); then a
 paged decode call with a page id outside the pool; then an additive bias whose rows start off 16-byte boundaries (its
 last chunk reaches past the operand) and one whose rows TMA copies, in full shape (dbias written directly) and
 broadcast (the float accumulator), with -inf rows. Exit status 1 on unexpected results."""
@@ -46,6 +47,17 @@ for seqlen in (160, 1100):
   expected = np.zeros(out.shape, bool)
   expected[0, 100:, 2:, 3] = True
   ok &= bool(np.array_equal(~np.isfinite(out), expected))
+# 640 query blocks of 128 rows over the GPU's multiprocessors (the persistent kernel: several per CTA, d 128, GQA 5);
+# the NaN at key 100 of batch 0's kv head 1 reaches that batch's rows 100.. of query heads 5-9 in column 3.
+rng = np.random.default_rng(4)
+q = jnp.asarray(rng.standard_normal((4, 512, 40, 128)), jnp.bfloat16)
+k, v = (jnp.asarray(rng.standard_normal((4, 512, 8, 128)), jnp.bfloat16) for _ in range(2))
+v = v.at[0, 100, 1, 3].set(jnp.nan)
+out = np.asarray(jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", engine="te"))(q, k, v),
+                 np.float32)
+expected = np.zeros(out.shape, bool)
+expected[0, 100:, 5:10, 3] = True
+ok &= bool(np.array_equal(~np.isfinite(out), expected))
 # The decode kernels (Sq <= 16): a split-KV call over a shuffled page pool, GQA 4, ragged lengths, with a traced page
 # id outside the pool in the last sequence (clamped in the kernel: nothing is read outside the pool; that entry is NaN,
 # the others finite).

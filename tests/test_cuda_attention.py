@@ -220,6 +220,34 @@ def test_forward_is_bitwise_reproducible():
       assert np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+PERSISTENT_CASES = [CASES[i] for i in (1, 2, 3, 5, 7, 8, 12, 16)] + [
+    # More query blocks than the H200 has multiprocessors (several per CTA); ragged, so some CTAs' blocks are empty.
+    ("many_blocks_ragged", "bfloat16", 5, 700, 700, 24, 8, 64, 64, "padding_causal", (-1, -1), 0.0, False, True),
+    ("many_blocks_d128", "float16", 3, 1000, 1200, 32, 32, 128, 128, "causal_bottom_right", (-1, -1), 0.0, False, False),
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c[0] for c in PERSISTENT_CASES])
+def test_persistent_forward_is_bitwise_equal_to_one_cta_per_block(case, monkeypatch):
+  """The persistent sm90 forward (TE_JAX_SM90_PERSISTENT=1) computes each query block as one CTA per block does (=0):
+  the same bits, out and lse, and the reference's values."""
+  if getattr(_GPUS[0], "compute_capability", "") != "9.0":
+    pytest.skip("the persistent forward is an sm90 kernel")
+  q, k, v, kwargs, _, _ = _inputs(case, seed=zlib.crc32(case[0].encode()))
+  f = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, **kwargs, return_lse=True, engine="te"))
+  results = {}
+  for mode in ("0", "1"):
+    monkeypatch.setenv("TE_JAX_SM90_PERSISTENT", mode)
+    results[mode] = [np.asarray(x) for x in f(q, k, v)]
+  for one_per_block, persistent in zip(results["0"], results["1"]):
+    assert np.array_equal(one_per_block.view(np.uint8), persistent.view(np.uint8))
+  ref = attention_reference(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                            **{key: np.asarray(val) if hasattr(val, "shape") else val for key, val in kwargs.items()})
+  out = results["1"][0].astype(np.float64)
+  assert np.isfinite(out).all()
+  assert _rel(out, ref["out"]) < TOL[case[1]]["out"]
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[11]], ids=[CASES[i][0] for i in (1, 5, 11)])
 def test_gpu_and_cpu_backends_agree(case):
   try:

@@ -140,6 +140,57 @@ def test_sm90_forward_has_a_three_consumer_kernel_for_the_plain_product_at_head_
   assert ext.kernel_name(dict(base, head_dim=128, head_dim_v=128)).endswith("_sm90_128x128")
 
 
+PERSISTENT = "te_jax_attention_forward_persistent"
+ONE_CTA_PER_BLOCK = "te_jax_attention_forward"
+
+
+@pytest.mark.parametrize("d, seqlen, causal, entry", [
+    (128, 2048, False, PERSISTENT),         # 16 key tiles of 128
+    (128, 2049, False, ONE_CTA_PER_BLOCK),  # 17
+    (128, 512, True, PERSISTENT),
+    (72, 1000, False, PERSISTENT),          # pads to 128
+    (64, 1024, True, PERSISTENT),           # three consumer warpgroups elsewhere: causal up to 1024 rows
+    (64, 1025, True, ONE_CTA_PER_BLOCK),
+    (64, 512, False, ONE_CTA_PER_BLOCK),
+    (256, 512, True, ONE_CTA_PER_BLOCK),    # no persistent kernel above 128
+])
+def test_which_sm90_forward_kernel_a_call_takes(d, seqlen, causal, entry, monkeypatch):
+  monkeypatch.delenv("TE_JAX_SM90_PERSISTENT", raising=False)
+  params = dict(_backward_params(d, d, False), seqlen_q=seqlen, seqlen_kv=seqlen, mask_type=int(causal))
+  assert ext.call_forward_entry(params, "sm_90a") == entry
+  monkeypatch.setenv("TE_JAX_SM90_PERSISTENT", "auto")
+  assert ext.call_forward_entry(params, "sm_90a") == entry
+
+
+def test_persistent_forward_override(monkeypatch):
+  # TE_JAX_SM90_PERSISTENT=1 takes the persistent kernel wherever the module has one (the plain product up to d 128 on
+  # sm_90a), =0 never; any other value is an error naming the variable and its values.
+  long = dict(_backward_params(128, 128, False), seqlen_q=8192, seqlen_kv=8192)
+  short = dict(long, seqlen_q=512, seqlen_kv=512)
+  monkeypatch.setenv("TE_JAX_SM90_PERSISTENT", "1")
+  assert ext.call_forward_entry(long, "sm_90a") == PERSISTENT
+  for no_persistent_kernel in (dict(long, head_dim=256, head_dim_v=256), dict(long, softcap=5.0),
+                               dict(long, has_alibi=True)):
+    assert ext.call_forward_entry(no_persistent_kernel, "sm_90a") == ONE_CTA_PER_BLOCK
+  assert ext.call_forward_entry(long, "sm_80") == ONE_CTA_PER_BLOCK
+  monkeypatch.setenv("TE_JAX_SM90_PERSISTENT", "0")
+  assert ext.call_forward_entry(short, "sm_90a") == ONE_CTA_PER_BLOCK
+  monkeypatch.setenv("TE_JAX_SM90_PERSISTENT", "yes")
+  with pytest.raises(ValueError, match="TE_JAX_SM90_PERSISTENT must be auto, 0 or 1"):
+    ext.call_forward_entry(short, "sm_90a")
+
+
+def test_sm90_forward_modules_hold_their_persistent_kernel():
+  # The plain product's module at d <= 128 holds the persistent kernel after its first; others hold one kernel (and
+  # the token kernels with tokens).
+  base = dict(direction="forward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, arch="sm_90a")
+  assert f"{PERSISTENT}(" in ext.render_source(base)
+  assert f"{PERSISTENT}(" in ext.render_source(dict(base, head_dim=64, head_dim_v=64))
+  for other in (dict(head_dim=256, head_dim_v=256), dict(softcap=True), dict(tokens=True), dict(dropout=True),
+                dict(arch="sm_80")):
+    assert f"{PERSISTENT}(" not in ext.render_source(dict(base, **other)), other
+
+
 def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout():
   # The step's rows are in the module name: 128 where both head dims pad to 64, else 64 (tokens keep one granule per
   # step, dropout 32 keep bits per thread).

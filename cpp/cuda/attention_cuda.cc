@@ -41,7 +41,7 @@ ShapeArgs MakeShape(const AttentionParams& p) {
 struct CallModule {
   const LoadedModule* module = nullptr;
   KernelFamily family = KernelFamily::kSm80;
-  bool three_consumer_forward = false;  // KernelConfig::HasThreeConsumerForward
+  Sm90ForwardKernel sm90_forward;  // the sm90 forward module's kernel the call takes
   CUdevice device = 0;
 };
 
@@ -50,7 +50,9 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&call->device, &arch));
   const KernelConfig config = ConfigFor(params, direction, arch);
   call->family = config.Family();
-  call->three_consumer_forward = config.HasThreeConsumerForward();
+  if (direction == Direction::kForward && call->family == KernelFamily::kSm90) {
+    TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &call->sm90_forward));
+  }
   JitReport report;
   return GetLoadedModule(config, call->device, &call->module, &report);
 }
@@ -126,8 +128,13 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   CUdevice device = 0;
   std::string arch;
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
+  const KernelConfig config = ConfigFor(params, direction, arch);
+  if (direction == Direction::kForward && config.Family() == KernelFamily::kSm90) {
+    Sm90ForwardKernel kernel;  // TE_JAX_SM90_PERSISTENT's value checked at jit time too
+    TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &kernel));
+  }
   const LoadedModule* module = nullptr;
-  return GetLoadedModule(ConfigFor(params, direction, arch), device, &module, report);
+  return GetLoadedModule(config, device, &module, report);
 }
 
 // te_jax's kernels: the decode kernels' partial results, or (never both) the token tables.
@@ -222,12 +229,9 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
-  // The module's three-consumer kernel (its first) unless the call is causal and short (sm90/tile_size.h).
-  const bool three = call.three_consumer_forward &&
-                     !(IsCausal(p.mask_type) && p.seqlen_q < sm90::kThreeConsumerMinCausalRows);
-  const int kernel = call.three_consumer_forward && !three ? 1 : 0;
+  const Sm90ForwardKernel kernel = call.sm90_forward;
   const sm90::ForwardTile tile =
-      sm90::ForwardTileSize(d, dv, UsesTokens(p), three ? 3 : 2, p.has_bias ? DTypeSize(p.bias_dtype) : 0);
+      sm90::ForwardTileSize(d, dv, UsesTokens(p), kernel.consumers, p.has_bias ? DTypeSize(p.bias_dtype) : 0);
   TmaForwardArgs tma{args, {}, {}, {}, {}};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
@@ -245,9 +249,20 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   if (p.has_bias && p.seqlen_kv > 0) {
     TE_JAX_RETURN_IF_ERROR(EncodeBiasTensorMap(driver, p, b.bias, tile.block_m, &tma.bias));
   }
-  return Launch(driver, call.module->kernels[kernel], "attention forward", CeilDiv(p.seqlen_q, tile.block_m),
-                static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch), sm90::ForwardThreads(tile),
-                call.module->smem_bytes[kernel], stream, &tma);
+  const unsigned query_blocks = CeilDiv(p.seqlen_q, tile.block_m);
+  unsigned grid[3] = {query_blocks, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)};
+  if (kernel.persistent) {
+    // One CTA per multiprocessor (a CTA takes one's shared memory), each taking query blocks in turn.
+    int multiprocessors = 0;
+    const CUresult r =
+        driver->cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, call.device);
+    if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's multiprocessors: " + driver->ErrorString(r));
+    const int64_t works = static_cast<int64_t>(query_blocks) * p.num_heads * p.batch;
+    grid[0] = static_cast<unsigned>(std::min<int64_t>(works, multiprocessors));
+    grid[1] = grid[2] = 1;
+  }
+  return Launch(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
+                sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma);
 }
 
 namespace {

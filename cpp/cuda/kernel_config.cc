@@ -13,7 +13,7 @@ namespace te_jax::cuda {
 namespace {
 
 const char* const kForwardEntries[] = {"te_jax_attention_forward", "te_jax_token_tables", "te_jax_token_spans"};
-const char* const kThreeConsumerForwardEntries[] = {"te_jax_attention_forward", "te_jax_attention_forward_rows128"};
+const char* const kPersistentForwardEntries[] = {"te_jax_attention_forward", "te_jax_attention_forward_persistent"};
 const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
                                         "te_jax_attention_backward_dq_convert", "te_jax_token_tables",
                                         "te_jax_token_spans"};
@@ -76,9 +76,9 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     return kDecodeEntries;
   }
   const int token_kernels = tokens ? 2 : 0;
-  if (HasThreeConsumerForward()) {
+  if (HasPersistentForward()) {
     *count = 2;
-    return kThreeConsumerForwardEntries;
+    return kPersistentForwardEntries;
   }
   if (direction == Direction::kForward) {
     *count = 1 + token_kernels;
@@ -102,9 +102,17 @@ KernelFamily KernelConfig::Family() const {
   return served ? KernelFamily::kSm90 : KernelFamily::kSm80;
 }
 
+bool KernelConfig::PlainSm90Forward() const {
+  return direction == Direction::kForward && Family() == KernelFamily::kSm90 && !softcap && !alibi && !tokens &&
+         !dropout && !bias;
+}
+
 bool KernelConfig::HasThreeConsumerForward() const {
-  return direction == Direction::kForward && Family() == KernelFamily::kSm90 &&
-         sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, !softcap && !alibi && !tokens && !dropout && !bias);
+  return PlainSm90Forward() && sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, true);
+}
+
+bool KernelConfig::HasPersistentForward() const {
+  return PlainSm90Forward() && sm90::ForwardHasPersistentKernel(head_dim, head_dim_v, true);
 }
 
 std::string KernelConfig::Name() const { return BaseName() + (pipeline_stress ? "_stress" : ""); }
@@ -164,17 +172,14 @@ std::string KernelConfig::RenderSource() const {
   } else if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
     // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
     src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n";
-    const auto kernel = [&](const char* entry, int consumers) {
+    const auto kernel = [&](const char* entry, int consumers, bool persistent = false) {
       const std::string fwd = "te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ", " +
-                              std::to_string(consumers) + ">";
+                              std::to_string(consumers) + (persistent ? ", true>" : ">");
       return "extern \"C\" __global__ void __launch_bounds__(" + fwd + "::kThreads, 1)\n" + entry +
              "(const __grid_constant__ te_jax::cuda::TmaForwardArgs args) { " + fwd + "::Run(args); }\n";
     };
-    if (HasThreeConsumerForward()) {
-      src += kernel(kThreeConsumerForwardEntries[0], 3) + kernel(kThreeConsumerForwardEntries[1], 2);
-    } else {
-      src += kernel(kForwardEntries[0], 2);
-    }
+    src += kernel(kForwardEntries[0], HasThreeConsumerForward() ? 3 : 2);
+    if (HasPersistentForward()) src += kernel(kPersistentForwardEntries[1], 2, true);
     // The token kernels take the plain arguments, which TmaForwardArgs embeds (the launcher passes those).
     if (tokens) src += TokenKernelsSource("te_jax::cuda::ForwardArgs");
   } else if (direction == Direction::kForward) {
@@ -259,6 +264,25 @@ KernelConfig LengthGuardConfig(const std::string& arch) {
   const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
   c.pipeline_stress = stress != nullptr && std::string(stress) == "1";
   return c;
+}
+
+Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& params, Sm90ForwardKernel* kernel) {
+  const char* env = std::getenv("TE_JAX_SM90_PERSISTENT");
+  const std::string mode = env == nullptr || *env == '\0' ? "auto" : env;
+  if (mode != "auto" && mode != "0" && mode != "1") {
+    return Status::InvalidArgument("TE_JAX_SM90_PERSISTENT must be auto, 0 or 1, got \"" + mode + "\"");
+  }
+  const bool three = config.HasThreeConsumerForward();
+  const int block_n = sm90::ForwardTileSize(static_cast<int>(params.head_dim), static_cast<int>(params.head_dim_v),
+                                            config.tokens, three ? 3 : 2, config.BiasBytes())
+                          .block_n;
+  const bool persistent =
+      config.HasPersistentForward() &&
+      (mode == "1" || (mode == "auto" && sm90::ForwardPrefersPersistentKernel(
+                                             three, static_cast<int>((params.seqlen_kv + block_n - 1) / block_n),
+                                             IsCausal(params.mask_type), static_cast<int>(params.seqlen_q))));
+  *kernel = persistent ? Sm90ForwardKernel{1, 2, true} : Sm90ForwardKernel{0, three ? 3 : 2, false};
+  return Status::Ok();
 }
 
 bool BiasFitsTma(const AttentionParams& params) {

@@ -57,13 +57,15 @@ struct KernelConfig {
   bool pipeline_stress = false;
 
   KernelFamily Family() const;
-  // An sm90 forward module with a kernel of three consumer warpgroups (sm90/tile_size.h) first, then the two-consumer
-  // kernel, which short causal calls take.
+  // An sm90 forward module whose first kernel has three consumer warpgroups (sm90/tile_size.h).
   bool HasThreeConsumerForward() const;
+  // An sm90 forward module whose second kernel is a persistent one (sm90/tile_size.h), which short calls take.
+  bool HasPersistentForward() const;
+  bool PlainSm90Forward() const;  // an sm90 forward without soft-cap, ALiBi, tokens, dropout or a bias
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
   std::string RenderSource() const;
-  // Entry points of the module (forward: 1, or 2 with HasThreeConsumerForward; decode: the 16-row and 64-row
+  // Entry points of the module (forward: 1, or 2 with HasPersistentForward; decode: the 16-row and 64-row
   // kernels, the combine; backward: preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv,
   // dq), then in a backward with a bias the dbias conversion, then with tokens the token tables and spans kernels,
   // which run first.
@@ -71,6 +73,16 @@ struct KernelConfig {
 };
 
 KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+
+// The kernel of an sm90 forward module that a call takes: its index in EntryPoints, its consumer warpgroups, and
+// whether it is the persistent one. TE_JAX_SM90_PERSISTENT picks the persistent kernel wherever the module has one
+// ("1"), never ("0"), or by the call's key tiles ("auto", the default; sm90/tile_size.h); another value is an error.
+struct Sm90ForwardKernel {
+  int index = 0;
+  int consumers = 2;
+  bool persistent = false;
+};
+Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& params, Sm90ForwardKernel* kernel);
 KernelConfig LengthGuardConfig(const std::string& arch);
 
 // Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv

@@ -88,11 +88,13 @@ int SmemBytes(const KernelConfig& c, int index) {
   const int bias_bytes = c.BiasBytes();
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) {
-      if (c.HasThreeConsumerForward()) {  // the three-consumer kernel, then the two-consumer one
-        return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, false, index == 0 ? 3 : 2);
+      // The first kernel (of three consumer warpgroups where the module has them), then the persistent one (two) or
+      // the token kernels (none).
+      if (index == 0) {
+        return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, c.HasThreeConsumerForward() ? 3 : 2,
+                                      bias_bytes);
       }
-      return index == 0 ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, 2, bias_bytes)
-                        : 0;  // the token kernels: none
+      return c.HasPersistentForward() ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, false, 2) : 0;
     }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
     using Kind = sm90::BackwardKernelKind;

@@ -73,14 +73,16 @@ struct QueryBlockOfCta {
   int tile_begin, tile_end;
 };
 
-// The query block is blockIdx.x unless the kernel orders its blocks otherwise (sm90: the longest first).
+// The query block, head and batch entry are the CTA's grid position unless the kernel orders its work otherwise (sm90:
+// the longest first, or persistent CTAs).
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ QueryBlockOfCta QueryBlockOf(const ShapeArgs& s, const int32_t* q_seqlens,
-                                                        const int32_t* kv_seqlens, int m_block = blockIdx.x) {
+                                                        const int32_t* kv_seqlens, int m_block = blockIdx.x,
+                                                        int head = blockIdx.y, int b = blockIdx.z) {
   QueryBlockOfCta c;
   c.m0 = m_block * kBlockM;
-  c.head = blockIdx.y;
-  c.b = blockIdx.z;
+  c.head = head;
+  c.b = b;
   c.kv_head = c.head / (s.num_heads / s.num_kv_heads);
   c.len = ReadLengths(s, q_seqlens, kv_seqlens, c.b);
   c.mask = MakeMask(s, c.len);

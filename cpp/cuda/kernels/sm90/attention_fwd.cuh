@@ -17,6 +17,11 @@
 // row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
 // Dropout (Variant::kHasDropout; kernels/common/dropout.h) draws a tile's keep bits while its q k^T runs and scales p
 // after the online softmax has taken the row sums (lse is dropout's not), before p v.
+// The persistent kernel (kPersistent; sm90/tile_size.h says which modules have one and which calls take it): one CTA
+// per multiprocessor takes query blocks in turn (ForEachWork). The producer copies the next block's q once the
+// consumers have released this one's (the q empty barrier, after any rerun) and its k and v into the same rings, so
+// they land while the consumers write this block's results; both sides count ring positions on from block to block,
+// and the consumers' turns carry over (a block's last hand-over is the next block's first turn).
 // An additive bias (Variant::kHasBias; sm90/bias_tile.h) has a ring of its own: the producer copies each tile's block
 // of it after the tile's k, and the consumers add it to the logits after the variant's (so the logits are in natural
 // units, not raw products) and hand the stage back once added.
@@ -58,7 +63,7 @@ __device__ __forceinline__ void PassTurn(int wg) {
   asm volatile("bar.arrive %0, 256;" ::"r"(2 + (wg + 1) % kConsumers) : "memory");
 }
 
-template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 2>
+template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 2, bool kPersistent = false>
 struct ForwardKernel {
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr bool kDropout = Variant::kHasDropout;
@@ -97,7 +102,7 @@ struct ForwardKernel {
   static constexpr int kRowSummariesOffset = kRowSeenOffset + 4 * kBlockM;
   static constexpr int kTokenRingOffset = kRowSummariesOffset + kBlockM / kTokenGranule * kTokenSummaryBytes;
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
-  static constexpr int kBarriers = 1 + 4 * kStages + (kBias ? 2 * kStages : 0);
+  static constexpr int kBarriers = 1 + 4 * kStages + (kBias ? 2 * kStages : 0) + 1;  // and q empty, last
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * kBarriers;
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes),
                 "tile_size.h and the kernel disagree on shared memory");
@@ -108,6 +113,7 @@ struct ForwardKernel {
   static constexpr bool kPlain = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kTokens && !kDropout && !kBias;
   static_assert(kConsumers == 2 || ForwardHasThreeConsumerKernel(kD, kDv, kPlain),
                 "three consumer warpgroups only where tile_size.h gives them");
+  static_assert(!kPersistent || ForwardHasPersistentKernel(kD, kDv, kPlain), "persistent only where tile_size.h says");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
   // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h); a
@@ -130,6 +136,9 @@ struct ForwardKernel {
     }
     __device__ __forceinline__ uint32_t BiasFull(int stage) const { return QFull() + 8 * (1 + 4 * kStages + stage); }
     __device__ __forceinline__ uint32_t BiasEmpty(int stage) const { return QFull() + 8 * (1 + 5 * kStages + stage); }
+    // Persistent kernels: the consumers are done with q's tile (after the bias's barriers, so the others keep their
+    // offsets).
+    __device__ __forceinline__ uint32_t QEmpty() const { return QFull() + 8 * (kBarriers - 1); }
     // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
     // granules' summaries.
     __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
@@ -265,11 +274,63 @@ struct ForwardKernel {
     }
   }
 
+  // A CTA's work: one block of query rows of one (batch, head), the key tiles its rows see, and which of those every
+  // row sees whole.
+  struct Work {
+    QueryBlockOfCta cta;
+    int tiles;                 // key tiles the block's rows may see
+    int full_begin, full_end;  // tiles [full_begin, full_end) are visible to every row: no per-element mask there
+    bool straddles;            // some tile straddles a row's range edge (the NaN rerun's condition)
+  };
+
+  static __device__ __forceinline__ Work WorkOf(const ForwardArgs& args, int m_block, int head, int b) {
+    const ShapeArgs& s = args.shape;
+    Work w;
+    w.cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens, m_block, head, b);
+    QueryBlockOfCta& cta = w.cta;
+    if constexpr (kTokens) {
+      // Only the key tiles the rows' tokens may meet: narrowed here, so the producer and the consumers walk the same.
+      const BatchTokens tokens = BatchTokens::Of(args.tokens, s, cta.b);
+      NarrowToTokenSpan(TokenTileSpan<kBlockN>(tokens.q_span, cta.m0, kBlockM, s.seqlen_q), cta.tile_begin,
+                        cta.tile_end);
+    }
+    w.tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
+    const KeySpan span = cta.span;
+    w.full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : cta.tile_end;
+    w.full_end = span.all_rows_valid ? span.full_end / kBlockN : cta.tile_end;
+    w.straddles =
+        w.tiles > 0 && (!span.all_rows_valid || w.full_begin > cta.tile_begin || w.full_end < cta.tile_end);
+    // With tokens any tile may be masked per element (the token test is not a range edge).
+    if constexpr (kTokens) w.straddles = w.tiles > 0;
+    return w;
+  }
+
+  // Calls f(work, n) for the CTA's n-th work. One CTA per query block: the last query blocks see the most keys under
+  // causal masks, so they start first and the tail of the grid is short. Persistent: the query blocks of all (batch,
+  // head) pairs in that order, dealt to the CTAs in rounds that alternate direction, so a CTA that took a long block
+  // in one round takes a short one in the next, and the CTAs of a round share their K/V in L2.
+  template <typename F>
+  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, F&& f) {
+    if constexpr (kPersistent) {
+      const ShapeArgs& s = args.shape;
+      const int blocks = (s.seqlen_q + kBlockM - 1) / kBlockM;
+      const int works = blocks * s.num_heads * s.batch;
+      const int ctas = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+      for (int n = 0;; ++n) {
+        const int index = n * ctas + (n & 1 ? ctas - 1 - cta : cta);
+        if (index >= works) break;
+        const int head_of_batch = index / blocks;
+        f(WorkOf(args, blocks - 1 - index % blocks, head_of_batch % s.num_heads, head_of_batch / s.num_heads), n);
+      }
+    } else {
+      f(WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z), 0);
+    }
+  }
+
   static __device__ __forceinline__ void Run(const TmaForwardArgs& a) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Smem sm{(SmemAddress(smem_raw) + 1023u) & ~1023u};
     const ForwardArgs& args = a.args;
-    const ShapeArgs& s = args.shape;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
     if (tid == 0) {
       PrefetchTensorMap(&a.q);
@@ -277,6 +338,7 @@ struct ForwardKernel {
       PrefetchTensorMap(&a.v);
       if constexpr (kBias) PrefetchTensorMap(&a.bias);
       MbarrierInit(sm.QFull(), 1);
+      if constexpr (kPersistent) MbarrierInit(sm.QEmpty(), 4 * kConsumers);
       for (int st = 0; st < kStages; ++st) {
         MbarrierInit(sm.KFull(st), 1);
         MbarrierInit(sm.VFull(st), 1);
@@ -290,39 +352,36 @@ struct ForwardKernel {
       FenceMbarrierInit();
     }
     __syncthreads();
-    // The last query blocks see the most keys under causal masks: they start first so the tail of the grid is short.
-    QueryBlockOfCta cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens,
-                                                         static_cast<int>(gridDim.x - 1 - blockIdx.x));
-    if constexpr (kTokens) {
-      // Only the key tiles the rows' tokens may meet: narrowed here, so the producer and the consumers walk the same.
-      const BatchTokens tokens = BatchTokens::Of(args.tokens, s, cta.b);
-      NarrowToTokenSpan(TokenTileSpan<kBlockN>(tokens.q_span, cta.m0, kBlockM, s.seqlen_q), cta.tile_begin,
-                        cta.tile_end);
-    }
-    const int tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
-    // Tiles [full_begin, full_end) are visible to every row of the CTA: no per-element mask there.
-    const KeySpan span = cta.span;
-    const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : cta.tile_end;
-    const int full_end = span.all_rows_valid ? span.full_end / kBlockN : cta.tile_end;
-    bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > cta.tile_begin || full_end < cta.tile_end);
-    // With tokens any tile may be masked per element (the token test is not a range edge).
-    if constexpr (kTokens) straddles = tiles > 0;
 
+    // Both sides count the ring positions a CTA's works take (a work's tiles, twice if it reruns) from 0.
+    int ring = 0;
     if (warpgroup == 0) {
-      DecreaseRegisters<kProducerRegisters>();
+      DecreaseRegisters<ForwardProducerRegisters(kPersistent)>();
       const bool producer = warp == 0 && lane == 0;
-      if (producer) Produce(a, sm, cta, true, 0);
-      if (CtaAny<kThreads>(false) && producer) Produce(a, sm, cta, false, tiles);
+      ForEachWork(args, [&](const Work& w, int n) {
+        if (producer) {
+          // q's tile is free once the previous work's passes are done.
+          if (kPersistent && n > 0) MbarrierWait(sm.QEmpty(), (n - 1) & 1);
+          Produce(a, sm, w.cta, true, ring);
+        }
+        const bool rerun = CtaAny<kThreads>(false);
+        if (rerun && producer) Produce(a, sm, w.cta, false, ring + w.tiles);
+        ring += rerun ? 2 * w.tiles : w.tiles;
+      });
     } else {
-      IncreaseRegisters<ForwardConsumerRegisters(kTile)>();
-      Consume(args, sm, cta, warpgroup - 1, warp & 3, lane, tiles, full_begin, full_end, straddles);
+      IncreaseRegisters<ForwardConsumerRegisters(kTile, kPersistent)>();
+      ForEachWork(args, [&](const Work& w, int n) {
+        ring += Consume(args, sm, w, n, ring, warpgroup - 1, warp & 3, lane);
+      });
     }
   }
 
-  static __device__ __forceinline__ void Consume(const ForwardArgs& args, const Smem& sm, const QueryBlockOfCta& cta,
-                                                 int wg, int warp_in_wg, int lane, int tiles, int full_begin,
-                                                 int full_end, bool straddles) {
+  // The consumers' side of the CTA's n-th work, its ring positions from `first`; returns how many it took.
+  static __device__ __forceinline__ int Consume(const ForwardArgs& args, const Smem& sm, const Work& w, int n,
+                                                int first, int wg, int warp_in_wg, int lane) {
     const ShapeArgs& s = args.shape;
+    const QueryBlockOfCta& cta = w.cta;
+    const int tiles = w.tiles, full_begin = w.full_begin, full_end = w.full_end;
     const int g = lane >> 2, t = lane & 3;
     const int row0 = 64 * wg;                         // the warpgroup's first row in the q tile
     const int local_row = row0 + 16 * warp_in_wg + g;  // this thread's rows: local_row and local_row + 8
@@ -529,10 +588,10 @@ struct ForwardKernel {
       WgmmaFence();
     };
 
-    MbarrierWait(sm.QFull(), 0);
+    MbarrierWait(sm.QFull(), n & 1);
     // The first warpgroup takes the first turn. All issue the same number of product groups per pass, so the one
-    // extra hand-over (the last's last) is never waited for.
-    if (wg == kConsumers - 1) PassTurn<kConsumers>(wg);
+    // extra hand-over (the last's last) is the next work's first turn.
+    if (n == 0 && wg == kConsumers - 1) PassTurn<kConsumers>(wg);
 
     // One pass over the CTA's tiles; ring positions count on from `first` (the second pass follows the first).
     auto pass = [&](auto careful, int first) {
@@ -607,8 +666,10 @@ struct ForwardKernel {
       release(sm.VEmpty(StageOf(i)));
     };
 
-    pass(BoolConstant<false>{}, 0);
-    if (CtaAny<kThreads>(straddles && (AnyNaN(o) || softmax.AnyNaN()))) pass(BoolConstant<true>{}, tiles);
+    pass(BoolConstant<false>{}, first);
+    const bool rerun = CtaAny<kThreads>(w.straddles && (AnyNaN(o) || softmax.AnyNaN()));
+    if (rerun) pass(BoolConstant<true>{}, first + tiles);
+    if constexpr (kPersistent) release(sm.QEmpty());
 
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(cta.b) * s.seqlen_q * o_stride + cta.head * kDv;
@@ -645,6 +706,7 @@ struct ForwardKernel {
             cta.len.invalid ? __int_as_float(0x7fffffff) : lse[r];
       }
     }
+    return rerun ? 2 * tiles : tiles;
   }
 };
 

@@ -26,10 +26,15 @@ struct ForwardTile {
 
 TE_JAX_HOST_DEVICE constexpr int ForwardThreads(ForwardTile t) { return 128 * (1 + t.consumers); }
 
-// The producer keeps 24 registers per thread (setmaxnreg); the consumers share the rest of the 64K register file.
-inline constexpr int kProducerRegisters = 24;
-TE_JAX_HOST_DEVICE constexpr int ForwardConsumerRegisters(ForwardTile t) {
-  return (65536 - 128 * kProducerRegisters) / (128 * t.consumers) / 8 * 8;
+// The producer keeps 24 registers per thread (setmaxnreg), 32 in the persistent kernel (its work loop spilled 149
+// times at 24, 47 at 32 at d 128), and the consumers share the rest of the CTA's launch allocation (its threads times
+// their launch count, 65536 / threads rounded down to 8; asking for more leaves setmaxnreg.inc waiting forever): 240
+// each of two consumers (232 in the persistent kernel), 160 each of three.
+TE_JAX_HOST_DEVICE constexpr int ForwardProducerRegisters(bool persistent) { return persistent ? 32 : 24; }
+TE_JAX_HOST_DEVICE constexpr int ForwardConsumerRegisters(ForwardTile t, bool persistent = false) {
+  const int threads = ForwardThreads(t);
+  const int launch = 65536 / threads / 8 * 8 * threads;
+  return (launch - 128 * ForwardProducerRegisters(persistent)) / (128 * t.consumers) / 8 * 8;
 }
 
 // The forward's token tables: the CTA's query rows' entries, "saw a key" flags and granule summaries, and a ring of a
@@ -50,7 +55,7 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile 
   return 1024 +  // slack to align the tiles to the swizzle atom
          t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
          t.stages * BiasTileBytes(t.block_m, t.block_n, bias_bytes) + (tokens ? ForwardTokenBytes(t) : 0) +
-         8 * (1 + 4 * t.stages) +  // mbarriers: q full; k full, k empty, v full, v empty per stage
+         8 * (2 + 4 * t.stages) +  // mbarriers: q full, q empty; k full, k empty, v full, v empty per stage
          (bias_bytes > 0 ? 8 * 2 * t.stages : 0);  // and bias full, bias empty per stage
 }
 
@@ -81,10 +86,28 @@ TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, b
   return plain && PadTo64(d) == 64 && PadTo64(dv) == 64;
 }
 
-// Causal calls of at most this many query rows take the module's two-consumer kernel: the 192-row tiles' padding rows
-// and diagonal cost more there than the third warpgroup gains (causal s 512: 0.66x cuDNN with 128 rows, 0.60x with
-// 192; s 2k: 0.81x and 0.82x).
-inline constexpr int kThreeConsumerMinCausalRows = 1025;
+// A forward module of the plain product also has a persistent kernel (attention_fwd.cuh's ForEachWork): one CTA per
+// multiprocessor, each taking query blocks in turn, so the next block's q and first k and v tiles load under this one's
+// epilogue and no CTA is launched, set up and drained per block. That pays where a block has few key tiles (short
+// sequences), and loses to the hardware's dynamic block scheduling where blocks are long and uneven (long causal).
+// Only the plain product up to head dims of 128: the variants' modules keep one kernel each (NVRTC time), and above 128
+// the consumers' 232 registers spill (d 256: 59 spill instructions; and it runs at 0.89-0.95x cuDNN at s 512-2k without).
+TE_JAX_HOST_DEVICE constexpr bool ForwardHasPersistentKernel(int d, int dv, bool plain) {
+  return plain && PadTo64(d) <= 128 && PadTo64(dv) <= 128;
+}
+
+// Which calls take it (H200, bf16, b s = 16k, te / cuDNN forward, one CTA per block -> persistent, docs/BENCHMARKS.md
+// run 51): at d 128 those of at most 16 key tiles (s 512: 0.81 -> 0.84, causal 0.76 -> 0.87; s 2k: 0.90 -> 0.91, causal
+// 0.93 -> 0.96; s 4k: 0.95 -> 0.92). Where the first kernel has three consumer warpgroups (d 64) those run the plain
+// product faster but for causal calls of at most 1024 query rows, whose 192-row tiles' padding rows and diagonal cost
+// more than the third warpgroup gains (causal s 512: 0.68 -> 0.75, s 1k: 0.75 -> 0.78; non-causal s 1k: 0.85 -> 0.81).
+inline constexpr int kPersistentMaxKeyTiles = 16;
+inline constexpr int kPersistentMaxCausalRowsBesideThreeConsumers = 1024;
+TE_JAX_HOST_DEVICE constexpr bool ForwardPrefersPersistentKernel(bool three_consumer_module, int key_tiles, bool causal,
+                                                                int seqlen_q) {
+  if (three_consumer_module) return causal && seqlen_q <= kPersistentMaxCausalRowsBesideThreeConsumers;
+  return key_tiles <= kPersistentMaxKeyTiles;
+}
 
 // Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements), where the tiles fit in shared
 // memory with the token tables or the bias ring of a kernel built with them (a float bias at d = 256 does not).
