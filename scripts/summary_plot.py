@@ -22,7 +22,8 @@ def _cuda_bench(path: str, mode: str, label: str, shapes) -> list[tuple[str, flo
   out = []
   for d, s, causal in shapes:
     r = next(r for r in rows if (r["d"], r["s"], r["causal"], r["hkv"]) == (d, s, causal, r["h"]))
-    out.append((f"{label} d{d} s{s // 1024}k{' causal' if causal else ''}", r[f"te_{mode}"] / r[f"jax-cudnn_{mode}"]))
+    length = f"{s // 1024}k" if s >= 1024 else str(s)
+    out.append((f"{label} d{d} s{length}{' causal' if causal else ''}", r[f"te_{mode}"] / r[f"jax-cudnn_{mode}"]))
   return out
 
 
@@ -44,12 +45,13 @@ def _features(path: str, feature: str) -> list[tuple[str, float]]:
 def main(bench_dir: str, dst: str) -> None:
   at = lambda name: os.path.join(bench_dir, name)  # noqa: E731
   groups = [
-      ("forward (runs 42, 14)",
-       _cuda_bench(at("h200-fwd64-three-consumers.json"), "fwd", "fwd", [(64, s, True) for s in (2048, 16384)]) +
-       _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd", [(d, s, True) for d in (128, 256) for s in (2048, 16384)])),
-      ("forward + backward (runs 42, 18, 36)",
-       _cuda_bench(at("h200-fwd64-three-consumers.json"), "fwd+bwd", "f+b", [(64, s, True) for s in (2048, 16384)]) +
-       _cuda_bench(at("h200-sm90-bwd.json"), "fwd+bwd", "f+b", [(128, s, True) for s in (2048, 16384)]) +
+      ("forward (runs 53, 14)",
+       _cuda_bench(at("h200-short-persistent.json"), "fwd", "fwd",
+                   [(d, s, True) for d in (64, 128) for s in (512, 2048, 16384)]) +
+       _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd", [(256, s, True) for s in (2048, 16384)])),
+      ("forward + backward (runs 53, 36)",
+       _cuda_bench(at("h200-short-persistent.json"), "fwd+bwd", "f+b",
+                   [(d, s, True) for d in (64, 128) for s in (512, 2048, 16384)]) +
        _cuda_bench(at("h200-bwd256-sm90.json"), "fwd+bwd", "f+b", [(256, s, True) for s in (2048, 16384)])),
       ("decode (run 19)", _decode(at("h200-decode.json"))),
       ("with a bias (run 46) / dropout (run 26)",
