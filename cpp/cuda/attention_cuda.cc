@@ -252,7 +252,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   const unsigned query_blocks = CeilDiv(p.seqlen_q, tile.block_m);
   unsigned grid[3] = {query_blocks, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)};
   if (kernel.persistent) {
-    // One CTA per multiprocessor (a CTA takes one's shared memory), each taking query blocks in turn.
+    // One CTA per multiprocessor (a CTA's registers fill one), each taking query blocks in turn.
     int multiprocessors = 0;
     const CUresult r =
         driver->cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, call.device);

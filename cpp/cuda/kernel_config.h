@@ -73,17 +73,17 @@ struct KernelConfig {
 };
 
 KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+KernelConfig LengthGuardConfig(const std::string& arch);
 
 // The kernel of an sm90 forward module that a call takes: its index in EntryPoints, its consumer warpgroups, and
 // whether it is the persistent one. TE_JAX_SM90_PERSISTENT picks the persistent kernel wherever the module has one
-// ("1"), never ("0"), or by the call's key tiles ("auto", the default; sm90/tile_size.h); another value is an error.
+// ("1"), never ("0"), or by the call's shape ("auto", the default; sm90/tile_size.h); another value is an error.
 struct Sm90ForwardKernel {
   int index = 0;
   int consumers = 2;
   bool persistent = false;
 };
 Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& params, Sm90ForwardKernel* kernel);
-KernelConfig LengthGuardConfig(const std::string& arch);
 
 // Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv
 // elements) whole 16-byte chunks.
