@@ -19,20 +19,9 @@ import numpy as np
 
 import te_jax
 import te_jax._cuda  # noqa: F401
+from cuda_bench import timed  # scripts/cuda_bench.py: calls back to back, best of repeats
 
 KEYS_PER_TILE = 128  # the sm90 forward's key tile at d <= 128
-
-
-def timed(fn, args, n=30, repeats=5):
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(n):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - start) / n)
-  return best
 
 
 def main():
@@ -57,7 +46,7 @@ def main():
     for name, fn, mode in (("te one CTA per block", te, "0"), ("te persistent", te, "1"), ("cudnn", cudnn, None)):
       if mode is not None:
         os.environ["TE_JAX_SM90_PERSISTENT"] = mode  # read by the launcher at each call
-      times[name].append(timed(fn, (q, k, v)) * 1e6)
+      times[name].append(timed(fn, (q, k, v), repeats=5) * 1e6)
     print(f"{t:3d} key tiles: " + "  ".join(f"{name} {times[name][-1]:8.1f} us" for name in times), flush=True)
   os.environ.pop("TE_JAX_SM90_PERSISTENT", None)
   fits = {}
