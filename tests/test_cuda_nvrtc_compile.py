@@ -145,13 +145,14 @@ ONE_CTA_PER_BLOCK = "te_jax_attention_forward"
 
 
 @pytest.mark.parametrize("d, seqlen, causal, entry", [
-    (128, 2048, False, PERSISTENT),         # 16 key tiles of 128
-    (128, 2049, False, ONE_CTA_PER_BLOCK),  # 17
-    (128, 512, True, PERSISTENT),
-    (72, 1000, False, PERSISTENT),          # pads to 128
-    (64, 1024, True, PERSISTENT),           # three consumer warpgroups elsewhere: causal up to 1024 rows
-    (64, 1025, True, ONE_CTA_PER_BLOCK),
-    (64, 512, False, ONE_CTA_PER_BLOCK),
+    (128, 16384, False, PERSISTENT),        # every non-causal call
+    (128, 8192, True, PERSISTENT),          # causal: up to 64 key tiles of 128
+    (128, 8193, True, ONE_CTA_PER_BLOCK),
+    (72, 9000, False, PERSISTENT),          # pads to 128
+    (64, 1024, False, PERSISTENT),          # three consumer warpgroups elsewhere: up to 8 key tiles,
+    (64, 1025, False, ONE_CTA_PER_BLOCK),
+    (64, 2048, True, PERSISTENT),           # causal up to 16
+    (64, 2049, True, ONE_CTA_PER_BLOCK),
     (256, 512, True, ONE_CTA_PER_BLOCK),    # no persistent kernel above 128
 ])
 def test_which_sm90_forward_kernel_a_call_takes(d, seqlen, causal, entry, monkeypatch):

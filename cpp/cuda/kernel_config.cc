@@ -280,7 +280,7 @@ Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& p
       config.HasPersistentForward() &&
       (mode == "1" || (mode == "auto" && sm90::ForwardPrefersPersistentKernel(
                                              three, static_cast<int>((params.seqlen_kv + block_n - 1) / block_n),
-                                             IsCausal(params.mask_type), static_cast<int>(params.seqlen_q))));
+                                             IsCausal(params.mask_type))));
   *kernel = persistent ? Sm90ForwardKernel{1, 2, true} : Sm90ForwardKernel{0, three ? 3 : 2, false};
   return Status::Ok();
 }

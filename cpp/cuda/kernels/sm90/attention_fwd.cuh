@@ -18,10 +18,12 @@
 // Dropout (Variant::kHasDropout; kernels/common/dropout.h) draws a tile's keep bits while its q k^T runs and scales p
 // after the online softmax has taken the row sums (lse is dropout's not), before p v.
 // The persistent kernel (kPersistent; sm90/tile_size.h says which modules have one and which calls take it): one CTA
-// per multiprocessor takes query blocks in turn (ForEachWork). The producer copies the next block's q once the
-// consumers have released this one's (the q empty barrier, after any rerun) and its k and v into the same rings, so
-// they land while the consumers write this block's results; both sides count ring positions on from block to block,
-// and the consumers' turns carry over (a block's last hand-over is the next block's first turn).
+// per multiprocessor takes query blocks in turn (ForEachWork). q has two buffers: once the producer has copied this
+// block's last k and v tiles it copies the next block's q into the other buffer (once the consumers have released the
+// block's before, after any rerun: the q empty barriers) and the next block's first k and v tiles into L2; after this
+// block's rerun check it copies those into the rings, so they land while the consumers write this block's results.
+// Both sides count ring positions on from block to block, and the consumers' turns carry over (a block's last
+// hand-over is the next block's first turn).
 // An additive bias (Variant::kHasBias; sm90/bias_tile.h) has a ring of its own: the producer copies each tile's block
 // of it after the tile's k, and the consumers add it to the logits after the variant's (so the logits are in natural
 // units, not raw products) and hand the stage back once added.
@@ -82,7 +84,8 @@ struct ForwardKernel {
   using KTile = SwizzledTile<kBlockN, kDP>;
   using VTile = SwizzledTile<kBlockN, kDvP>;
   using BiasStage = BiasTile<typename Variant::Bias, kBlockM, kBlockN>;
-  static constexpr int kKOffset = QTile::kBytes;
+  static constexpr int kQBuffers = ForwardQBuffers(kPersistent);
+  static constexpr int kKOffset = kQBuffers * QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
   // A bias: its ring after v's (whole 1024-byte swizzle atoms, as k's and v's stages are).
   static constexpr int kBiasOffset = kVOffset + kStages * VTile::kBytes;
@@ -102,9 +105,10 @@ struct ForwardKernel {
   static constexpr int kRowSummariesOffset = kRowSeenOffset + 4 * kBlockM;
   static constexpr int kTokenRingOffset = kRowSummariesOffset + kBlockM / kTokenGranule * kTokenSummaryBytes;
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
-  static constexpr int kBarriers = 1 + 4 * kStages + (kBias ? 2 * kStages : 0) + 1;  // and q empty, last
+  // q full per buffer; k full, k empty, v full, v empty per stage; bias full, bias empty per stage; q empty per buffer.
+  static constexpr int kBarriers = kQBuffers + 4 * kStages + (kBias ? 2 * kStages : 0) + kQBuffers;
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * kBarriers;
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes),
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes, kPersistent),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token ring");
@@ -123,22 +127,24 @@ struct ForwardKernel {
   // The shared-memory map, from the 1024-byte-aligned base.
   struct Smem {
     uint32_t base;
-    __device__ __forceinline__ QTile Q() const { return {base}; }
+    __device__ __forceinline__ QTile Q(int buffer) const { return {base + buffer * QTile::kBytes}; }
     __device__ __forceinline__ KTile K(int stage) const { return {base + kKOffset + stage * KTile::kBytes}; }
     __device__ __forceinline__ VTile V(int stage) const { return {base + kVOffset + stage * VTile::kBytes}; }
-    __device__ __forceinline__ uint32_t QFull() const { return base + kBarrierOffset; }
-    __device__ __forceinline__ uint32_t KFull(int stage) const { return QFull() + 8 * (1 + stage); }
-    __device__ __forceinline__ uint32_t KEmpty(int stage) const { return QFull() + 8 * (1 + kStages + stage); }
-    __device__ __forceinline__ uint32_t VFull(int stage) const { return QFull() + 8 * (1 + 2 * kStages + stage); }
-    __device__ __forceinline__ uint32_t VEmpty(int stage) const { return QFull() + 8 * (1 + 3 * kStages + stage); }
+    __device__ __forceinline__ uint32_t Barrier(int index) const { return base + kBarrierOffset + 8 * index; }
+    __device__ __forceinline__ uint32_t QFull(int buffer) const { return Barrier(buffer); }
+    __device__ __forceinline__ uint32_t KFull(int stage) const { return Barrier(kQBuffers + stage); }
+    __device__ __forceinline__ uint32_t KEmpty(int stage) const { return Barrier(kQBuffers + kStages + stage); }
+    __device__ __forceinline__ uint32_t VFull(int stage) const { return Barrier(kQBuffers + 2 * kStages + stage); }
+    __device__ __forceinline__ uint32_t VEmpty(int stage) const { return Barrier(kQBuffers + 3 * kStages + stage); }
     __device__ __forceinline__ BiasStage Bias(int stage) const {
       return {base + kBiasOffset + stage * BiasStage::kBytes};
     }
-    __device__ __forceinline__ uint32_t BiasFull(int stage) const { return QFull() + 8 * (1 + 4 * kStages + stage); }
-    __device__ __forceinline__ uint32_t BiasEmpty(int stage) const { return QFull() + 8 * (1 + 5 * kStages + stage); }
-    // Persistent kernels: the consumers are done with q's tile (after the bias's barriers, so the others keep their
-    // offsets).
-    __device__ __forceinline__ uint32_t QEmpty() const { return QFull() + 8 * (kBarriers - 1); }
+    __device__ __forceinline__ uint32_t BiasFull(int stage) const { return Barrier(kQBuffers + 4 * kStages + stage); }
+    __device__ __forceinline__ uint32_t BiasEmpty(int stage) const {
+      return Barrier(kQBuffers + 5 * kStages + stage);
+    }
+    // Persistent kernels: the consumers are done with a q buffer.
+    __device__ __forceinline__ uint32_t QEmpty(int buffer) const { return Barrier(kBarriers - kQBuffers + buffer); }
     // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
     // granules' summaries.
     __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
@@ -155,25 +161,29 @@ struct ForwardKernel {
   static __device__ __forceinline__ uint32_t ParityOf(int i) { return sm90::ParityOf<kStages>(i); }
   static __device__ __forceinline__ int TokenStageOf(int i) { return i % kTokenStages; }
 
-  // The producer thread: q once, then k, the bias and v of tiles [tile_begin, tile_end), counting ring positions from
-  // `i`. With tokens, the query rows' entries and granule summaries come with q and each tile's key entries and granule
-  // summaries with its k (the rows past Sq are not copied: the index range hides every key from them; the granules
-  // past Skv are not copied either, and the keys table's padding fills the last one).
-  static __device__ __forceinline__ void Produce(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
-                                                 bool load_q, int i) {
+  // The producer thread's copies. q into a buffer; with tokens, the query rows' entries and granule summaries come
+  // with it (the rows past Sq are not copied: the index range hides every key from them).
+  static __device__ __forceinline__ void LoadQ(const TmaForwardArgs& a, const Smem& sm, const QueryBlockOfCta& cta,
+                                               int buffer) {
     const ShapeArgs& s = a.args.shape;
-    if (load_q) {
-      const int q_rows = kTokens ? min(kBlockM, s.seqlen_q - cta.m0) : 0;
-      const int q_granules = kTokens ? TokenGranuleEnd(cta.m0, kBlockM, s.seqlen_q) - cta.m0 / kTokenGranule : 0;
-      LoadTile<kBlockM>(sm.Q(), &a.q, sm.QFull(), cta.head, cta.m0, cta.b,
-                        16 * q_rows + q_granules * kTokenSummaryBytes);
-      if constexpr (kTokens) {
-        const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, cta.b);
-        BulkLoad(sm.RowTokens(), tokens.q_rows + cta.m0, 16 * q_rows, sm.QFull());
-        BulkLoad(sm.RowSummaries(), tokens.q_summary + cta.m0 / kTokenGranule * kTokenSummaryInts,
-                 q_granules * kTokenSummaryBytes, sm.QFull());
-      }
+    const int q_rows = kTokens ? min(kBlockM, s.seqlen_q - cta.m0) : 0;
+    const int q_granules = kTokens ? TokenGranuleEnd(cta.m0, kBlockM, s.seqlen_q) - cta.m0 / kTokenGranule : 0;
+    LoadTile<kBlockM>(sm.Q(buffer), &a.q, sm.QFull(buffer), cta.head, cta.m0, cta.b,
+                      16 * q_rows + q_granules * kTokenSummaryBytes);
+    if constexpr (kTokens) {
+      const BatchTokens tokens = BatchTokens::Of(a.args.tokens, s, cta.b);
+      BulkLoad(sm.RowTokens(), tokens.q_rows + cta.m0, 16 * q_rows, sm.QFull(buffer));
+      BulkLoad(sm.RowSummaries(), tokens.q_summary + cta.m0 / kTokenGranule * kTokenSummaryInts,
+               q_granules * kTokenSummaryBytes, sm.QFull(buffer));
     }
+  }
+
+  // k, the bias and v of tiles [tile_begin, tile_end), counting ring positions from `i`. With tokens, each tile's key
+  // entries and granule summaries come with its k (the granules past Skv are not copied, and the keys table's padding
+  // fills the last one).
+  static __device__ __forceinline__ void ProduceTiles(const TmaForwardArgs& a, const Smem& sm,
+                                                      const QueryBlockOfCta& cta, int i) {
+    const ShapeArgs& s = a.args.shape;
     for (int tile = cta.tile_begin; tile < cta.tile_end; ++tile, ++i) {
       const int stage = StageOf(i);
       const uint32_t parity = ParityOf(i) ^ 1u;  // the consumers' release of this stage's previous tile
@@ -201,11 +211,12 @@ struct ForwardKernel {
 
   // s = q k^T for the warpgroup's 64 rows (from `row0` of the q tile) and the stage's keys; issued and committed, not
   // waited for.
-  static __device__ __forceinline__ void IssueQKt(float (&s)[kBlockN / 8][4], const Smem& sm, int row0, int stage) {
+  static __device__ __forceinline__ void IssueQKt(float (&s)[kBlockN / 8][4], QTile q, const Smem& sm, int row0,
+                                                  int stage) {
     float(&flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
 #pragma unroll
     for (int kk = 0; kk < kQkSteps; ++kk) {
-      Wgmma<Element, kBlockN>::SS(flat, sm.Q().KMajor(row0, kk), sm.K(stage).KMajor(0, kk), kk > 0);
+      Wgmma<Element, kBlockN>::SS(flat, q.KMajor(row0, kk), sm.K(stage).KMajor(0, kk), kk > 0);
     }
     WgmmaCommit();
   }
@@ -312,18 +323,44 @@ struct ForwardKernel {
   template <typename F>
   static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, F&& f) {
     if constexpr (kPersistent) {
-      const ShapeArgs& s = args.shape;
-      const int blocks = (s.seqlen_q + kBlockM - 1) / kBlockM;
-      const int works = blocks * s.num_heads * s.batch;
-      const int ctas = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
       for (int n = 0;; ++n) {
-        const int index = n * ctas + (n & 1 ? ctas - 1 - cta : cta);
-        if (index >= works) break;
-        const int head_of_batch = index / blocks;
-        f(WorkOf(args, blocks - 1 - index % blocks, head_of_batch % s.num_heads, head_of_batch / s.num_heads), n);
+        const int index = PersistentWorkIndex(args.shape, n);
+        if (index < 0) break;
+        f(PersistentWork(args, index), n);
       }
     } else {
       f(WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z), 0);
+    }
+  }
+
+  // Persistent kernels: the index of the CTA's n-th work in that order (-1 past the last), and the work at an index.
+  static __device__ __forceinline__ int PersistentWorkIndex(const ShapeArgs& s, int n) {
+    const int works = (s.seqlen_q + kBlockM - 1) / kBlockM * s.num_heads * s.batch;
+    const int ctas = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+    const int index = n * ctas + (n & 1 ? ctas - 1 - cta : cta);
+    return index < works ? index : -1;
+  }
+  static __device__ __forceinline__ Work PersistentWork(const ForwardArgs& args, int index) {
+    const ShapeArgs& s = args.shape;
+    const int blocks = (s.seqlen_q + kBlockM - 1) / kBlockM;
+    const int head_of_batch = index / blocks;
+    return WorkOf(args, blocks - 1 - index % blocks, head_of_batch % s.num_heads, head_of_batch / s.num_heads);
+  }
+
+  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's work n - 1: work n's q into its
+  // buffer, once the consumers have released the work before, the buffer's last tenant; and work n's first k and v
+  // tiles into L2. Those may not enter the rings yet (work n - 1 may rerun, which takes its own tiles through the rings
+  // first), but from L2 they land sooner once they may.
+  static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n) {
+    const int index = PersistentWorkIndex(a.args.shape, n);
+    if (index < 0) return;
+    const QueryBlockOfCta cta = PersistentWork(a.args, index).cta;
+    const int buffer = n % kQBuffers;
+    if (n >= kQBuffers) MbarrierWait(sm.QEmpty(buffer), ((n - kQBuffers) / kQBuffers) & 1);
+    LoadQ(a, sm, cta, buffer);
+    for (int tile = cta.tile_begin; tile < min(cta.tile_end, cta.tile_begin + kStages); ++tile) {
+      PrefetchTileToL2<kBlockN, KTile>(&a.k, cta.kv_head, tile * kBlockN, cta.b);
+      PrefetchTileToL2<kBlockN, VTile>(&a.v, cta.kv_head, tile * kBlockN, cta.b);
     }
   }
 
@@ -337,8 +374,10 @@ struct ForwardKernel {
       PrefetchTensorMap(&a.k);
       PrefetchTensorMap(&a.v);
       if constexpr (kBias) PrefetchTensorMap(&a.bias);
-      MbarrierInit(sm.QFull(), 1);
-      if constexpr (kPersistent) MbarrierInit(sm.QEmpty(), 4 * kConsumers);
+      for (int buffer = 0; buffer < kQBuffers; ++buffer) {
+        MbarrierInit(sm.QFull(buffer), 1);
+        if constexpr (kPersistent) MbarrierInit(sm.QEmpty(buffer), 4 * kConsumers);
+      }
       for (int st = 0; st < kStages; ++st) {
         MbarrierInit(sm.KFull(st), 1);
         MbarrierInit(sm.VFull(st), 1);
@@ -360,12 +399,12 @@ struct ForwardKernel {
       const bool producer = warp == 0 && lane == 0;
       ForEachWork(args, [&](const Work& w, int n) {
         if (producer) {
-          // q's tile is free once the previous work's passes are done.
-          if (kPersistent && n > 0) MbarrierWait(sm.QEmpty(), (n - 1) & 1);
-          Produce(a, sm, w.cta, true, ring);
+          if (n == 0) LoadQ(a, sm, w.cta, 0);  // later works' q come with PrefetchWork
+          ProduceTiles(a, sm, w.cta, ring);
+          if constexpr (kPersistent) PrefetchWork(a, sm, n + 1);
         }
         const bool rerun = CtaAny<kThreads>(false);
-        if (rerun && producer) Produce(a, sm, w.cta, false, ring + w.tiles);
+        if (rerun && producer) ProduceTiles(a, sm, w.cta, ring + w.tiles);
         ring += rerun ? 2 * w.tiles : w.tiles;
       });
     } else {
@@ -379,6 +418,11 @@ struct ForwardKernel {
   // The consumers' side of the CTA's n-th work, its ring positions from `first`; returns how many it took.
   static __device__ __forceinline__ int Consume(const ForwardArgs& args, const Smem& sm, const Work& w, int n,
                                                 int first, int wg, int warp_in_wg, int lane) {
+    // The ring positions are the same in every thread, but the persistent kernel's sum of earlier works' positions
+    // (reruns included) is not one the compiler can prove so; read from one lane, it is, and the stages' addresses
+    // and parities stay in uniform registers, where the wgmma descriptors need them (computed per thread and moved
+    // over, they cost the loop a sixth of its speed: H200, d 128, docs/BENCHMARKS.md run 55).
+    if constexpr (kPersistent) first = __shfl_sync(0xffffffffu, first, 0);
     const ShapeArgs& s = args.shape;
     const QueryBlockOfCta& cta = w.cta;
     const int tiles = w.tiles, full_begin = w.full_begin, full_end = w.full_end;
@@ -588,7 +632,10 @@ struct ForwardKernel {
       WgmmaFence();
     };
 
-    MbarrierWait(sm.QFull(), n & 1);
+    // The work's q buffer (persistent kernels alternate two).
+    const int buffer = n % kQBuffers;
+    const QTile q = sm.Q(buffer);
+    MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
     // The first warpgroup takes the first turn. All issue the same number of product groups per pass, so the one
     // extra hand-over (the last's last) is the next work's first turn.
     if (n == 0 && wg == kConsumers - 1) PassTurn<kConsumers>(wg);
@@ -617,7 +664,7 @@ struct ForwardKernel {
       bool interior = kTokens && tokens_interior(cta.tile_begin, i);
       WaitTurn(wg);
       fence_registers();
-      IssueQKt(sc, sm, row0, StageOf(i));
+      IssueQKt(sc, q, sm, row0, StageOf(i));
       PassTurn<kConsumers>(wg);
       draw_keep_bits(cta.tile_begin);
       WgmmaWait<0>();
@@ -635,7 +682,7 @@ struct ForwardKernel {
         MbarrierWait(sm.VFull(StageOf(i)), ParityOf(i));
         WaitTurn(wg);
         fence_registers();
-        IssueQKt(sc, sm, row0, next);
+        IssueQKt(sc, q, sm, row0, next);
         product(tile - 1, i);
         PassTurn<kConsumers>(wg);
         draw_keep_bits(tile);
@@ -669,7 +716,7 @@ struct ForwardKernel {
     pass(BoolConstant<false>{}, first);
     const bool rerun = CtaAny<kThreads>(w.straddles && (AnyNaN(o) || softmax.AnyNaN()));
     if (rerun) pass(BoolConstant<true>{}, first + tiles);
-    if constexpr (kPersistent) release(sm.QEmpty());
+    if constexpr (kPersistent) release(sm.QEmpty(buffer));
 
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(cta.b) * s.seqlen_q * o_stride + cta.head * kDv;

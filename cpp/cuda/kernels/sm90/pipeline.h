@@ -1,5 +1,5 @@
 // The pieces of the sm90 family's producer/consumer pipelines: where the i-th tile of a ring sits, loading a whole tile
-// into a stage with TMA, and a consumer warp handing a stage back.
+// into a stage with TMA (or ahead into L2), and a consumer warp handing a stage back.
 #pragma once
 
 #include "cpp/cuda/kernels/sm90/mbarrier.h"
@@ -33,6 +33,16 @@ __device__ __forceinline__ void LoadTile(Tile tile, const void* map, uint32_t fu
     for (int r = 0; r < Tile::kTileRows / kBoxRows; ++r) {
       TmaLoad4d(tile.base + c * Tile::kBlockBytes + r * kBoxRows * 128, map, full, 64 * c, head, row + r * kBoxRows, b);
     }
+  }
+}
+
+// Brings the tile LoadTile would copy into L2 (TmaPrefetch4d), box by box.
+template <int kBoxRows, typename Tile>
+__device__ __forceinline__ void PrefetchTileToL2(const void* map, int head, int row, int b) {
+#pragma unroll
+  for (int c = 0; c < Tile::kBytes / Tile::kBlockBytes; ++c) {
+#pragma unroll
+    for (int r = 0; r < Tile::kTileRows / kBoxRows; ++r) TmaPrefetch4d(map, 64 * c, head, row + r * kBoxRows, b);
   }
 }
 

@@ -49,13 +49,19 @@ TE_JAX_HOST_DEVICE constexpr int BiasTileBytes(int rows, int keys, int bias_byte
   return rows * keys * bias_bytes;
 }
 
+// Buffers of the q tile: the persistent kernel loads a work's q into the second while the consumers still read the
+// first (attention_fwd.cuh's PrefetchWork).
+TE_JAX_HOST_DEVICE constexpr int ForwardQBuffers(bool persistent) { return persistent ? 2 : 1; }
+
 // bias_bytes: the element size of the bias of a kernel built with one (0 without).
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t, bool tokens = false,
-                                                     int bias_bytes = 0) {
+                                                     int bias_bytes = 0, bool persistent = false) {
+  const int q_buffers = ForwardQBuffers(persistent);
   return 1024 +  // slack to align the tiles to the swizzle atom
-         t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
+         q_buffers * t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
          t.stages * BiasTileBytes(t.block_m, t.block_n, bias_bytes) + (tokens ? ForwardTokenBytes(t) : 0) +
-         8 * (2 + 4 * t.stages) +  // mbarriers: q full, q empty; k full, k empty, v full, v empty per stage
+         8 * (2 * q_buffers + 4 * t.stages) +  // mbarriers: q full, q empty per buffer; k full, k empty, v full, v
+                                               // empty per stage
          (bias_bytes > 0 ? 8 * 2 * t.stages : 0);  // and bias full, bias empty per stage
 }
 
@@ -72,8 +78,9 @@ TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tok
 }
 
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false, int consumers = 2,
-                                                  int bias_bytes = 0) {
-  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers, bias_bytes), tokens, bias_bytes);
+                                                  int bias_bytes = 0, bool persistent = false) {
+  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers, bias_bytes), tokens, bias_bytes,
+                             persistent);
 }
 
 // Where both head dims pad to 64 a tile's products are short against its softmax, and with two warpgroups the tensor
@@ -97,16 +104,22 @@ TE_JAX_HOST_DEVICE constexpr bool ForwardHasPersistentKernel(int d, int dv, bool
 }
 
 // Which calls take it (H200, bf16, b s = 16k, te / cuDNN forward, one CTA per block -> persistent, docs/BENCHMARKS.md
-// run 51): at d 128 those of at most 16 key tiles (s 512: 0.81 -> 0.84, causal 0.76 -> 0.87; s 2k: 0.90 -> 0.91, causal
-// 0.93 -> 0.96; s 4k: 0.95 -> 0.92). Where the first kernel has three consumer warpgroups (d 64) those run the plain
-// product faster but for causal calls of at most 1024 query rows, whose 192-row tiles' padding rows and diagonal cost
-// more than the third warpgroup gains (causal s 512: 0.68 -> 0.75, s 1k: 0.75 -> 0.78; non-causal s 1k: 0.85 -> 0.81).
-inline constexpr int kPersistentMaxKeyTiles = 16;
-inline constexpr int kPersistentMaxCausalRowsBesideThreeConsumers = 1024;
-TE_JAX_HOST_DEVICE constexpr bool ForwardPrefersPersistentKernel(bool three_consumer_module, int key_tiles, bool causal,
-                                                                int seqlen_q) {
-  if (three_consumer_module) return causal && seqlen_q <= kPersistentMaxCausalRowsBesideThreeConsumers;
-  return key_tiles <= kPersistentMaxKeyTiles;
+// run 56): at d 128 every non-causal call (s 512: 0.80 -> 0.86, 2k: 0.90 -> 0.95, 16k: 0.95-0.99 -> 0.99-1.03) and the
+// causal ones of at most 64 key tiles (s 512: 0.76 -> 0.87, 2k: 0.93 -> 1.01, 8k: 1.00-1.01 -> 1.05-1.06; at 16k the
+// rounds' fixed order leaves the CTAs that drew long blocks running alone at the end: 1.05-1.07 -> 0.77-0.78). Where
+// the first kernel has three consumer warpgroups (d 64), those run long blocks faster than the persistent kernel's two:
+// it takes non-causal calls of at most 8 key tiles and causal ones of at most 16 (s 512: 0.73 -> 0.81, causal 0.61 ->
+// 0.76; 1k: 0.84 -> 0.86, causal 0.68 -> 0.81; 2k causal 0.83 -> 0.87, but non-causal 0.96 -> 0.88).
+inline constexpr int kPersistentMaxCausalKeyTiles = 64;
+inline constexpr int kPersistentMaxKeyTilesBesideThreeConsumers = 8;
+inline constexpr int kPersistentMaxCausalKeyTilesBesideThreeConsumers = 16;
+TE_JAX_HOST_DEVICE constexpr bool ForwardPrefersPersistentKernel(bool three_consumer_module, int key_tiles,
+                                                                bool causal) {
+  if (three_consumer_module) {
+    return key_tiles <= (causal ? kPersistentMaxCausalKeyTilesBesideThreeConsumers
+                                : kPersistentMaxKeyTilesBesideThreeConsumers);
+  }
+  return !causal || key_tiles <= kPersistentMaxCausalKeyTiles;
 }
 
 // Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements), where the tiles fit in shared

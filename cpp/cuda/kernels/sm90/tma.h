@@ -16,6 +16,14 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const void* map, uint32_
       : "memory");
 }
 
+// Brings the box at coordinates (c0, c1, c2, c3) of a 4-D tensor map into L2, with nothing to wait for: a later copy of
+// it to shared memory then reads L2 instead of device memory.
+__device__ __forceinline__ void TmaPrefetch4d(const void* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(map), "r"(c0), "r"(c1),
+               "r"(c2), "r"(c3)
+               : "memory");
+}
+
 // Loads the box at coordinates (c0, c1, c2), innermost first, of a 3-D tensor map (the bias's, sm90/bias_tile.h).
 __device__ __forceinline__ void TmaLoad3d(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2) {
   asm volatile(
