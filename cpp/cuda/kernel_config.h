@@ -59,7 +59,7 @@ struct KernelConfig {
   KernelFamily Family() const;
   // An sm90 forward module whose first kernel has three consumer warpgroups (sm90/tile_size.h).
   bool HasThreeConsumerForward() const;
-  // An sm90 forward module whose second kernel is a persistent one (sm90/tile_size.h), which short calls take.
+  // An sm90 forward module whose second kernel is a persistent one (sm90/tile_size.h), which calls take by their shape.
   bool HasPersistentForward() const;
   bool PlainSm90Forward() const;  // an sm90 forward without soft-cap, ALiBi, tokens, dropout or a bias
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
