@@ -94,9 +94,9 @@ int SmemBytes(const KernelConfig& c, int index) {
         return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, c.HasThreeConsumerForward() ? 3 : 2,
                                       bias_bytes);
       }
-      return c.HasPersistentForward() ? sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2,
-                                                                   /*bias_bytes=*/0, /*persistent=*/true)
-                                   : 0;
+      if (!c.HasPersistentForward()) return 0;
+      return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2, /*bias_bytes=*/0,
+                                    /*persistent=*/true);
     }
     // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
     using Kind = sm90::BackwardKernelKind;
