@@ -427,7 +427,7 @@ struct ForwardKernel {
     const QueryBlockOfCta& cta = w.cta;
     const int tiles = w.tiles, full_begin = w.full_begin, full_end = w.full_end;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = 64 * wg;                         // the warpgroup's first row in the q tile
+    const int row0 = __shfl_sync(0xffffffffu, 64 * wg, 0);  // the warpgroup's first row in the q tile
     const int local_row = row0 + 16 * warp_in_wg + g;  // this thread's rows: local_row and local_row + 8
     int2 keys[2];
 #pragma unroll
