@@ -138,10 +138,14 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
 }
 
 // te_jax's kernels: the decode kernels' partial results, or (never both) the token tables.
+// The persistent sm90 forward's work counter, in the workspace of every call that may take it (the plain product; the
+// kernel is picked at run time).
+constexpr int64_t kWorkCounterBytes = 16;
+
 int64_t ForwardWorkspaceBytes(const AttentionParams& p) {
   if (p.engine == Engine::kCudnn) return cudnn::ForwardWorkspaceBytes(p);
   if (UsesTokens(p)) return TokenTablesBytes(p);
-  return DecodeWorkspaceBytes(p);
+  return std::max(DecodeWorkspaceBytes(p), kWorkCounterBytes);
 }
 
 namespace {
@@ -232,7 +236,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   const Sm90ForwardKernel kernel = call.sm90_forward;
   const sm90::ForwardTile tile =
       sm90::ForwardTileSize(d, dv, UsesTokens(p), kernel.consumers, p.has_bias ? DTypeSize(p.bias_dtype) : 0);
-  TmaForwardArgs tma{args, {}, {}, {}, {}};
+  TmaForwardArgs tma{args, {}, {}, {}, {}, nullptr};
   TE_JAX_RETURN_IF_ERROR(
       EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
   if (p.seqlen_kv == 0) {
@@ -260,6 +264,12 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     const int64_t works = static_cast<int64_t>(query_blocks) * p.num_heads * p.batch;
     grid[0] = static_cast<unsigned>(std::min<int64_t>(works, multiprocessors));
     grid[1] = grid[2] = 1;
+    // The CTAs take works from a counter in the workspace, from 0 each call.
+    tma.next_work = static_cast<unsigned*>(b.workspace);
+    const CUresult zeroed = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(tma.next_work), 0u, 1, stream);
+    if (zeroed != CUDA_SUCCESS) {
+      return Status::Internal("cannot zero the forward's work counter: " + driver->ErrorString(zeroed));
+    }
   }
   return Launch(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
                 sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma);

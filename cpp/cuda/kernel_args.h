@@ -125,6 +125,9 @@ struct TmaForwardArgs {
   TensorMap k;
   TensorMap v;
   TensorMap bias;  // read only by kernels built with a bias (sm90/bias_tile.h)
+  // The persistent kernel's count of the works its CTAs have taken: a word of the workspace, zeroed before the launch
+  // (attention_fwd.cuh's PrefetchWork).
+  unsigned* next_work;
 };
 
 // The length guard (kernels/common/length_guard.cuh) around an engine that trusts its run-time lengths: before it,

@@ -18,10 +18,11 @@
 // Dropout (Variant::kHasDropout; kernels/common/dropout.h) draws a tile's keep bits while its q k^T runs and scales p
 // after the online softmax has taken the row sums (lse is dropout's not), before p v.
 // The persistent kernel (kPersistent; sm90/tile_size.h says which modules have one and which calls take it): one CTA
-// per multiprocessor takes query blocks in turn (ForEachWork). q has two buffers: once the producer has copied this
-// block's last k and v tiles it copies the next block's q into the other buffer (once the consumers have released the
-// block's before, after any rerun: the q empty barriers) and the next block's first k and v tiles into L2; after this
-// block's rerun check it copies those into the rings, so they land while the consumers write this block's results.
+// per multiprocessor takes query blocks in turn (ForEachWork), the next from a counter of the blocks taken. q has two
+// buffers: once the producer has copied this block's last k and v tiles it takes the next block and copies its q into
+// the other buffer (once the consumers have released the block's before, after any rerun: the q empty barriers) and
+// its first k and v tiles into L2; after this block's rerun check it copies those into the rings, so they land while
+// the consumers write this block's results.
 // Both sides count ring positions on from block to block, and the consumers' turns carry over (a block's last
 // hand-over is the next block's first turn).
 // An additive bias (Variant::kHasBias; sm90/bias_tile.h) has a ring of its own: the producer copies each tile's block
@@ -107,7 +108,8 @@ struct ForwardKernel {
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
   // q full per buffer; k full, k empty, v full, v empty per stage; bias full, bias empty per stage; q empty per buffer.
   static constexpr int kBarriers = kQBuffers + 4 * kStages + (kBias ? 2 * kStages : 0) + kQBuffers;
-  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * kBarriers;
+  static constexpr int kWorkIndexOffset = kBarrierOffset + 8 * kBarriers;  // persistent kernels: a word per q buffer
+  static constexpr int kSmemBytes = 1024 + kWorkIndexOffset + (kPersistent ? 8 : 0);
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes, kPersistent),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
@@ -143,8 +145,11 @@ struct ForwardKernel {
     __device__ __forceinline__ uint32_t BiasEmpty(int stage) const {
       return Barrier(kQBuffers + 5 * kStages + stage);
     }
-    // Persistent kernels: the consumers are done with a q buffer.
+    // Persistent kernels: the consumers are done with a q buffer; the index of the work whose q a buffer holds.
     __device__ __forceinline__ uint32_t QEmpty(int buffer) const { return Barrier(kBarriers - kQBuffers + buffer); }
+    __device__ __forceinline__ int& WorkIndex(int buffer) const {
+      return SharedPointer<int>(base + kWorkIndexOffset)[buffer];
+    }
     // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
     // granules' summaries.
     __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
@@ -318,14 +323,19 @@ struct ForwardKernel {
 
   // Calls f(work, n) for the CTA's n-th work. One CTA per query block: the last query blocks see the most keys under
   // causal masks, so they start first and the tail of the grid is short. Persistent: the query blocks of all (batch,
-  // head) pairs in that order, dealt to the CTAs in rounds that alternate direction, so a CTA that took a long block
-  // in one round takes a short one in the next, and the CTAs of a round share their K/V in L2.
+  // head) pairs in that order (PersistentWork); a CTA's first is the one at its own index, and each next one it takes
+  // from a counter when it comes to it (PrefetchWork), so a CTA that drew long blocks takes fewer, and the CTAs at
+  // work at one time share their K/V in L2. The producer thread stores each index it takes beside the work's q buffer;
+  // the other threads read it once the q has landed (the q full barrier orders the store before).
   template <typename F>
-  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, F&& f) {
+  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer, F&& f) {
     if constexpr (kPersistent) {
+      const int works = PersistentWorks(args.shape);
       for (int n = 0;; ++n) {
-        const int index = PersistentWorkIndex(args.shape, n);
-        if (index < 0) break;
+        const int buffer = n % kQBuffers;
+        if (n > 0 && !producer) MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
+        const int index = n == 0 ? static_cast<int>(blockIdx.x) : sm.WorkIndex(buffer);
+        if (index >= works) break;
         f(PersistentWork(args, index), n);
       }
     } else {
@@ -333,12 +343,9 @@ struct ForwardKernel {
     }
   }
 
-  // Persistent kernels: the index of the CTA's n-th work in that order (-1 past the last), and the work at an index.
-  static __device__ __forceinline__ int PersistentWorkIndex(const ShapeArgs& s, int n) {
-    const int works = (s.seqlen_q + kBlockM - 1) / kBlockM * s.num_heads * s.batch;
-    const int ctas = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
-    const int index = n * ctas + (n & 1 ? ctas - 1 - cta : cta);
-    return index < works ? index : -1;
+  // Persistent kernels: how many works there are, and the work at an index of their order.
+  static __device__ __forceinline__ int PersistentWorks(const ShapeArgs& s) {
+    return (s.seqlen_q + kBlockM - 1) / kBlockM * s.num_heads * s.batch;
   }
   static __device__ __forceinline__ Work PersistentWork(const ForwardArgs& args, int index) {
     const ShapeArgs& s = args.shape;
@@ -347,16 +354,22 @@ struct ForwardKernel {
     return WorkOf(args, blocks - 1 - index % blocks, head_of_batch % s.num_heads, head_of_batch / s.num_heads);
   }
 
-  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's work n - 1: work n's q into its
-  // buffer, once the consumers have released the work before, the buffer's last tenant; and work n's first k and v
-  // tiles into L2. Those may not enter the rings yet (work n - 1 may rerun, which takes its own tiles through the rings
-  // first), but from L2 they land sooner once they may.
+  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's work n - 1: takes work n from the
+  // counter and, once the consumers have released the buffer's last tenant (work n - 2), stores its index beside its
+  // q buffer and copies its q there (past the last work, the barrier's arrival alone says so); and brings work n's
+  // first k and v tiles into L2. Those may not enter the rings yet (work n - 1 may rerun, which takes its own tiles
+  // through the rings first), but from L2 they land sooner once they may.
   static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n) {
-    const int index = PersistentWorkIndex(a.args.shape, n);
-    if (index < 0) return;
-    const QueryBlockOfCta cta = PersistentWork(a.args, index).cta;
     const int buffer = n % kQBuffers;
     if (n >= kQBuffers) MbarrierWait(sm.QEmpty(buffer), ((n - kQBuffers) / kQBuffers) & 1);
+    // The first gridDim.x works went to the CTAs by their index.
+    const int index = static_cast<int>(atomicAdd(a.next_work, 1u) + gridDim.x);
+    sm.WorkIndex(buffer) = index;
+    if (index >= PersistentWorks(a.args.shape)) {
+      MbarrierArrive(sm.QFull(buffer));
+      return;
+    }
+    const QueryBlockOfCta cta = PersistentWork(a.args, index).cta;
     LoadQ(a, sm, cta, buffer);
     for (int tile = cta.tile_begin; tile < min(cta.tile_end, cta.tile_begin + kStages); ++tile) {
       PrefetchTileToL2<kBlockN, KTile>(&a.k, cta.kv_head, tile * kBlockN, cta.b);
@@ -397,7 +410,7 @@ struct ForwardKernel {
     if (warpgroup == 0) {
       DecreaseRegisters<ForwardProducerRegisters(kPersistent)>();
       const bool producer = warp == 0 && lane == 0;
-      ForEachWork(args, [&](const Work& w, int n) {
+      ForEachWork(args, sm, producer, [&](const Work& w, int n) {
         if (producer) {
           if (n == 0) LoadQ(a, sm, w.cta, 0);  // later works' q come with PrefetchWork
           ProduceTiles(a, sm, w.cta, ring);
@@ -409,7 +422,7 @@ struct ForwardKernel {
       });
     } else {
       IncreaseRegisters<ForwardConsumerRegisters(kTile, kPersistent)>();
-      ForEachWork(args, [&](const Work& w, int n) {
+      ForEachWork(args, sm, false, [&](const Work& w, int n) {
         ring += Consume(args, sm, w, n, ring, warpgroup - 1, warp & 3, lane);
       });
     }
