@@ -21,7 +21,7 @@ struct SwizzledTile {
   // 8): each row's 16 k values are 32 bytes inside its 128-byte line; 8-row groups are 1024 bytes apart (the stride
   // byte offset); the leading byte offset is unused with this swizzle.
   __device__ __forceinline__ uint64_t KMajor(int row0, int kk) const {
-    return MatrixDescriptor(base + (kk / 4) * kBlockBytes + row0 * 128 + (kk % 4) * 32, 16, 1024);
+    return AdvanceDescriptor(MatrixDescriptor(base + row0 * 128, 16, 1024), (kk / 4) * kBlockBytes + (kk % 4) * 32);
   }
 
   // An operand whose K runs along the rows (B of p v: K = keys, N = columns; A of dq = ds k from ds^T): k16 step kk,
@@ -29,7 +29,8 @@ struct SwizzledTile {
   // inside the 128-byte line, which the swizzle, a function of the address, follows). M or N steps across 64-column
   // blocks by the leading byte offset, K across 8-row groups by the stride byte offset.
   __device__ __forceinline__ uint64_t MNMajor(int kk, int col0) const {
-    return MatrixDescriptor(base + (col0 / 64) * kBlockBytes + (col0 % 64) * 2 + kk * 16 * 128, kBlockBytes, 1024);
+    return AdvanceDescriptor(MatrixDescriptor(base, kBlockBytes, 1024),
+                             (col0 / 64) * kBlockBytes + (col0 % 64) * 2 + kk * 16 * 128);
   }
 
   // The address of element (row, col), for the rare scalar reads.

@@ -18,6 +18,15 @@ __device__ __forceinline__ uint64_t MatrixDescriptor(uint32_t smem_addr, uint32_
          static_cast<uint64_t>(stride_bytes >> 4) << 32 | 1ull << 62;
 }
 
+// The descriptor of the matrix `bytes` (a multiple of 16) further on in shared memory: an add to the start address
+// field alone (bits 0-13, in 16-byte units), which holds any shared-memory address of the CTA without carrying into
+// the next field. A product's k steps then cost one add each on the descriptor of its first, where building each one
+// from its address took a mask, a shift and the merge with the other fields.
+__device__ __forceinline__ uint64_t AdvanceDescriptor(uint64_t desc, uint32_t bytes) {
+  const uint32_t start = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | start;
+}
+
 // Orders this thread's earlier register writes before the next wgmma reads them (accumulators, A fragments).
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
