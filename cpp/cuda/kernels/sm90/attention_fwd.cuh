@@ -561,20 +561,39 @@ struct ForwardKernel {
           rows[1] = row_token(1);
         }
         biased_logits();
+        // Without tokens a row sees the keys of its index range. Where no row of the warp has its range begin after
+        // the tile's first key (causal masks; windows away from their left edge), one test per element suffices: the
+        // element's column offset (a constant) against the range's end, taken from the thread's first column.
+        [[maybe_unused]] int end_from_first[2];
+        if constexpr (!kTokens) {
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j)
+          for (int r = 0; r < 2; ++r) end_from_first[r] = keys[r].y - (n0 + 2 * t);
+        }
+        auto mask_elements = [&](auto ends_only) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
-            float logit = sc[j][e];
-            if constexpr (!kRawScores && !kBias) logit = variant.Logit(logit, row_position(r), key_position(j, e));
-            bool visible = col >= keys[r].x && col < keys[r].y;
-            if constexpr (kTokens) {
-              visible = sees(j, e, rows);
-              seen[r] |= visible;
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
+              float logit = sc[j][e];
+              if constexpr (!kRawScores && !kBias) logit = variant.Logit(logit, row_position(r), key_position(j, e));
+              bool visible;
+              if constexpr (kTokens) {
+                visible = sees(j, e, rows);
+                seen[r] |= visible;
+              } else if constexpr (decltype(ends_only)::kValue) {
+                visible = 8 * j + (e & 1) < end_from_first[r];
+              } else {
+                visible = col >= keys[r].x && col < keys[r].y;
+              }
+              sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
             }
-            sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
-          }
+        };
+        if (!kTokens && __all_sync(0xffffffffu, keys[0].x <= n0 && keys[1].x <= n0)) {
+          mask_elements(BoolConstant<true>{});
+        } else {
+          mask_elements(BoolConstant<false>{});
+        }
         if constexpr (kTokens) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
