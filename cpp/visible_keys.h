@@ -38,6 +38,20 @@ struct RowMask {
     if (end < begin) end = begin;
     return {begin, end};
   }
+
+  // The rows that see key j, as a range [begin, end) of row indices: Keys read the other way, for kernels that hold
+  // keys and step over rows. Row i sees j iff j < kv_len, i < q_len, j <= p_i (causal), j <= p_i + window_right and
+  // j >= p_i - window_left, each a bound on i.
+  TE_JAX_HOST_DEVICE KeyRange Rows(int64_t j) const {
+    if (j >= kv_len) return {0, 0};
+    int64_t begin = 0;
+    int64_t end = q_len;
+    if (causal && j - diag_offset > begin) begin = j - diag_offset;
+    if (window_right >= 0 && j - diag_offset - window_right > begin) begin = j - diag_offset - window_right;
+    if (window_left >= 0 && j - diag_offset + window_left + 1 < end) end = j - diag_offset + window_left + 1;
+    if (end < begin) end = begin;
+    return {begin, end};
+  }
 };
 
 TE_JAX_HOST_DEVICE RowMask MakeRowMask(MaskType mask_type, int64_t q_len, int64_t kv_len, int64_t window_left,
