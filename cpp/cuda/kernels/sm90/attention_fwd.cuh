@@ -44,8 +44,7 @@
 
 namespace te_jax::cuda::sm90 {
 
-// Whether any thread of the CTA passes true (a barrier over all kThreads threads, named 1 so it never meets
-// __syncthreads).
+// Whether any of kThreads threads passes true (a barrier named 1, so it never meets __syncthreads).
 template <int kThreads>
 __device__ __forceinline__ bool CtaAny(bool pred) {
   uint32_t any;
@@ -77,6 +76,9 @@ struct ForwardKernel {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
   static constexpr int kThreads = ForwardThreads(kTile);
+  // The rerun vote's threads: the consumer warpgroups and the producer warp (the producer warpgroup's other warps leave
+  // once they have given up their registers).
+  static constexpr int kVoters = kThreads - 96;
   static constexpr int kDP = PadTo64(kD);
   static constexpr int kDvP = PadTo64(kDv);
   static constexpr int kQkSteps = (kD + 15) / 16;  // k16 steps of q k^T; the zero padding past kD is skipped
@@ -326,15 +328,23 @@ struct ForwardKernel {
   // head) pairs in that order (PersistentWork); a CTA's first is the one at its own index, and each next one it takes
   // from a counter when it comes to it (PrefetchWork), so a CTA that drew long blocks takes fewer, and the CTAs at
   // work at one time share their K/V in L2. The producer thread stores each index it takes beside the work's q buffer;
-  // the other threads read it once the q has landed (the q full barrier orders the store before).
+  // the consumers read it once the q has landed (the q full barrier orders the store before), the producer warp's
+  // other lanes from the producer thread. Those never wait on the barrier: between votes a lane that waits on each q
+  // in turn may fall two phases behind, where a parity wait means the phase after.
   template <typename F>
-  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer, F&& f) {
+  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer_warp,
+                                                     F&& f) {
     if constexpr (kPersistent) {
       const int works = PersistentWorks(args.shape);
       for (int n = 0;; ++n) {
         const int buffer = n % kQBuffers;
-        if (n > 0 && !producer) MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
-        const int index = n == 0 ? static_cast<int>(blockIdx.x) : sm.WorkIndex(buffer);
+        int index = static_cast<int>(blockIdx.x);
+        if (n > 0 && producer_warp) {
+          index = __shfl_sync(0xffffffffu, (threadIdx.x & 31) == 0 ? sm.WorkIndex(buffer) : 0, 0);
+        } else if (n > 0) {
+          MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
+          index = sm.WorkIndex(buffer);
+        }
         if (index >= works) break;
         f(PersistentWork(args, index), n);
       }
@@ -409,14 +419,15 @@ struct ForwardKernel {
     int ring = 0;
     if (warpgroup == 0) {
       DecreaseRegisters<ForwardProducerRegisters(kPersistent)>();
-      const bool producer = warp == 0 && lane == 0;
-      ForEachWork(args, sm, producer, [&](const Work& w, int n) {
+      if (warp != 0) return;
+      const bool producer = lane == 0;
+      ForEachWork(args, sm, true, [&](const Work& w, int n) {
         if (producer) {
           if (n == 0) LoadQ(a, sm, w.cta, 0);  // later works' q come with PrefetchWork
           ProduceTiles(a, sm, w.cta, ring);
           if constexpr (kPersistent) PrefetchWork(a, sm, n + 1);
         }
-        const bool rerun = CtaAny<kThreads>(false);
+        const bool rerun = w.straddles && CtaAny<kVoters>(false);
         if (rerun && producer) ProduceTiles(a, sm, w.cta, ring + w.tiles);
         ring += rerun ? 2 * w.tiles : w.tiles;
       });
@@ -746,7 +757,10 @@ struct ForwardKernel {
     };
 
     pass(BoolConstant<false>{}, first);
-    const bool rerun = CtaAny<kThreads>(w.straddles && (AnyNaN(o) || softmax.AnyNaN()));
+    // Only a work whose tiles straddle a range edge may rerun, and every thread knows whether this one does: the others
+    // skip the CTA-wide vote, so the producer copies the next work's tiles and the warpgroups go on to its products
+    // without waiting for one another.
+    const bool rerun = w.straddles && CtaAny<kVoters>(AnyNaN(o) || softmax.AnyNaN());
     if (rerun) pass(BoolConstant<true>{}, first + tiles);
     if constexpr (kPersistent) release(sm.QEmpty(buffer));
 
