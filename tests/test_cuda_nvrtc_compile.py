@@ -145,10 +145,9 @@ ONE_CTA_PER_BLOCK = "te_jax_attention_forward"
 
 
 @pytest.mark.parametrize("d, seqlen, causal, entry", [
-    (128, 16384, False, PERSISTENT),        # every non-causal call
-    (128, 8192, True, PERSISTENT),          # causal: up to 64 key tiles of 128
-    (128, 8193, True, ONE_CTA_PER_BLOCK),
-    (72, 9000, False, PERSISTENT),          # pads to 128
+    (128, 16384, False, PERSISTENT),        # two consumer warpgroups elsewhere: every call
+    (128, 32768, True, PERSISTENT),
+    (72, 9000, True, PERSISTENT),           # pads to 128
     (64, 1024, False, PERSISTENT),          # three consumer warpgroups elsewhere: up to 8 key tiles,
     (64, 1025, False, ONE_CTA_PER_BLOCK),
     (64, 2048, True, PERSISTENT),           # causal up to 16

@@ -95,9 +95,8 @@ TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, b
 }
 
 // A forward module of the plain product also has a persistent kernel (attention_fwd.cuh's ForEachWork): one CTA per
-// multiprocessor, each taking query blocks in turn, so the next block's q and first k and v tiles load under this one's
-// epilogue and no CTA is launched, set up and drained per block. That pays where a block has few key tiles (short
-// sequences), and loses to the hardware's dynamic block scheduling where blocks are long and uneven (long causal).
+// multiprocessor, each taking query blocks from a counter, so the next block's q and first k and v tiles load under
+// this one's epilogue and no CTA is launched, set up and drained per block.
 // Only the plain product up to head dims of 128: the variants' modules keep one kernel each (NVRTC time), and above 128
 // the consumers' 232 registers spill (d 256: 59 spill instructions; and it runs at 0.89-0.95x cuDNN at s 512-2k without).
 TE_JAX_HOST_DEVICE constexpr bool ForwardHasPersistentKernel(int d, int dv, bool plain) {
@@ -105,22 +104,18 @@ TE_JAX_HOST_DEVICE constexpr bool ForwardHasPersistentKernel(int d, int dv, bool
 }
 
 // Which calls take it (H200, bf16, b s = 16k, te / cuDNN forward, one CTA per block -> persistent, docs/BENCHMARKS.md
-// run 56): at d 128 every non-causal call (s 512: 0.80 -> 0.86, 2k: 0.90 -> 0.95, 16k: 0.95-0.99 -> 0.99-1.03) and the
-// causal ones of at most 64 key tiles (s 512: 0.76 -> 0.87, 2k: 0.93 -> 1.01, 8k: 1.00-1.01 -> 1.05-1.06; at 16k the
-// rounds' fixed order leaves the CTAs that drew long blocks running alone at the end: 1.05-1.07 -> 0.77-0.78). Where
-// the first kernel has three consumer warpgroups (d 64), those run long blocks faster than the persistent kernel's two:
-// it takes non-causal calls of at most 8 key tiles and causal ones of at most 16 (s 512: 0.73 -> 0.81, causal 0.61 ->
-// 0.76; 1k: 0.84 -> 0.86, causal 0.68 -> 0.81; 2k causal 0.83 -> 0.87, but non-causal 0.96 -> 0.88).
-inline constexpr int kPersistentMaxCausalKeyTiles = 64;
+// runs 56 and 60): beside a first kernel of two consumer warpgroups (d 128), every call (s 512: 0.80 -> 0.86, 2k: 0.90
+// -> 0.95, causal 0.93 -> 1.01; at 16k causal, now that the CTAs take blocks from a counter, 1.06 -> 1.11). Where the
+// first kernel has three (d 64), those run long blocks faster than the persistent kernel's two: it takes non-causal
+// calls of at most 8 key tiles and causal ones of at most 16 (s 512: 0.73 -> 0.81, causal 0.61 -> 0.76; 1k: 0.84 ->
+// 0.86, causal 0.68 -> 0.81; 2k causal 0.83 -> 0.87, but non-causal 0.96 -> 0.88; 16k causal 1.06 -> 0.95).
 inline constexpr int kPersistentMaxKeyTilesBesideThreeConsumers = 8;
 inline constexpr int kPersistentMaxCausalKeyTilesBesideThreeConsumers = 16;
 TE_JAX_HOST_DEVICE constexpr bool ForwardPrefersPersistentKernel(bool three_consumer_module, int key_tiles,
                                                                 bool causal) {
-  if (three_consumer_module) {
-    return key_tiles <= (causal ? kPersistentMaxCausalKeyTilesBesideThreeConsumers
-                                : kPersistentMaxKeyTilesBesideThreeConsumers);
-  }
-  return !causal || key_tiles <= kPersistentMaxCausalKeyTiles;
+  if (!three_consumer_module) return true;
+  return key_tiles <= (causal ? kPersistentMaxCausalKeyTilesBesideThreeConsumers
+                              : kPersistentMaxKeyTilesBesideThreeConsumers);
 }
 
 // Head dims the family serves (TMA needs 16-byte rows strides: multiples of 8 elements), where the tiles fit in shared
