@@ -1,6 +1,6 @@
 """te_jax CUDA fused attention vs jax.nn.dot_product_attention(implementation="cudnn"), timed the same way: N calls
 dispatched back to back, one block at the end, best of R repeats, all in one process (interleaved per shape).
-bf16 (--dtype float16 for fp16), b * s = 16k tokens, hidden 2048 (h = 2048 / d). FLOPs: forward 4 * b * h * s^2 * d (halved when causal);
+bf16 (--dtype float16 for fp16), b * s = 16k tokens, hidden 2048 (h = 2048 / d; --heads to choose). FLOPs: forward 4 * b * h * s^2 * d (halved when causal);
 fwd+bwd 3.5x forward (2 + 5 matrix products).
 
 Each te_jax engine is a column: --engines te,cudnn,auto (fused_attn(engine=...)); --deterministic adds te_jax's
@@ -63,6 +63,7 @@ def main():
   p.add_argument("--modes", default="fwd,fwd+bwd")
   p.add_argument("--causal", default="0,1")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+  p.add_argument("--heads", type=int, default=0, help="query heads; 0: 2048 / d (hidden 2048)")
   p.add_argument("--heads-kv", type=int, default=0, help="k/v heads (GQA); 0: as many as the query heads")
   p.add_argument("--window", type=int, default=-1, help="left window (causal only); -1: none")
   p.add_argument("--deterministic", action="store_true")
@@ -77,7 +78,7 @@ def main():
   key = jax.random.PRNGKey(0)
   for d in map(int, a.dims.split(",")):
     for s in map(int, a.seqs.split(",")):
-      b, h = max(1, 16384 // s), 2048 // d
+      b, h = max(1, 16384 // s), a.heads or 2048 // d
       hkv = a.heads_kv or h
       kq, kk, kv, kd = jax.random.split(jax.random.fold_in(key, s * d), 4)
       dtype = jnp.dtype(a.dtype)
