@@ -137,11 +137,11 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   return GetLoadedModule(config, device, &module, report);
 }
 
-// te_jax's kernels: the decode kernels' partial results, or (never both) the token tables.
 // The persistent sm90 forward's work counter, in the workspace of every call that may take it (the plain product; the
 // kernel is picked at run time).
 constexpr int64_t kWorkCounterBytes = 16;
 
+// te_jax's kernels: the decode kernels' partial results (or the work counter), or (never both) the token tables.
 int64_t ForwardWorkspaceBytes(const AttentionParams& p) {
   if (p.engine == Engine::kCudnn) return cudnn::ForwardWorkspaceBytes(p);
   if (UsesTokens(p)) return TokenTablesBytes(p);
