@@ -326,7 +326,7 @@ struct ForwardKernel {
   // Calls f(work, n) for the CTA's n-th work. One CTA per query block: the last query blocks see the most keys under
   // causal masks, so they start first and the tail of the grid is short. Persistent: the query blocks of all (batch,
   // head) pairs in that order (PersistentWork); a CTA's first is the one at its own index, and each next one it takes
-  // from a counter when it comes to it (PrefetchWork), so a CTA that drew long blocks takes fewer, and the CTAs at
+  // from a counter as it starts the one before (TakeWork), so a CTA that drew long blocks takes fewer, and the CTAs at
   // work at one time share their K/V in L2. The producer thread stores each index it takes beside the work's q buffer;
   // the consumers read it once the q has landed (the q full barrier orders the store before), the producer warp's
   // other lanes from the producer thread. Those never wait on the barrier: between votes a lane that waits on each q
@@ -364,22 +364,29 @@ struct ForwardKernel {
     return WorkOf(args, blocks - 1 - index % blocks, head_of_batch % s.num_heads, head_of_batch / s.num_heads);
   }
 
-  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's work n - 1: takes work n from the
-  // counter and, once the consumers have released the buffer's last tenant (work n - 2), stores its index beside its
-  // q buffer and copies its q there (past the last work, the barrier's arrival alone says so); and brings work n's
-  // first k and v tiles into L2. Those may not enter the rings yet (work n - 1 may rerun, which takes its own tiles
-  // through the rings first), but from L2 they land sooner once they may.
-  static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n) {
+  // Persistent kernels, the producer thread: the index of the CTA's next work, taken from the counter as it starts a
+  // work, so the atomic's round trip runs under that work's copies. The first gridDim.x works went to the CTAs by their
+  // index.
+  static __device__ __forceinline__ int TakeWork(const TmaForwardArgs& a) {
+    return static_cast<int>(atomicAdd(a.next_work, 1u) + gridDim.x);
+  }
+
+  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's work n - 1: work n (at `index`),
+  // once the consumers have released the buffer's last tenant (work n - 2), has its index stored beside its q buffer
+  // and its q copied there (past the last work, the barrier's arrival alone says so); and its first k and v tiles go
+  // into L2. Those may not enter the rings yet (work n - 1 may rerun, which takes its own tiles through the rings
+  // first), but from L2 they land sooner once they may. The work's rows and key tiles are found before the wait, so
+  // its lengths' loads run under it.
+  static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n, int index) {
     const int buffer = n % kQBuffers;
+    const bool past_last = index >= PersistentWorks(a.args.shape);
+    const QueryBlockOfCta cta = PersistentWork(a.args, past_last ? 0 : index).cta;
     if (n >= kQBuffers) MbarrierWait(sm.QEmpty(buffer), ((n - kQBuffers) / kQBuffers) & 1);
-    // The first gridDim.x works went to the CTAs by their index.
-    const int index = static_cast<int>(atomicAdd(a.next_work, 1u) + gridDim.x);
     sm.WorkIndex(buffer) = index;
-    if (index >= PersistentWorks(a.args.shape)) {
+    if (past_last) {
       MbarrierArrive(sm.QFull(buffer));
       return;
     }
-    const QueryBlockOfCta cta = PersistentWork(a.args, index).cta;
     LoadQ(a, sm, cta, buffer);
     for (int tile = cta.tile_begin; tile < min(cta.tile_end, cta.tile_begin + kStages); ++tile) {
       PrefetchTileToL2<kBlockN, KTile>(&a.k, cta.kv_head, tile * kBlockN, cta.b);
@@ -424,8 +431,10 @@ struct ForwardKernel {
       ForEachWork(args, sm, true, [&](const Work& w, int n) {
         if (producer) {
           if (n == 0) LoadQ(a, sm, w.cta, 0);  // later works' q come with PrefetchWork
+          [[maybe_unused]] int next = 0;
+          if constexpr (kPersistent) next = TakeWork(a);
           ProduceTiles(a, sm, w.cta, ring);
-          if constexpr (kPersistent) PrefetchWork(a, sm, n + 1);
+          if constexpr (kPersistent) PrefetchWork(a, sm, n + 1, next);
         }
         const bool rerun = w.straddles && CtaAny<kVoters>(false);
         if (rerun && producer) ProduceTiles(a, sm, w.cta, ring + w.tiles);
