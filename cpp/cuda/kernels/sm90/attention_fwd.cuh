@@ -19,12 +19,13 @@
 // after the online softmax has taken the row sums (lse is dropout's not), before p v.
 // The persistent kernel (kPersistent; sm90/tile_size.h says which modules have one and which calls take it): one CTA
 // per multiprocessor takes query blocks in turn (ForEachWork), the next from a counter of the blocks taken. q has two
-// buffers: once the producer has copied this block's last k and v tiles it takes the next block and copies its q into
-// the other buffer (once the consumers have released the block's before, after any rerun: the q empty barriers) and
-// its first k and v tiles into L2; after this block's rerun check it copies those into the rings, so they land while
-// the consumers write this block's results.
-// Both sides count ring positions on from block to block, and the consumers' turns carry over (a block's last
-// hand-over is the next block's first turn).
+// buffers: once the producer has copied this block's last k and v tiles it copies the next block's q into the other
+// buffer (once the consumers have released the block's before: the q empty barriers) and its first k and v tiles into
+// L2, then goes on to copy them into the rings. No thread waits for another at a block's end: a block whose pass met a
+// non-finite value it must not see asks for its careful pass as a later item of the CTA, whose results overwrite the
+// first's (PrefetchWork).
+// Both sides count ring positions on from item to item, and the consumers' turns carry over (an item's last hand-over
+// is the next item's first turn).
 // An additive bias (Variant::kHasBias; sm90/bias_tile.h) has a ring of its own: the producer copies each tile's block
 // of it after the tile's k, and the consumers add it to the logits after the variant's (so the logits are in natural
 // units, not raw products) and hand the stage back once added.
@@ -76,9 +77,14 @@ struct ForwardKernel {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
   static constexpr int kThreads = ForwardThreads(kTile);
-  // The rerun vote's threads: the consumer warpgroups and the producer warp (the producer warpgroup's other warps leave
-  // once they have given up their registers).
+  // One CTA per block: the rerun vote's threads, the consumer warpgroups and the producer warp (the producer
+  // warpgroup's other warps leave once they have given up their registers).
   static constexpr int kVoters = kThreads - 96;
+  // Persistent kernels: a q buffer's word names its item, a work's index and whether the item is that work's careful
+  // pass; the consumers add kRerunAsked to it when the work's first pass met a non-finite value it must not see.
+  static constexpr int kCarefulItem = 1 << 30;
+  static constexpr int kRerunAsked = 1 << 29;
+  static constexpr int kItemIndex = kRerunAsked - 1;
   static constexpr int kDP = PadTo64(kD);
   static constexpr int kDvP = PadTo64(kDv);
   static constexpr int kQkSteps = (kD + 15) / 16;  // k16 steps of q k^T; the zero padding past kD is skipped
@@ -110,8 +116,8 @@ struct ForwardKernel {
   static constexpr int kBarrierOffset = kTokensOffset + (kTokens ? ForwardTokenBytes(kTile) : 0);
   // q full per buffer; k full, k empty, v full, v empty per stage; bias full, bias empty per stage; q empty per buffer.
   static constexpr int kBarriers = kQBuffers + 4 * kStages + (kBias ? 2 * kStages : 0) + kQBuffers;
-  static constexpr int kWorkIndexOffset = kBarrierOffset + 8 * kBarriers;  // persistent kernels: a word per q buffer
-  static constexpr int kSmemBytes = 1024 + kWorkIndexOffset + (kPersistent ? 8 : 0);
+  static constexpr int kItemsOffset = kBarrierOffset + 8 * kBarriers;  // persistent kernels: an item word per q buffer
+  static constexpr int kSmemBytes = 1024 + kItemsOffset + (kPersistent ? 8 : 0);
   static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes, kPersistent),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
@@ -147,11 +153,9 @@ struct ForwardKernel {
     __device__ __forceinline__ uint32_t BiasEmpty(int stage) const {
       return Barrier(kQBuffers + 5 * kStages + stage);
     }
-    // Persistent kernels: the consumers are done with a q buffer; the index of the work whose q a buffer holds.
+    // Persistent kernels: the consumers are done with a q buffer; the word of the item whose q a buffer holds.
     __device__ __forceinline__ uint32_t QEmpty(int buffer) const { return Barrier(kBarriers - kQBuffers + buffer); }
-    __device__ __forceinline__ int& WorkIndex(int buffer) const {
-      return SharedPointer<int>(base + kWorkIndexOffset)[buffer];
-    }
+    __device__ __forceinline__ int& Item(int buffer) const { return SharedPointer<int>(base + kItemsOffset)[buffer]; }
     // Tokens: the query rows' entries, flags and granule summaries; token stage ts: a key tile's entries, then its
     // granules' summaries.
     __device__ __forceinline__ uint32_t RowTokens() const { return base + kTokensOffset; }
@@ -323,33 +327,26 @@ struct ForwardKernel {
     return w;
   }
 
-  // Calls f(work, n) for the CTA's n-th work. One CTA per query block: the last query blocks see the most keys under
-  // causal masks, so they start first and the tail of the grid is short. Persistent: the query blocks of all (batch,
-  // head) pairs in that order (PersistentWork); a CTA's first is the one at its own index, and each next one it takes
-  // from a counter as it starts the one before (TakeWork), so a CTA that drew long blocks takes fewer, and the CTAs at
-  // work at one time share their K/V in L2. The producer thread stores each index it takes beside the work's q buffer;
-  // the consumers read it once the q has landed (the q full barrier orders the store before), the producer warp's
-  // other lanes from the producer thread. Those never wait on the barrier: between votes a lane that waits on each q
-  // in turn may fall two phases behind, where a parity wait means the phase after.
+  // Calls f(work, n, careful) for the CTA's n-th item. One CTA per query block: the last query blocks see the most keys
+  // under causal masks, so they start first and the tail of the grid is short. Persistent: the query blocks of all
+  // (batch, head) pairs in that order (PersistentWork); a CTA's first is the one at its own index, and each next one it
+  // takes from a counter as it starts the one before (TakeWork), so a CTA that drew long blocks takes fewer, and the
+  // CTAs at work at one time share their K/V in L2; between them come the careful passes blocks ask for. The producer
+  // thread stores each item beside its q buffer; the consumers read it once the q has landed (the q full barrier orders
+  // the store before).
   template <typename F>
-  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer_warp,
-                                                     F&& f) {
+  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer, F&& f) {
     if constexpr (kPersistent) {
       const int works = PersistentWorks(args.shape);
       for (int n = 0;; ++n) {
         const int buffer = n % kQBuffers;
-        int index = static_cast<int>(blockIdx.x);
-        if (n > 0 && producer_warp) {
-          index = __shfl_sync(0xffffffffu, (threadIdx.x & 31) == 0 ? sm.WorkIndex(buffer) : 0, 0);
-        } else if (n > 0) {
-          MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
-          index = sm.WorkIndex(buffer);
-        }
-        if (index >= works) break;
-        f(PersistentWork(args, index), n);
+        if (n > 0 && !producer) MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
+        const int item = sm.Item(buffer);
+        if ((item & kItemIndex) >= works) break;
+        f(PersistentWork(args, item & kItemIndex), n, (item & kCarefulItem) != 0);
       }
     } else {
-      f(WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z), 0);
+      f(WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z), 0, false);
     }
   }
 
@@ -371,22 +368,34 @@ struct ForwardKernel {
     return static_cast<int>(atomicAdd(a.next_work, 1u) + gridDim.x);
   }
 
-  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's work n - 1: work n (at `index`),
-  // once the consumers have released the buffer's last tenant (work n - 2), has its index stored beside its q buffer
-  // and its q copied there (past the last work, the barrier's arrival alone says so); and its first k and v tiles go
-  // into L2. Those may not enter the rings yet (work n - 1 may rerun, which takes its own tiles through the rings
-  // first), but from L2 they land sooner once they may. The work's rows and key tiles are found before the wait, so
-  // its lengths' loads run under it.
-  static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n, int index) {
+  // Persistent kernels, the producer thread once it has copied the tiles of the CTA's item n - 1: item n. That is the
+  // careful pass of a work whose first pass asked for one, found once the consumers have released its q buffer (item
+  // n - 2's; with no work left, item n - 1's too, which would otherwise end unchecked), else `next`, which it then
+  // clears; past the last work the buffer's word alone says so. The item's word goes beside its q buffer, its q into
+  // that buffer and its first k and v tiles into L2, so they land sooner once the rings take them. `next`'s rows and
+  // key tiles are found before the waits, so their lengths' loads run under them.
+  static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n, int& next) {
+    const int works = PersistentWorks(a.args.shape);
     const int buffer = n % kQBuffers;
-    const bool past_last = index >= PersistentWorks(a.args.shape);
-    const QueryBlockOfCta cta = PersistentWork(a.args, past_last ? 0 : index).cta;
-    if (n >= kQBuffers) MbarrierWait(sm.QEmpty(buffer), ((n - kQBuffers) / kQBuffers) & 1);
-    sm.WorkIndex(buffer) = index;
-    if (past_last) {
+    QueryBlockOfCta cta = PersistentWork(a.args, min(next, works - 1)).cta;
+    int item = next;
+    auto rerun_of = [&](int earlier) {  // item `earlier`'s careful pass if it asked for one (and takes the request)
+      const int at = earlier % kQBuffers;
+      MbarrierWait(sm.QEmpty(at), (earlier / kQBuffers) & 1);
+      const int word = sm.Item(at);
+      if (!(word & kRerunAsked)) return false;
+      sm.Item(at) = word & ~kRerunAsked;
+      item = (word & kItemIndex) | kCarefulItem;
+      return true;
+    };
+    if (!(n >= kQBuffers && rerun_of(n - kQBuffers)) && next >= works) rerun_of(n - 1);
+    if (item == next) next = -1;
+    sm.Item(buffer) = item;
+    if ((item & kItemIndex) >= works) {
       MbarrierArrive(sm.QFull(buffer));
       return;
     }
+    if (item & kCarefulItem) cta = PersistentWork(a.args, item & kItemIndex).cta;
     LoadQ(a, sm, cta, buffer);
     for (int tile = cta.tile_begin; tile < min(cta.tile_end, cta.tile_begin + kStages); ++tile) {
       PrefetchTileToL2<kBlockN, KTile>(&a.k, cta.kv_head, tile * kBlockN, cta.b);
@@ -418,39 +427,51 @@ struct ForwardKernel {
           MbarrierInit(sm.BiasEmpty(st), 4 * kConsumers);
         }
       }
+      if constexpr (kPersistent) sm.Item(0) = static_cast<int>(blockIdx.x);  // the first work goes by the CTA's index
       FenceMbarrierInit();
     }
     __syncthreads();
 
-    // Both sides count the ring positions a CTA's works take (a work's tiles, twice if it reruns) from 0.
+    // Both sides count the ring positions a CTA's items take (a work's tiles, twice for a rerun) from 0.
     int ring = 0;
     if (warpgroup == 0) {
       DecreaseRegisters<ForwardProducerRegisters(kPersistent)>();
-      if (warp != 0) return;
-      const bool producer = lane == 0;
-      ForEachWork(args, sm, true, [&](const Work& w, int n) {
-        if (producer) {
-          if (n == 0) LoadQ(a, sm, w.cta, 0);  // later works' q come with PrefetchWork
-          [[maybe_unused]] int next = 0;
-          if constexpr (kPersistent) next = TakeWork(a);
+      if constexpr (kPersistent) {
+        // One thread copies every tile, and no other has a vote to take part in.
+        if (tid != 0) return;
+        int next = -1;  // a work taken from the counter and not yet given a q buffer
+        ForEachWork(args, sm, true, [&](const Work& w, int n, bool careful) {
+          if (n == 0) LoadQ(a, sm, w.cta, 0);  // later items' q come with PrefetchWork
+          if (next < 0) next = TakeWork(a);
           ProduceTiles(a, sm, w.cta, ring);
-          if constexpr (kPersistent) PrefetchWork(a, sm, n + 1, next);
-        }
-        const bool rerun = w.straddles && CtaAny<kVoters>(false);
-        if (rerun && producer) ProduceTiles(a, sm, w.cta, ring + w.tiles);
-        ring += rerun ? 2 * w.tiles : w.tiles;
-      });
+          if (careful) ProduceTiles(a, sm, w.cta, ring + w.tiles);  // the item's first pass, then its careful one
+          PrefetchWork(a, sm, n + 1, next);
+          ring += careful ? 2 * w.tiles : w.tiles;
+        });
+      } else {
+        if (warp != 0) return;
+        const bool producer = lane == 0;
+        ForEachWork(args, sm, producer, [&](const Work& w, int, bool) {
+          if (producer) {
+            LoadQ(a, sm, w.cta, 0);
+            ProduceTiles(a, sm, w.cta, 0);
+          }
+          const bool rerun = w.straddles && CtaAny<kVoters>(false);
+          if (rerun && producer) ProduceTiles(a, sm, w.cta, w.tiles);
+        });
+      }
     } else {
       IncreaseRegisters<ForwardConsumerRegisters(kTile, kPersistent)>();
-      ForEachWork(args, sm, false, [&](const Work& w, int n) {
-        ring += Consume(args, sm, w, n, ring, warpgroup - 1, warp & 3, lane);
+      ForEachWork(args, sm, false, [&](const Work& w, int n, bool careful) {
+        ring += Consume(args, sm, w, n, careful, ring, warpgroup - 1, warp & 3, lane);
       });
     }
   }
 
-  // The consumers' side of the CTA's n-th work, its ring positions from `first`; returns how many it took.
+  // The consumers' side of the CTA's n-th item (`careful`: a persistent CTA's careful pass of w), its ring positions
+  // from `first`; returns how many it took.
   static __device__ __forceinline__ int Consume(const ForwardArgs& args, const Smem& sm, const Work& w, int n,
-                                                int first, int wg, int warp_in_wg, int lane) {
+                                                bool careful, int first, int wg, int warp_in_wg, int lane) {
     // The ring positions are the same in every thread, but the persistent kernel's sum of earlier works' positions
     // (reruns included) is not one the compiler can prove so; read from one lane, it is, and the stages' addresses
     // and parities stay in uniform registers, where the wgmma descriptors need them (computed per thread and moved
@@ -765,13 +786,22 @@ struct ForwardKernel {
       release(sm.VEmpty(StageOf(i)));
     };
 
+    // Only a work whose tiles straddle a range edge may rerun. One CTA per block votes and reruns at once; a persistent
+    // CTA's warps ask for the careful pass as a later item, and go on to the next item without waiting for one another.
+    // That item takes the first pass too (a rare item's waste; a first pass behind a branch made the loop rebuild its
+    // q descriptors each iteration).
     pass(BoolConstant<false>{}, first);
-    // Only a work whose tiles straddle a range edge may rerun, and every thread knows whether this one does: the others
-    // skip the CTA-wide vote, so the producer copies the next work's tiles and the warpgroups go on to its products
-    // without waiting for one another.
-    const bool rerun = w.straddles && CtaAny<kVoters>(AnyNaN(o) || softmax.AnyNaN());
+    bool rerun;
+    if constexpr (kPersistent) {
+      if (!careful && w.straddles && __any_sync(0xffffffffu, AnyNaN(o) || softmax.AnyNaN()) && lane == 0) {
+        atomicOr(&sm.Item(buffer), kRerunAsked);
+      }
+      rerun = careful;
+    } else {
+      rerun = w.straddles && CtaAny<kVoters>(AnyNaN(o) || softmax.AnyNaN());
+    }
     if (rerun) pass(BoolConstant<true>{}, first + tiles);
-    if constexpr (kPersistent) release(sm.QEmpty(buffer));
+    if constexpr (kPersistent) release(sm.QEmpty(buffer));  // after the request: read once the buffer is released
 
     const int64_t o_stride = static_cast<int64_t>(s.num_heads) * kDv;
     uint16_t* out = static_cast<uint16_t*>(args.out) + static_cast<int64_t>(cta.b) * s.seqlen_q * o_stride + cta.head * kDv;

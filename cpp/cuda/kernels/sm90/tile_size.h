@@ -50,7 +50,7 @@ TE_JAX_HOST_DEVICE constexpr int BiasTileBytes(int rows, int keys, int bias_byte
 }
 
 // Buffers of the q tile: the persistent kernel loads a work's q into the second while the consumers still read the
-// first (attention_fwd.cuh's PrefetchWork), and beside each buffer the index of the work whose q it holds.
+// first (attention_fwd.cuh's PrefetchWork), and beside each buffer the word of the item whose q it holds.
 TE_JAX_HOST_DEVICE constexpr int ForwardQBuffers(bool persistent) { return persistent ? 2 : 1; }
 
 // bias_bytes: the element size of the bias of a kernel built with one (0 without).
@@ -63,7 +63,7 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile 
          8 * (2 * q_buffers + 4 * t.stages) +  // mbarriers: q full, q empty per buffer; k full, k empty, v full, v
                                                // empty per stage
          (bias_bytes > 0 ? 8 * 2 * t.stages : 0) +  // and bias full, bias empty per stage
-         (persistent ? 8 : 0);                      // the work index of each q buffer
+         (persistent ? 8 : 0);                      // the item word of each q buffer
 }
 
 // Two consumer warpgroups: 128 keys per stage when the output accumulator (dv / 2 floats per thread) leaves registers
