@@ -115,4 +115,17 @@ __device__ __forceinline__ RowSpan RowsOfKeys(const RowMask& mask, int n0, int n
 
 __device__ __forceinline__ bool Visible(const KeyRange& keys, int j) { return j >= keys.begin && j < keys.end; }
 
+// A row's visible range (of keys, or of the rows that see a key) as offsets from a thread's first column, clamped to
+// [-1, limit]: the thread's elements sit at constant offsets from that column, so each element's test is two compares
+// with no arithmetic (testing each element against the range itself, in 64-bit, was most of a masked step's work).
+struct ColumnRange {
+  int lo, hi;
+  __device__ __forceinline__ bool Contains(int offset) const { return offset >= lo && offset < hi; }
+};
+
+__device__ __forceinline__ ColumnRange ColumnsFrom(const KeyRange& range, int64_t first, int limit) {
+  auto offset = [&](int64_t at) { return static_cast<int>(min(max(at - first, int64_t{-1}), int64_t{limit})); };
+  return {offset(range.begin), offset(range.end)};
+}
+
 }  // namespace te_jax::cuda

@@ -332,21 +332,11 @@ struct BackwardDkDvKernel {
       }
       // Interior steps (every query sees every key of the CTA) skip the per-element mask.
       auto apply = [&](auto masked) {
-        // The step's queries that see each of the thread's two keys, as offsets [lo, hi) from its first query
-        // (m0 + 2 t), clamped to the step: each element's offset 8 j + (e & 1) is a constant, so its test is two
-        // compares (the query's key range per element was most of a masked step).
-        [[maybe_unused]] int seen_lo[2], seen_hi[2];
+        // The step's queries that see each of the thread's two keys, from its first query (m0 + 2 t).
+        [[maybe_unused]] ColumnRange seen[2];
         if constexpr (decltype(masked)::value) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const KeyRange rows = mask.Rows(key[r]);
-            const int64_t first = m0 + 2 * t;
-            auto offset = [&](int64_t at) {
-              return static_cast<int>(min(max(at - first, int64_t{-1}), int64_t{kBlockN}));
-            };
-            seen_lo[r] = offset(rows.begin);
-            seen_hi[r] = offset(rows.end);
-          }
+          for (int r = 0; r < 2; ++r) seen[r] = ColumnsFrom(mask.Rows(key[r]), m0 + 2 * t, kBlockN);
         }
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
@@ -355,8 +345,7 @@ struct BackwardDkDvKernel {
             const int qi = j * 8 + 2 * t + (e & 1);  // query within the tile
             const int row = m0 + qi;
             const int kj = key[e >> 1];
-            const int c = 8 * j + (e & 1);
-            bool visible = decltype(masked)::value ? c >= seen_lo[e >> 1] && c < seen_hi[e >> 1] : true;
+            bool visible = decltype(masked)::value ? seen[e >> 1].Contains(8 * j + (e & 1)) : true;
             int64_t row_pos = row + mask.diag_offset;
             int key_pos = kj;
             if constexpr (kTokens) {

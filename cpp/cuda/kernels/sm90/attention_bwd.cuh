@@ -548,18 +548,15 @@ struct BackwardKernel {
             }
           }
         }
-        // The mask of the thread's two owned rows (keys in the dk/dv kernel, queries in the dq kernel): the columns that
-        // row sees, as offsets [lo, hi) from the thread's first column (step0 + col0 + 2 t), clamped to the step. Each
-        // element's offset 8 j + (e & 1) is a constant, so its test is two compares with no arithmetic.
-        [[maybe_unused]] int seen_lo[2], seen_hi[2];
+        // The mask of the thread's two owned rows (keys in the dk/dv kernel, queries in the dq kernel): the columns each
+        // sees, from the thread's first column (step0 + col0 + 2 t).
+        [[maybe_unused]] ColumnRange seen[2];
         if constexpr (decltype(masked)::value) {
           const int64_t first = step0 + col0 + 2 * t;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const KeyRange seen = kOwnsKeys ? w.mask.Rows(owned_row + 8 * r) : w.mask.Keys(owned_row + 8 * r);
-            auto offset = [&](int64_t at) { return static_cast<int>(min(max(at - first, int64_t{-1}), int64_t{kStep})); };
-            seen_lo[r] = offset(seen.begin);
-            seen_hi[r] = offset(seen.end);
+            const int owned = owned_row + 8 * r;
+            seen[r] = ColumnsFrom(kOwnsKeys ? w.mask.Rows(owned) : w.mask.Keys(owned), first, kStep);
           }
         }
         auto query_token = [&](int j, int e) {
@@ -583,8 +580,7 @@ struct BackwardKernel {
           for (int e = 0; e < 4; ++e) {
             const int own = owned_row + 8 * (e >> 1), other = step0 + col0 + 8 * j + 2 * t + (e & 1);
             const int query = kOwnsKeys ? other : own, key = kOwnsKeys ? own : other;
-            const int c = 8 * j + (e & 1);
-            bool visible = decltype(masked)::value ? c >= seen_lo[e >> 1] && c < seen_hi[e >> 1] : true;
+            bool visible = decltype(masked)::value ? seen[e >> 1].Contains(8 * j + (e & 1)) : true;
             // dk/dv: the columns are the step's queries, their lse and delta' in the stage.
             const float lse = kOwnsKeys ? sm.Lse(stage)[other - step0] : row_lse[e >> 1];
             const float delta = kOwnsKeys ? sm.Delta(stage)[other - step0] : row_delta[e >> 1];
