@@ -80,9 +80,12 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
     _raise_if_out_of_range(np.asarray(bad_page), np.asarray(bad_length), np.asarray(page_table),
                            np.asarray(kv_lengths), num_pages, capacity)
   # Clamped, so no page id leaves the pool; the entries that needed clamping are poisoned below.
-  pages = jnp.clip(page_table, 0, max(num_pages - 1, 0))
-  lengths = jnp.clip(kv_lengths, 0, capacity)
-  bad = jnp.any(bad_page, axis=1) | bad_length  # [B]
+  # A sequence whose used page ids or length are out of range reaches the forward with length -1: the kernels read
+  # none of its keys and make every output of its batch entry NaN (the invalid-length rule), and they clamp every page
+  # id they read (cpp/kv_rows.h), so nothing outside the pool is read and the forward runs nothing else per call. The
+  # backward takes the lengths clamped instead (_attend_bwd).
+  lengths = jnp.where(jnp.any(bad_page, axis=1) | bad_length, -1, kv_lengths)
+  clamped_lengths = jnp.clip(kv_lengths, 0, capacity)
   window_left, window_right = _check_window(window_size)
   if not isinstance(return_lse, (bool, np.bool_)):
     raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
@@ -92,15 +95,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
                            has_alibi=alibi_slopes is not None, engine=requested_engine(engine),
                            lse_cotangent=bool(return_lse), page_size=page_size)
   alibi = _alibi_operand(alibi_slopes, batch, q.shape[2])
-  # A poisoned entry's kernel reads no key at all (its outputs are NaN whatever it computes).
-  read_lengths = jnp.where(bad, 0, lengths)
-  result = _attend(config, bool(return_lse), q, k_pages, v_pages, pages, lengths, read_lengths, alibi)
-  # A factor, not a select: the gradients of a poisoned entry are NaN too.
-  poison = lambda x, shape: x * jnp.where(bad, jnp.nan, 1.0).astype(x.dtype).reshape(shape)
-  if return_lse:
-    out, lse = result
-    return poison(out, (batch, 1, 1, 1)), poison(lse, (batch, 1, 1))
-  return poison(result, (batch, 1, 1, 1))
+  return _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, lengths, clamped_lengths, alibi)
 
 
 # The CUDA backend reads pages in place in its decode kernels, for at most this many query positions
@@ -109,27 +104,44 @@ _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 
 
 # config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table clamped into the pool;
-# `lengths`: the sequences' lengths clamped to the capacity; `read_lengths`: the same, 0 for a poisoned entry (the
-# keys the forward reads); alibi: float32 [B, H] (its placeholder without ALiBi). The backward recomputes the forward of
-# the gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes
-# its VJP with the clamped lengths, so a poisoned entry's gradients come out NaN as its outputs do.
+# `lengths`: the sequences' lengths, -1 for a poisoned entry (its keys are not read, its outputs are NaN);
+# `clamped_lengths`: the lengths clamped to the capacity, for the backward; alibi: float32 [B, H] (its placeholder
+# without ALiBi). The backward recomputes the forward of the gather formulation (one gather and one fused_attn forward
+# more than a saved-residual VJP would cost) and takes its VJP with the clamped lengths and a cotangent made NaN on a
+# poisoned entry, so that entry's gradients come out NaN as its outputs do.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):
-  del lengths
+def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi):
+  del clamped_lengths
   in_place, gathered = partial(_attend_in_place, config, return_lse), partial(_attend_gathered, config, return_lse)
   cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else gathered
-  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, read_lengths, alibi, cpu=in_place, cuda=cuda,
-                                    default=gathered)
+  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi, cpu=_poisoned_here(in_place),
+                                    cuda=cuda, default=gathered)
 
 
-def _attend_fwd(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi):
-  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, read_lengths, alibi)
-  return result, (q, k_pages, v_pages, pages, lengths, alibi)
+def _poisoned_here(attend):
+  """`attend` for a backend whose handler refuses a length outside the capacity (the CPU's checks its operands): a
+  poisoned entry reads no key, and its outputs are made NaN here."""
+  def poisoned(q, k_pages, v_pages, pages, lengths, alibi):
+    bad = lengths < 0
+    result = attend(q, k_pages, v_pages, pages, jnp.where(bad, 0, lengths), alibi)
+    return jax.tree.map(lambda x: _poison(x, bad), result)
+  return poisoned
+
+
+def _poison(x, bad):
+  """x [B, ...] made NaN on the entries where bad [B] holds; a factor, not a select, so gradients see it too."""
+  return x * jnp.where(bad, jnp.nan, 1.0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def _attend_fwd(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi):
+  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi)
+  return result, (q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi)
 
 
 def _attend_bwd(config, return_lse, residuals, cotangent):
-  q, k_pages, v_pages, pages, lengths, alibi = residuals
-  _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, lengths, alibi),
+  q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi = residuals
+  cotangent = jax.tree.map(lambda c: _poison(c, lengths < 0), cotangent)
+  _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped_lengths, alibi),
                    q, k_pages, v_pages)
   # The page table and lengths are integers; ALiBi's slopes get no gradient (as in fused_attn).
   return (*vjp(cotangent), None, None, None, None)
@@ -148,8 +160,10 @@ def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
 
 
 def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
-  """Each sequence's pages gathered into contiguous K/V (one XLA gather), then fused_attn."""
+  """Each sequence's pages gathered into contiguous K/V (one XLA gather, of the page ids clamped into the pool as the
+  kernels clamp them), then fused_attn."""
   batch, capacity = q.shape[0], pages.shape[1] * config.page_size
+  pages = jnp.clip(pages, 0, k_pages.shape[0] - 1)
   gather = lambda pool: pool[pages].reshape(batch, capacity, *pool.shape[2:])
   return fused_attn(q, gather(k_pages), gather(v_pages), mask_type=config.mask_type,
                     q_seqlens=jnp.full((batch,), q.shape[1], jnp.int32), kv_seqlens=kv_lengths,
