@@ -45,15 +45,13 @@ def _features(path: str, feature: str) -> list[tuple[str, float]]:
 def main(bench_dir: str, dst: str) -> None:
   at = lambda name: os.path.join(bench_dir, name)  # noqa: E731
   groups = [
-      ("forward (runs 60, 14)",
-       _cuda_bench(at("h200-next-kernels-run60f.json"), "fwd", "fwd",
-                   [(d, s, True) for d in (64, 128) for s in (1024, 4096, 16384)]) +
-       _cuda_bench(at("h200-sm90-fwd.json"), "fwd", "fwd", [(256, s, True) for s in (2048, 16384)])),
-      ("forward + backward (runs 60, 36)",
-       _cuda_bench(at("h200-next-kernels-run60f.json"), "fwd+bwd", "f+b",
-                   [(d, s, True) for d in (64, 128) for s in (1024, 4096, 16384)]) +
-       _cuda_bench(at("h200-bwd256-sm90.json"), "fwd+bwd", "f+b", [(256, s, True) for s in (2048, 16384)])),
-      ("decode (run 19)", _decode(at("h200-decode.json"))),
+      ("forward (run 61c)",
+       _cuda_bench(at("h200-run61c.json"), "fwd", "fwd",
+                   [(d, s, True) for d in (64, 128, 256) for s in (1024, 4096, 16384)])),
+      ("forward + backward (run 61c)",
+       _cuda_bench(at("h200-run61c.json"), "fwd+bwd", "f+b",
+                   [(d, s, True) for d in (64, 128, 256) for s in (1024, 4096, 16384)])),
+      ("decode (run 61c)", _decode(at("h200-decode-run61c.json"))),
       ("with a bias (run 46) / dropout (run 26)",
        _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-features.json"), "dropout")),
   ]
