@@ -1,8 +1,10 @@
 // Attention dropout's keep rule (issue 12), the C++ twin of te_jax/dropout.py: Philox4x32-10 (Salmon et al., SC 2011)
-// keyed by the JAX PRNG key's two words, with the element's global indices (b, h, i, j / 8) as the counter: one call
-// draws the 16-bit numbers of 8 consecutive keys (16 bits resolve a rate to 2^-16, well inside the 0.1% the kept
-// fraction must meet, at half the calls of a 32-bit draw per element). Any kernel, tile or shard computes any
-// element's bit alone, so every backend and sharding gives the one mask the key defines.
+// keyed by the JAX PRNG key's two words, with a counter made of the element's global indices. One call draws eight
+// 16-bit numbers (16 bits resolve a rate to 2^-16, well inside the 0.1% the kept fraction must meet): those of rows
+// i and i + 8 of a 16-row block and keys 2t, 2t + 1, 8 + 2t, 9 + 2t of a 16-key block, which are the elements one lane
+// holds of an m16n8 accumulator (rows g, g + 8; columns 2t, 2t + 1 of two n8 tiles), so a kernel's lane draws its own
+// numbers without trading them with other lanes. Any kernel, tile or shard computes any element's bit alone, so every
+// backend and sharding gives the one mask the key defines.
 // Host and device code (NVRTC too) include it.
 #pragma once
 
@@ -44,15 +46,21 @@ TE_JAX_HOST_DEVICE double DropoutKeepScale(uint32_t threshold) {
 
 // One call's view of the global [B, H, Sq, Skv] keep-mask: the key, the global indices of this call's element
 // [0, 0, 0, 0] (nonzero for a shard) and the threshold (< 2^16) below which a 16-bit number drops its element.
+// Element (b, h, i, j) (i, j global) takes number 4 ((i / 8) % 2) + 2 ((j / 8) % 2) + j % 2 of the call at counter
+// (4 (j / 16) + (j / 2) % 4, 8 (i / 16) + i % 8, h, b); number k is the low (even k) or high (odd k) half of word k / 2.
 struct DropoutMask {
   uint32_t key[2];
   uint32_t offset[4];  // b, h, i, j
   uint32_t threshold;
 
-  // The numbers of the group of keys 8 * (j / 8) .. + 7 (j global) of local row (b, h, i); element j uses Half j % 8.
-  TE_JAX_HOST_DEVICE PhiloxWords Group(int64_t b, int64_t h, int64_t i, uint32_t global_j) const {
-    return Philox4x32_10(global_j >> 3, offset[2] + static_cast<uint32_t>(i), offset[1] + static_cast<uint32_t>(h),
-                         offset[0] + static_cast<uint32_t>(b), key[0], key[1]);
+  // The call that draws element (b, h, i, j): b and h local, i and j global.
+  TE_JAX_HOST_DEVICE PhiloxWords Call(int64_t b, int64_t h, uint32_t global_i, uint32_t global_j) const {
+    return Philox4x32_10(4 * (global_j >> 4) + ((global_j >> 1) & 3), 8 * (global_i >> 4) + (global_i & 7),
+                         offset[1] + static_cast<uint32_t>(h), offset[0] + static_cast<uint32_t>(b), key[0], key[1]);
+  }
+  // Which of its call's eight numbers element (i, j) (global) takes.
+  static TE_JAX_HOST_DEVICE uint32_t NumberIndex(uint32_t global_i, uint32_t global_j) {
+    return 4 * ((global_i >> 3) & 1) + 2 * ((global_j >> 3) & 1) + (global_j & 1);
   }
   // Word w of a result, by selects (an indexed read would put the four words in local memory on the GPU).
   static TE_JAX_HOST_DEVICE uint32_t Word(const PhiloxWords& p, uint32_t w) {
@@ -60,8 +68,12 @@ struct DropoutMask {
   }
   // 16-bit number k of a result: the low half of word k / 2 for even k, the high half for odd k.
   static TE_JAX_HOST_DEVICE uint32_t Half(uint32_t word, uint32_t k) { return k & 1 ? word >> 16 : word & 0xFFFFu; }
-  static TE_JAX_HOST_DEVICE uint32_t Half(const PhiloxWords& p, uint32_t k) { return Half(Word(p, k >> 1), k); }
-  TE_JAX_HOST_DEVICE bool Keeps(uint32_t half) const { return half >= threshold; }
+  static TE_JAX_HOST_DEVICE uint32_t Number(const PhiloxWords& p, uint32_t k) { return Half(Word(p, k >> 1), k); }
+  TE_JAX_HOST_DEVICE bool Keeps(uint32_t number) const { return number >= threshold; }
+  // Whether element (b, h, i, j) (b, h local; i, j global) is kept, drawn alone.
+  TE_JAX_HOST_DEVICE bool KeepsElement(int64_t b, int64_t h, uint32_t global_i, uint32_t global_j) const {
+    return Keeps(Number(Call(b, h, global_i, global_j), NumberIndex(global_i, global_j)));
+  }
 };
 
 }  // namespace te_jax

@@ -3,12 +3,13 @@ same feature: sinks, an additive [1, H, S, S] bias, a [B, 1, 1, S] one (key_bias
 (jax.nn has no dropout: cuDNN's comes through JAX's own private cuDNN call, jax._src.cudnn.fused_attention_stablehlo).
 
   python scripts/feature_cost.py [--features sinks,bias,dropout] [--seq 4096] [--dim 128] [--heads 16] [--repeats 20]
-                                 [--calls 10] [--json out.json]
+                                 [--calls 10] [--json out.json] [--kernel-root DIR]
 
 b * s = 16k tokens, causal, bf16, te_jax's engine. Each line: the feature's time against plain attention in the same
 run (forward, and forward + backward), measured in alternation, each sample `calls` calls dispatched back to back. A
 feature the installed te_jax cannot run on this device is reported as such, not skipped silently. Run from outside
-the source folder's parent (the installed te_jax)."""
+the source folder's parent (the installed te_jax). --kernel-root DIR compiles te_jax's kernels from DIR/cpp (another
+tree's, for a before / after figure in separate processes)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax
+import te_jax._cuda  # noqa: F401 - set_kernel_root for --kernel-root
 
 
 def seconds(runs: dict, repeats: int, calls: int) -> dict:
@@ -49,7 +51,10 @@ def main() -> None:
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--calls", type=int, default=10, help="calls per timed sample, dispatched back to back")
   ap.add_argument("--json", default="", help="also write the rows here (docs/bench/h200-features.json's format)")
+  ap.add_argument("--kernel-root", default="", help="compile te_jax's kernels from this tree instead")
   args = ap.parse_args()
+  if args.kernel_root:
+    te_jax._cuda.ext.set_kernel_root(args.kernel_root)
   s, d, h = args.seq, args.dim, args.heads
   b = max(1, 16384 // s)
   rng = np.random.default_rng(0)

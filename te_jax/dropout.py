@@ -4,9 +4,12 @@ element's global indices (b, h, i, j). Any tiling, kernel, backend or shard comp
 same key gives the same mask everywhere; a shard passes its offsets into the global [B, H, Sq, Skv] (context
 parallelism: its query and key blocks' first positions).
 
-Element (b, h, i, j) uses 16-bit number j % 8 of Philox(counter = (j // 8, i, h, b), key) (number k: the low half of
-word k // 2 for even k, the high half for odd k); it is kept when that number is at least round(rate * 2^16), so the
-rate takes effect rounded to a multiple of 2^-16 (below 2^-17 no element is dropped)."""
+Element (b, h, i, j) uses 16-bit number 4 (i // 8 % 2) + 2 (j // 8 % 2) + j % 2 of
+Philox(counter = (4 (j // 16) + j // 2 % 4, 8 (i // 16) + i % 8, h, b), key) (number k: the low half of word k // 2 for
+even k, the high half for odd k): one call serves rows i, i + 8 of a 16-row block and keys 2t, 2t + 1, 8 + 2t, 9 + 2t of
+a 16-key block, the elements one GPU lane holds of a matrix-multiply accumulator (cpp/philox.h). An element is kept
+when its number is at least round(rate * 2^16), so the rate takes effect rounded to a multiple of 2^-16 (below 2^-17
+no element is dropped)."""
 
 from __future__ import annotations
 
@@ -79,8 +82,10 @@ def dropout_keep_mask(key, shape, rate, offsets=(0, 0, 0, 0)):
   if len(shape) != 4:
     raise ValueError(f"shape must be (B, H, Sq, Skv), got {shape}")
   b, h, i, j = (jnp.arange(n, dtype=jnp.uint32) + jnp.uint32(o) for n, o in zip(shape, offsets))
-  words = philox4x32_10((j[None, None, None, :] >> 3, i[None, None, :, None], h[None, :, None, None],
+  i, j = i[:, None], j[None, :]
+  words = philox4x32_10((((j >> 4) << 2) + (j >> 1 & 3), ((i >> 4) << 3) + (i & 7), h[None, :, None, None],
                          b[:, None, None, None]), (k0, k1))
-  word = jnp.select([(j >> 1 & 3) == w for w in range(3)], list(words[:3]), words[3])
-  half = jnp.where((j & 1) == 1, word >> 16, word & 0xFFFF)
+  number = (i >> 3 & 1) * 4 + (j >> 3 & 1) * 2 + (j & 1)
+  word = jnp.select([number >> 1 == w for w in range(3)], list(words[:3]), words[3])
+  half = jnp.where((number & 1) == 1, word >> 16, word & 0xFFFF)
   return half >= drop_threshold(rate)

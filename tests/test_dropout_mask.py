@@ -33,18 +33,23 @@ def test_kept_fraction_is_one_minus_rate(rate):
   assert abs(float(jnp.mean(mask)) - (1.0 - rate)) < 1e-3
 
 
-def test_element_j_takes_16_bit_number_j_mod_8_of_the_call_of_j_div_8():
-  """The definition, element by element: call (j // 8, i, h, b) draws the numbers of keys 8 (j // 8) .. + 7; number k
-  is the low (even k) or high (odd k) half of word k // 2; kept when at least round(rate * 2^16)."""
+def test_element_takes_its_number_of_the_call_of_its_row_pair_and_key_quad():
+  """The definition, element by element: call (4 (j // 16) + j // 2 % 4, 8 (i // 16) + i % 8, h, b) draws the numbers of
+  rows i, i + 8 of a 16-row block and keys 2t, 2t + 1, 8 + 2t, 9 + 2t of a 16-key block; element (i, j) takes number
+  4 (i // 8 % 2) + 2 (j // 8 % 2) + j % 2, the low (even) or high (odd) half of word number // 2; kept when at least
+  round(rate * 2^16)."""
   key = jax.random.PRNGKey(11)
   rate = 0.3
-  mask = np.asarray(te_jax.dropout_keep_mask(key, (2, 3, 5, 21), rate, offsets=(1, 0, 7, 5)))
+  mask = np.asarray(te_jax.dropout_keep_mask(key, (2, 3, 21, 37), rate, offsets=(1, 0, 7, 5)))
   k0, k1 = (np.uint32(x) for x in np.asarray(key))
   threshold = round(rate * 2**16)
-  for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 20), (0, 1, 3, 2), (1, 0, 2, 11), (0, 2, 1, 3)]:
-    gj = j + 5
-    words = philox4x32_10((np.uint32(gj // 8), np.uint32(i + 7), np.uint32(h), np.uint32(b + 1)), (k0, k1))
-    number = (int(words[gj % 8 // 2]) >> (16 * (gj % 2))) & 0xFFFF
+  for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 20), (0, 1, 3, 2), (1, 0, 2, 11), (0, 2, 1, 3), (1, 1, 20, 36),
+                     (0, 2, 9, 30), (1, 0, 17, 14)]:
+    gi, gj = i + 7, j + 5
+    words = philox4x32_10((np.uint32(4 * (gj // 16) + gj // 2 % 4), np.uint32(8 * (gi // 16) + gi % 8), np.uint32(h),
+                           np.uint32(b + 1)), (k0, k1))
+    k = 4 * (gi // 8 % 2) + 2 * (gj // 8 % 2) + gj % 2
+    number = (int(words[k // 2]) >> (16 * (k % 2))) & 0xFFFF
     assert mask[b, h, i, j] == (number >= threshold), (b, h, i, j)
 
 

@@ -1,8 +1,7 @@
 // Attention dropout in the CUDA kernels (issue 12): the keep rule of cpp/philox.h, so a key gives the same mask as on
-// the CPU (cpu/dropout_tile.h) and in te_jax.dropout_keep_mask. An element (b, h, i, j) is kept, and scaled by
-// 1 / (1 - rate), when 16-bit number j % 8 of Philox4x32-10 at counter (j / 8, i, h, b) (global indices) reaches the
-// threshold. The forward multiplies P by the factor before P.V; the backward uses P times the factor for dV and
-// dS = P * (factor * dP - delta') (probability_grad.h).
+// the CPU (cpu/dropout_tile.h) and in te_jax.dropout_keep_mask: an element is kept, and scaled by 1 / (1 - rate), when
+// its 16-bit Philox4x32-10 number reaches the threshold. The forward multiplies P by the factor before P.V; the
+// backward uses P times the factor for dV and dS = P * (factor * dP - delta') (probability_grad.h).
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -28,69 +27,77 @@ struct KernelDropout {
 
   // Whether element (b, h, i, j) is kept (local indices).
   __device__ __forceinline__ bool Keeps(int b, int h, int i, int j) const {
-    const uint32_t global_j = mask.offset[3] + static_cast<uint32_t>(j);
-    return mask.Keeps(DropoutMask::Half(mask.Group(b, h, i, global_j), global_j & 7));
+    return mask.KeepsElement(b, h, mask.offset[2] + static_cast<uint32_t>(i), mask.offset[3] + static_cast<uint32_t>(j));
   }
 
   // The keep bits of the 2 x kN8 x 2 elements a thread holds of an m16n8 accumulator tile: bit 2 (r kN8 + j) + c is
-  // element (row0 + 8 r, col0 + 8 j + c), with row0 = (a multiple of 8) + lane / 4 and col0 = (a multiple of 8) +
-  // 2 (lane % 4). A Philox call draws the numbers of 8 keys of one query, which several lanes hold; when the key offset
-  // is a multiple of 8 (always, but for context-parallel shards that start mid-group) the lanes that need the same
-  // calls split them and deal the numbers out by shuffles (every lane of the warp must call this):
-  //   queries along the rows (forward, dq): the call of (row, n8 tile j) serves the quad, each lane a word (its two
-  //     keys); in round m lane t makes call 4 m + t of the quad's 2 kN8 and a 4 x 4 transpose deals the words;
-  //   keys along the rows (the dk/dv kernel's transposed tile): the call of (query, 8 key rows) serves the 8 lanes
-  //     4 apart, each a 16-bit number (its key); in round m lane g makes call 8 m + g (= the bit it feeds) and an 8 x 8
-  //     transpose deals the numbers.
-  // The rounds run two at a time: one Philox chain alone leaves a consumer warp waiting on its multiplies (measured
-  // on an H200: -8% of the dropout forward's time against one at a time); all four at once spills at d = 128.
+  // element (row0 + 8 r, col0 + 8 j + c), with row0 = (a multiple of 16) + lane / 4 and col0 = (a multiple of 16) +
+  // 2 (lane % 4). A Philox call draws rows i, i + 8 of a 16-row block by keys 2t, 2t + 1, 8 + 2t, 9 + 2t of a 16-key
+  // block (cpp/philox.h), so when the call's offsets keep those blocks aligned (always, but for context-parallel
+  // shards that start mid-block; every lane of the warp must call this):
+  //   queries along the rows (forward, dq): the lane's own call per 16 keys gives all eight of its numbers there;
+  //   keys along the rows (the dk/dv kernel's transposed tile): the call of (keys g, g + 8 of a lane; queries 2t + c,
+  //     2t + c + 8 of a 16-query block) serves that lane and lane ^ 4 (keys g ^ 1, g ^ 1 + 8), four numbers each: the
+  //     two lanes make the calls of c = their g % 2 and trade the other's half of each word (two shuffles a call).
+  // The calls run two at a time: one Philox chain alone leaves a consumer warp waiting on its multiplies (measured on
+  // an H200: -8% of the dropout forward's time against one at a time); all four at once spills at d = 128.
   template <int kN8, bool kKeysAlongRows>
   __device__ __forceinline__ uint32_t TileBits(int b, int h, int row0, int col0) const {
-    static_assert(kN8 <= 8 && kN8 % 2 == 0, "32 keep bits per thread, whole rounds of calls");
-    if ((mask.offset[3] & 7u) != 0) return TileBitsAlone<kN8, kKeysAlongRows>(b, h, row0, col0);
+    static_assert(kN8 <= 8 && kN8 % 2 == 0, "32 keep bits per thread, whole 16-column blocks");
     const int lane = threadIdx.x & 31;
+    const int t = lane & 3;
+    const uint32_t global_row0 = mask.offset[kKeysAlongRows ? 3 : 2] + static_cast<uint32_t>(row0);
+    const uint32_t global_col0 = mask.offset[kKeysAlongRows ? 2 : 3] + static_cast<uint32_t>(col0 - 2 * t);
+    const bool aligned = ((global_row0 - static_cast<uint32_t>(lane >> 2)) & 15) == 0 && (global_col0 & 15) == 0;
+    if (!__all_sync(0xffffffffu, aligned)) return TileBitsAlone<kN8, kKeysAlongRows>(b, h, row0, col0);
     uint32_t bits = 0;
     if constexpr (kKeysAlongRows) {
-      const int g = lane >> 2;  // this lane's key within its group of 8 (and the number it keeps)
-      const uint32_t group = mask.offset[3] + static_cast<uint32_t>(row0 - g);
+      // The lane's keys are global_row0 (+ 8 r); its queries global_col0 + 2 t + c (+ 8 j). Call a (of this lane's
+      // c = g % 2) serves queries 16 a + 2 t + c (s = 0) and + 8 (s = 1): number 4 s + 2 r + c' of it belongs to the
+      // lane whose key has g % 2 = c'.
+      const uint32_t own = (lane >> 2) & 1;
+      // __byte_perm selectors of a word pair's low halves and high halves.
+      const uint32_t keep_selector = own ? 0x7632u : 0x5410u, send_selector = own ? 0x5410u : 0x7632u;
 #pragma unroll 2
-      for (int m = 0; m < kN8 / 2; ++m) {
-        // Call k = 8 m + g = 2 (r kN8 + j) + c: query col0 + 8 j + c, keys group + 8 r ..
-        const int k = 8 * m + g;
-        const int r = k / (2 * kN8), j = (k / 2) % kN8, c = k & 1;
-        const PhiloxWords words = mask.Group(b, h, col0 + 8 * j + c, group + 8 * r);
+      for (int a = 0; a < kN8 / 2; ++a) {
+        const PhiloxWords words = mask.Call(b, h, global_col0 + 16 * a + 2 * t + own, global_row0);
+        uint32_t mine[2], theirs[2];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          // Lane g sends number g ^ q to lane g ^ q, which keeps it as bit 8 m + g.
-          const uint32_t sent = DropoutMask::Half(words, static_cast<uint32_t>(g ^ q));
-          const uint32_t got = q == 0 ? sent : __shfl_xor_sync(0xffffffffu, sent, 4 * q);
-          bits |= static_cast<uint32_t>(mask.Keeps(got)) << (8 * m + (g ^ q));
+        for (int s = 0; s < 2; ++s) {
+          // Numbers 4 s + 2 r + c' are word 2 s + r's halves: the lane's own (r = 0, 1) packed into one word.
+          mine[s] = __byte_perm(words.w[2 * s], words.w[2 * s + 1], keep_selector);
+          theirs[s] = __shfl_xor_sync(0xffffffffu, __byte_perm(words.w[2 * s], words.w[2 * s + 1], send_selector), 4);
         }
+        // mine: query column c = own; theirs (the partner's call): c = 1 - own.
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int j = 2 * a + s;
+            bits |= static_cast<uint32_t>(mask.Keeps(DropoutMask::Half(mine[s], r))) << (2 * (r * kN8 + j) + own);
+            bits |= static_cast<uint32_t>(mask.Keeps(DropoutMask::Half(theirs[s], r))) << (2 * (r * kN8 + j) + 1 - own);
+          }
       }
     } else {
-      const int t = lane & 3;  // this lane's word of each call (its keys 2 t, 2 t + 1 of the 8)
-      const uint32_t key0 = mask.offset[3] + static_cast<uint32_t>(col0 - 2 * t);
 #pragma unroll 2
-      for (int m = 0; m < kN8 / 2; ++m) {
-        // Call k = 4 m + t = r kN8 + j: row row0 + 8 r, keys key0 + 8 j ..
-        const int k = 4 * m + t;
-        const int r = k / kN8, j = k % kN8;
-        const PhiloxWords words = mask.Group(b, h, row0 + 8 * r, key0 + 8 * j);
+      for (int a = 0; a < kN8 / 2; ++a) {
+        // Keys global_col0 + 16 a + 2 t + c (+ 8 n), rows global_row0 (+ 8 s): number 4 s + 2 n + c, word 2 s + n.
+        const PhiloxWords words = mask.Call(b, h, global_row0, global_col0 + 16 * a + 2 * t);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          // Lane t sends word t ^ q to lane t ^ q, whose two keys of call 4 m + t it holds: bits 2 (4 m + t) + c.
-          const uint32_t sent = DropoutMask::Word(words, static_cast<uint32_t>(t ^ q));
-          const uint32_t got = q == 0 ? sent : __shfl_xor_sync(0xffffffffu, sent, q);
-          const uint32_t pair = static_cast<uint32_t>(mask.Keeps(DropoutMask::Half(got, 0))) |
-                                static_cast<uint32_t>(mask.Keeps(DropoutMask::Half(got, 1))) << 1;
-          bits |= pair << (2 * (4 * m + (t ^ q)));
-        }
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const bool kept = mask.Keeps(DropoutMask::Half(words.w[2 * s + n], c));
+              bits |= static_cast<uint32_t>(kept) << (2 * (s * kN8 + 2 * a + n) + c);
+            }
       }
     }
     return bits;
   }
 
-  // TileBits with every element's call made by the lane that holds it (any key offset).
+  // TileBits with every element drawn alone by the lane that holds it (any offsets).
   template <int kN8, bool kKeysAlongRows>
   __device__ __forceinline__ uint32_t TileBitsAlone(int b, int h, int row0, int col0) const {
     uint32_t bits = 0;
