@@ -52,8 +52,8 @@ def main(bench_dir: str, dst: str) -> None:
        _cuda_bench(at("h200-run61c.json"), "fwd+bwd", "f+b",
                    [(d, s, True) for d in (64, 128, 256) for s in (1024, 4096, 16384)])),
       ("decode (run 61c)", _decode(at("h200-decode-run61c.json"))),
-      ("with a bias (run 46) / dropout (run 26)",
-       _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-features.json"), "dropout")),
+      ("with a bias (run 46) / dropout (run 61e)",
+       _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-dropout-run61e-after-1.json"), "dropout")),
   ]
   labels, ratios, colors = [], [], []
   for (_, items), color in zip(groups, ("C0", "C1", "C2", "C3")):
