@@ -24,6 +24,20 @@ struct NoBias {
   static constexpr int kBytes = 0;
 };
 
+// tanh(s / cap), the soft-cap's. The GPU takes 1 - 2 / (2^(2 log2(e) s / cap) + 1) on the special-function unit
+// (ex2.approx and an approximate reciprocal, the cap's reciprocal hoisted out of the loops; absolute error ~3e-7):
+// tanhf and an IEEE division are ~40 instructions a logit with slow paths, which made the soft-capped sm90 forward
+// 3.4x slower than plain attention on an H200 (run 61f). Infinities give +-1, NaN stays NaN. The CPU keeps tanhf.
+TE_JAX_HOST_DEVICE float SoftcapTanh(float s, float cap) {
+#if defined(__CUDA_ARCH__)
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(s * __fdividef(2.8853900817779268f, cap)));
+  return 1.0f - __fdividef(2.0f, e + 1.0f);
+#else
+  return tanhf(s / cap);
+#endif
+}
+
 template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false, bool kDropoutOn = false,
           typename BiasElement = NoBias>
 struct LogitsVariant {
@@ -39,14 +53,14 @@ struct LogitsVariant {
 
   TE_JAX_HOST_DEVICE float Logit(float x, int64_t p, int64_t j) const {
     float s = scale * x;
-    if constexpr (kHasSoftcap) s = cap * tanhf(s / cap);
+    if constexpr (kHasSoftcap) s = cap * SoftcapTanh(s, cap);
     if constexpr (kHasAlibi) s += slope * static_cast<float>(j - p);
     return s;
   }
 
   TE_JAX_HOST_DEVICE float DLogitDDot(float x) const {
     if constexpr (kHasSoftcap) {
-      const float t = tanhf(scale * x / cap);
+      const float t = SoftcapTanh(scale * x, cap);
       return scale * (1.0f - t * t);
     } else {
       return scale;
