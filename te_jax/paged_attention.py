@@ -79,7 +79,6 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
     _raise_if_out_of_range(np.asarray(bad_page), np.asarray(bad_length), np.asarray(page_table),
                            np.asarray(kv_lengths), num_pages, capacity)
-  # Clamped, so no page id leaves the pool; the entries that needed clamping are poisoned below.
   # A sequence whose used page ids or length are out of range reaches the forward with length -1: the kernels read
   # none of its keys and make every output of its batch entry NaN (the invalid-length rule), and they clamp every page
   # id they read (cpp/kv_rows.h), so nothing outside the pool is read and the forward runs nothing else per call. The
@@ -103,12 +102,12 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
 _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 
 
-# config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table clamped into the pool;
-# `lengths`: the sequences' lengths, -1 for a poisoned entry (its keys are not read, its outputs are NaN);
-# `clamped_lengths`: the lengths clamped to the capacity, for the backward; alibi: float32 [B, H] (its placeholder
-# without ALiBi). The backward recomputes the forward of the gather formulation (one gather and one fused_attn forward
-# more than a saved-residual VJP would cost) and takes its VJP with the clamped lengths and a cotangent made NaN on a
-# poisoned entry, so that entry's gradients come out NaN as its outputs do.
+# config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table as given (every path
+# clamps the ids it reads); `lengths`: the sequences' lengths, -1 for a poisoned entry (its keys are not read, its
+# outputs are NaN); `clamped_lengths`: the lengths clamped to the capacity, for the backward; alibi: float32 [B, H]
+# (its placeholder without ALiBi). The backward recomputes the forward of the gather formulation (one gather and one
+# fused_attn forward more than a saved-residual VJP would cost) and takes its VJP with the clamped lengths and a
+# cotangent made NaN on a poisoned entry, so that entry's gradients come out NaN as its outputs do.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi):
   del clamped_lengths
