@@ -24,6 +24,18 @@ __device__ __forceinline__ float QuadSum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int lanes = 16; lanes > 0; lanes /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lanes));
+  return x;
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int lanes = 16; lanes > 0; lanes /= 2) x += __shfl_xor_sync(0xffffffffu, x, lanes);
+  return x;
+}
+
 // 2^x with flush-to-zero (one MUFU.EX2); 2^-inf = +0. Arguments here are <= 0, so the flush only touches p < 2^-126.
 __device__ __forceinline__ float Exp2(float x) {
   float y;

@@ -17,6 +17,7 @@
 #include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
+#include "cpp/cuda/kernels/sm80/xor_swizzled_tile.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
 #include "cpp/kv_rows.h"
 
@@ -25,12 +26,11 @@ namespace te_jax::cuda::decode {
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
 // tile's kRows keys into a tile; key_rows[r] is key r's row (cpp/kv_rows.h: contiguous or in a page of the pool, so a
 // paged call gives the contiguous call's bits), -1 for a key past the length (zero-filled, as are columns past cols).
-template <int kThreads, int kRows, int kCols>
-__device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>& tile, const uint16_t* base,
-                                              const int* key_rows, int64_t row_stride, int head_offset, int cols,
-                                              int tid) {
-  constexpr int kChunksPerRow = kCols / 8;
-  constexpr int kChunks = kRows * kChunksPerRow;
+template <int kThreads, typename Tile>
+__device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, const int* key_rows,
+                                              int64_t row_stride, int head_offset, int cols, int tid) {
+  constexpr int kChunksPerRow = Tile::kCols / 8;
+  constexpr int kChunks = Tile::kRows * kChunksPerRow;
   // tid through an empty asm: the compiler cannot see that the chunks' offsets repeat from tile to tile, so it
   // computes them here instead of keeping them live through the main loop (which spilled at d = 256).
   asm volatile("" : "+r"(tid));
@@ -45,6 +45,17 @@ __device__ __forceinline__ void AsyncLoadKeys(const sm80::SmemTile<kRows, kCols>
     sm80::CpAsync16(tile.Address(r, col), valid ? base + row * row_stride + head_offset + col : base, valid);
   }
 }
+
+// The K and V stages' tiles: XorSwizzledTile where rows are whole 128-byte groups (its copies ask the L2 for each
+// sector once), else SmemTile's padded rows (tile_size.h StageTileBytes).
+template <int kRows, int kCols, bool kSwizzled = SwizzledStage(kCols)>
+struct StageTileOf {
+  using Type = sm80::XorSwizzledTile<kRows, kCols>;
+};
+template <int kRows, int kCols>
+struct StageTileOf<kRows, kCols, false> {
+  using Type = sm80::SmemTile<kRows, kCols>;
+};
 
 // The query rows of a CTA: heads [head0, head0 + heads) of its K/V head's group at positions [pos0, pos0 + positions),
 // row r being head r % heads_per_block at position r / heads_per_block. Rows outside that rectangle are padding.
@@ -88,8 +99,8 @@ struct DecodeKernel {
   static constexpr int kDP = PadHeadDim(kD);
   static constexpr int kDvP = PadHeadDim(kDv);
   using QTile = sm80::SmemTile<kRows, kDP>;
-  using KTile = sm80::SmemTile<kBlockN, kDP>;
-  using VTile = sm80::SmemTile<kBlockN, kDvP>;
+  using KTile = typename StageTileOf<kBlockN, kDP>::Type;
+  using VTile = typename StageTileOf<kBlockN, kDvP>::Type;
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
   static constexpr int kRingOffset = QTile::kBytes;
   static constexpr int kRowsOffset = kRingOffset + kStages * kStageBytes;
@@ -99,6 +110,8 @@ struct DecodeKernel {
   static constexpr int kPitch = EpiloguePitch(kDv);
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
   static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kRingOffset % 128 == 0 && kStageBytes % 128 == 0 && KTile::kBytes % 128 == 0,
+                "stage tiles start on 128-byte lines (the swizzle's bank groups, whole L2 sectors)");
   static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,
                 "the epilogue fits in the rings");
 
@@ -132,7 +145,7 @@ struct DecodeKernel {
   };
 
   static __device__ __forceinline__ void Run(const DecodeArgs& a) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];  // XorSwizzledTile's lines
     const Smem sm{smem_raw};
     const ForwardArgs& args = a.args;
     const ShapeArgs& s = args.shape;

@@ -1,6 +1,6 @@
 // The split-KV combine: merges the splits' partial results of each query row (attention_decode.cuh) by their
 // log-sum-exp, out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max lse + log sum_s w_s (the
-// merge of te_jax.merge_states). One warp per row (batch, position, head); lanes take column pairs.
+// merge of te_jax.merge_states). One warp per row (batch, position, head).
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
@@ -30,29 +30,41 @@ struct CombineKernel {
     const int64_t lse_split_stride = rows;  // [splits][B][H][Sq]
     const int64_t out_split_stride = rows * kDv;
 
-    // max over the splits (fmaxf skips a NaN lse; its weight below is NaN, and so are out and lse).
+    // Lane l holds the lse of splits l, l + 32, ...: two round trips to memory in all (the lse, then the parts), the
+    // max and the sum across lanes by shuffles. fmaxf skips a NaN lse; its weight below is NaN, and so are out and lse.
+    const float* part_lse = a.partial_lse + lse_row;
     float m = -__int_as_float(0x7f800000);
-    for (int sp = 0; sp < a.splits; ++sp) m = fmaxf(m, a.partial_lse[sp * lse_split_stride + lse_row]);
+    for (int sp = lane; sp < a.splits; sp += 32) m = fmaxf(m, part_lse[sp * lse_split_stride]);
+    m = WarpMax(m);
     // A row that sees keys but whose every part is empty had only -inf logits: 0 * inf, as one split would give.
     const bool sees_keys = keys.begin < keys.end;
     const float base = m == -__int_as_float(0x7f800000) ? 0.0f : m;
+    auto weight = [&](int sp) { return Exp2((part_lse[sp * lse_split_stride] - base) * kLog2e); };
     float l = 0.0f;
-    for (int sp = 0; sp < a.splits; ++sp) l += Exp2((a.partial_lse[sp * lse_split_stride + lse_row] - base) * kLog2e);
+    for (int sp = lane; sp < a.splits; sp += 32) l += weight(sp);
+    l = WarpSum(l);
     float inv = sees_keys ? 1.0f / l : 0.0f;
     float lse = sees_keys ? m + logf(l) : -__int_as_float(0x7f800000);
     if (a.args.sinks != nullptr) MergeSink(a.args.sinks[static_cast<int64_t>(b) * s.num_heads + head], lse, inv);
 
+    // Lanes take 4 columns each (head dims are multiples of 8); the parts' loads of 4 splits are issued together.
     uint16_t* out = static_cast<uint16_t*>(a.args.out) + row * kDv;
     const float* part = a.partial_out + row * kDv;
-    for (int col = 2 * lane; col < kDv; col += 64) {
-      float x[2] = {0.0f, 0.0f};
+    for (int col = 4 * lane; col < kDv; col += 128) {
+      float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
       for (int sp = 0; sp < a.splits; ++sp) {
-        const float w = Exp2((a.partial_lse[sp * lse_split_stride + lse_row] - base) * kLog2e);
-        const float2 y = *reinterpret_cast<const float2*>(part + sp * out_split_stride + col);
+        const float w = weight(sp);
+        const float4 y = *reinterpret_cast<const float4*>(part + sp * out_split_stride + col);
         x[0] += w * y.x;
         x[1] += w * y.y;
+        x[2] += w * y.z;
+        x[3] += w * y.w;
       }
-      *reinterpret_cast<uint32_t*>(out + col) = len.invalid ? kPackedNaN : Element::Pack(x[0] * inv, x[1] * inv);
+      const uint2 packed = len.invalid ? make_uint2(kPackedNaN, kPackedNaN)
+                                       : make_uint2(Element::Pack(x[0] * inv, x[1] * inv),
+                                                    Element::Pack(x[2] * inv, x[3] * inv));
+      *reinterpret_cast<uint2*>(out + col) = packed;
     }
     if (lane == 0) a.args.lse[lse_row] = len.invalid ? __int_as_float(0x7fffffff) : lse;
   }

@@ -23,8 +23,18 @@ inline constexpr int kBlockN = 64;  // keys per pipeline stage
 using sm80::PadHeadDim;
 using sm80::TileBytes;
 
-// Stages of the cp.async ring: three for head dims up to 128 (~105 KB with the 16-row tile: two CTAs per SM), two
-// above (~140 KB).
+// The K and V stages' tiles (attention_decode.cuh StageTileOf): for head dims of whole 128-byte rows an unpadded
+// tile whose 16-byte chunks are swizzled by row, so a 32-byte global sector fills one 32-byte shared sector; padded
+// rows (the sm80 family's tiles) put every other row's sectors across two, and cp.async then reads each such sector
+// twice (H200, b 8 x 32k: 1.5x the ideal L2 sectors, the L2 at 91% of its throughput; docs/BENCHMARKS.md, run 62a).
+TE_JAX_HOST_DEVICE constexpr bool SwizzledStage(int padded_cols) { return padded_cols % 64 == 0; }
+
+TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
+  return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : TileBytes(kBlockN, PadHeadDim(d));
+}
+
+// Stages of the cp.async ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile: two CTAs per
+// SM), two above (~138 KB at d = 256).
 TE_JAX_HOST_DEVICE constexpr int Stages(int d, int dv) {
   return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
 }
@@ -46,7 +56,7 @@ TE_JAX_HOST_DEVICE constexpr int RowsOfTile(int row_tiles) { return 16 * row_til
 TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles) {
   const int rows = RowsOfTile(row_tiles);
   return TileBytes(rows, PadHeadDim(d)) +
-         Stages(d, dv) * (TileBytes(kBlockN, PadHeadDim(d)) + TileBytes(kBlockN, PadHeadDim(dv))) + rows * (8 + 4 + 4) +
+         Stages(d, dv) * (StageTileBytes(d) + StageTileBytes(dv)) + rows * (8 + 4 + 4) +
          KeyRowSlots(d, dv) * kBlockN * 4;
 }
 
@@ -56,8 +66,9 @@ TE_JAX_HOST_DEVICE constexpr int EpiloguePitch(int dv) { return PadHeadDim(dv) +
 
 TE_JAX_HOST_DEVICE constexpr int EpilogueBytes(int dv) { return kWarps * 16 * (EpiloguePitch(dv) + 2) * 4; }
 
-// The combine kernel: a warp per query row.
-inline constexpr int kCombineThreads = 256;
+// The combine kernel: a warp per query row, four rows a CTA (a decode step has few rows: small CTAs spread them over
+// more SMs).
+inline constexpr int kCombineThreads = 128;
 
 // The two kernels of a decode module: row tiles 1 and 4.
 TE_JAX_HOST_DEVICE constexpr int RowTilesOfKernel(int index) { return index == 0 ? 1 : 4; }

@@ -11,27 +11,32 @@
 
 namespace te_jax::cuda::sm80 {
 
+// The scans below look at each row's kCols / 8 chunks in storage order, which holds the same elements in SmemTile and
+// XorSwizzledTile (whose rows store their chunks permuted).
+
 // Whether any element of the tile (padding included: the loader zero-fills it) is inf or NaN; every thread of the CTA
 // calls it between barriers, and each looks at its share of 16-byte chunks.
-template <typename Element, int kThreads, int kRows, int kCols>
-__device__ __forceinline__ bool ThreadSeesNonFinite(const SmemTile<kRows, kCols>& tile, int tid) {
-  constexpr int kChunksPerRow = kCols / 8;
+template <typename Element, int kThreads, typename Tile>
+__device__ __forceinline__ bool ThreadSeesNonFinite(const Tile& tile, int tid) {
+  constexpr int kChunksPerRow = Tile::kCols / 8;
   bool any = false;
-  for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+  for (int c = tid; c < Tile::kRows * kChunksPerRow; c += kThreads) {
     const uint4 chunk = *reinterpret_cast<const uint4*>(tile.data + (c / kChunksPerRow) * tile.kPitch + (c % kChunksPerRow) * 8);
     const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      any |= IsNonFinite<Element>(static_cast<uint16_t>(words[w])) || IsNonFinite<Element>(static_cast<uint16_t>(words[w] >> 16));
+      any |= IsNonFinite<Element>(static_cast<uint16_t>(words[w])) ||
+             IsNonFinite<Element>(static_cast<uint16_t>(words[w] >> 16));
     }
   }
   return any;
 }
 
 // Replaces every inf and NaN of the tile by 0 (each thread its share; a barrier must follow before the tile is read).
-template <typename Element, int kThreads, int kRows, int kCols>
-__device__ __forceinline__ void ZeroNonFinite(const SmemTile<kRows, kCols>& tile, int tid) {
-  for (int e = tid; e < kRows * kCols; e += kThreads) {
+template <typename Element, int kThreads, typename Tile>
+__device__ __forceinline__ void ZeroNonFinite(const Tile& tile, int tid) {
+  constexpr int kCols = Tile::kCols;
+  for (int e = tid; e < Tile::kRows * kCols; e += kThreads) {
     uint16_t& x = tile.data[(e / kCols) * tile.kPitch + e % kCols];
     if (IsNonFinite<Element>(x)) x = 0;
   }
@@ -61,7 +66,8 @@ __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][k
         for (int j = 0; j < kN8; ++j)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            if (IsNonFinite<Element>(row[j * 8 + 2 * t + c])) o[mt][j][2 * r + c] = __int_as_float(0x7fffffff);
+            const uint16_t x = row[VTile::ChunkColumn(key - n0, j) + 2 * t + c];
+            if (IsNonFinite<Element>(x)) o[mt][j][2 * r + c] = __int_as_float(0x7fffffff);
           }
       }
     }

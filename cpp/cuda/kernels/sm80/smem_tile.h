@@ -7,8 +7,10 @@
 
 namespace te_jax::cuda::sm80 {
 
-template <int kRows, int kCols>
+template <int kRows_, int kCols_>
 struct SmemTile {
+  static constexpr int kRows = kRows_;
+  static constexpr int kCols = kCols_;
   static constexpr int kPitch = kCols + 8;  // elements
   static constexpr int kBytes = kRows * kPitch * 2;
   static_assert(kCols % 16 == 0, "tile columns are padded to the mma k extent");
@@ -23,6 +25,9 @@ struct SmemTile {
   // Shared-window address of (row, col), in 32-bit arithmetic on the converted base (a 64-bit generic add + convert per
   // access cost ~4 integer instructions per ldmatrix and ~30 registers of addresses).
   __device__ __forceinline__ uint32_t Address(int row, int col) const { return SmemAddress(data) + Offset(row, col); }
+
+  // Where in its row (in elements) the row's 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) is stored.
+  static __device__ __forceinline__ int ChunkColumn(int /*row*/, int chunk) { return chunk * 8; }
 
   // Asynchronously copies rows [row0, row0 + kRows) of a row-major global tensor with `row_stride` elements between
   // rows and `cols` valid columns (a multiple of 8) per row; rows at or past `valid_rows` and columns past `cols` are
