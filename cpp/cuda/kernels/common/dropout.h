@@ -12,6 +12,7 @@ namespace te_jax::cuda {
 struct KernelDropout {
   DropoutMask mask;
   float keep_scale;
+  uint32_t threshold_high;  // mask.threshold << 16: a word's high number is kept when the word reaches it
 
   // The call's mask from its dropout operand (the key's two words, then the global (b, h, i, j) of element 0).
   static __device__ __forceinline__ KernelDropout Of(const DropoutArgs& d) {
@@ -21,8 +22,14 @@ struct KernelDropout {
 #pragma unroll
     for (int a = 0; a < 4; ++a) k.mask.offset[a] = d.operand[2 + a];
     k.mask.threshold = d.threshold;
+    k.threshold_high = d.threshold << 16;
     k.keep_scale = d.keep_scale;
     return k;
+  }
+
+  // The keep bits of a word's two numbers: bit 0 the low one's, bit 1 the high one's (compared whole, not extracted).
+  __device__ __forceinline__ uint32_t WordKeepBits(uint32_t word) const {
+    return static_cast<uint32_t>((word & 0xFFFFu) >= mask.threshold) | static_cast<uint32_t>(word >= threshold_high) << 1;
   }
 
   // Whether element (b, h, i, j) is kept (local indices).
@@ -68,30 +75,25 @@ struct KernelDropout {
           mine[s] = __byte_perm(words.w[2 * s], words.w[2 * s + 1], keep_selector);
           theirs[s] = __shfl_xor_sync(0xffffffffu, __byte_perm(words.w[2 * s], words.w[2 * s + 1], send_selector), 4);
         }
-        // mine: query column c = own; theirs (the partner's call): c = 1 - own.
-#pragma unroll
-        for (int s = 0; s < 2; ++s)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int j = 2 * a + s;
-            bits |= static_cast<uint32_t>(mask.Keeps(DropoutMask::Half(mine[s], r))) << (2 * (r * kN8 + j) + own);
-            bits |= static_cast<uint32_t>(mask.Keeps(DropoutMask::Half(theirs[s], r))) << (2 * (r * kN8 + j) + 1 - own);
-          }
+        // mine: query column c = own; theirs (the partner's call): c = 1 - own. Number (s, r) of a column goes to bit
+        // 2 (r kN8 + 2 a + s) + c: each column's four bits placed with one shift.
+        const auto column_bits = [&](const uint32_t(&numbers)[2]) {
+          return static_cast<uint32_t>((numbers[0] & 0xFFFFu) >= mask.threshold) |
+                 static_cast<uint32_t>((numbers[1] & 0xFFFFu) >= mask.threshold) << 2 |
+                 static_cast<uint32_t>(numbers[0] >= threshold_high) << (2 * kN8) |
+                 static_cast<uint32_t>(numbers[1] >= threshold_high) << (2 * kN8 + 2);
+        };
+        bits |= column_bits(mine) << (4 * a + own) | column_bits(theirs) << (4 * a + 1 - own);
       }
     } else {
 #pragma unroll 2
       for (int a = 0; a < kN8 / 2; ++a) {
         // Keys global_col0 + 16 a + 2 t + c (+ 8 n), rows global_row0 (+ 8 s): number 4 s + 2 n + c, word 2 s + n.
         const PhiloxWords words = mask.Call(b, h, global_row0, global_col0 + 16 * a + 2 * t);
-#pragma unroll
-        for (int s = 0; s < 2; ++s)
-#pragma unroll
-          for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const bool kept = mask.Keeps(DropoutMask::Half(words.w[2 * s + n], c));
-              bits |= static_cast<uint32_t>(kept) << (2 * (s * kN8 + 2 * a + n) + c);
-            }
+        // Row s's four bits (n, c) sit at 2 (s kN8 + 2 a + n) + c: a nibble per row, placed with one shift.
+        const uint32_t row0_bits = WordKeepBits(words.w[0]) | WordKeepBits(words.w[1]) << 2;
+        const uint32_t row8_bits = WordKeepBits(words.w[2]) | WordKeepBits(words.w[3]) << 2;
+        bits |= (row0_bits | row8_bits << (2 * kN8)) << (4 * a);
       }
     }
     return bits;
