@@ -2,11 +2,12 @@
 // within their 128-byte group by XOR with row % 8: chunk c of row r sits at chunk c ^ (r % 8). The same interface as
 // SmemTile (smem_tile.h), for tiles that cp.async fills from global memory at full bandwidth.
 //
-// Why not SmemTile's padding: its rows start 16 bytes apart modulo 32, so every other row's 32-byte global sectors land
-// across two 32-byte shared sectors, and such a copy asks the L2 for the sector twice. ncu on the decode kernel (H200,
-// run 62a): 1.5x the ideal L2 sectors on every cp.async, the duplicates a third of the L2's traffic at 91% of its
-// throughput. Here a global sector (chunks 2j, 2j + 1) stays in one aligned shared sector (chunks 2j ^ s, 2j ^ s ^ 1),
-// and the 8 rows of an ldmatrix matrix still read 8 different 16-byte bank groups (the XOR takes 8 values).
+// Why not SmemTile's padding: its rows are 16 bytes longer than their data, so every other row starts 16 bytes off a
+// 32-byte boundary, that row's 32-byte global sectors land across two 32-byte shared sectors, and cp.async asks the L2
+// for such a sector twice. ncu on the decode kernel (H200, run 62a): 1.5x the ideal L2 sectors on every cp.async, the
+// duplicates a third of the L2's traffic at 91% of its throughput. Here a global sector (chunks 2j, 2j + 1) stays in
+// one aligned shared sector (chunks 2j ^ s, 2j ^ s ^ 1), and the 8 rows of an ldmatrix matrix still read 8 different
+// 16-byte bank groups (the XOR takes 8 values).
 #pragma once
 
 #include "cpp/cuda/kernels/sm80/cp_async.h"
