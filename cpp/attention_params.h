@@ -14,7 +14,8 @@ namespace te_jax {
 // Layouts (row-major):
 //   q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, H, Dv], lse float32 [B, H, Sq],
 //   q_seqlens / kv_seqlens int32 [B] (read only with a padding mask, IsPadding; the other masks see all Sq rows and
-//   Skv keys), alibi_slopes float32 [B, H] (read only when has_alibi).
+//   Skv keys; a paged call reads kv_seqlens only, QuerySeqlensRead), alibi_slopes float32 [B, H] (read only when
+//   has_alibi).
 //   sinks float32 [B, H] (read only by the forward when has_sinks: each finished row merges its head's sink logit,
 //   cpp/sink.h; the backward is given that forward's out and lse and reads nothing of it).
 //   q_segment_ids / q_positions int32 [B, Sq], kv_segment_ids / kv_positions int32 [B, Skv] (read only when
@@ -99,6 +100,13 @@ struct ForwardBuffers : AttentionOperands {
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
 };
+
+// The query lengths a call reads, nullptr where every batch entry has seqlen_q rows: q_seqlens with a padding mask,
+// except in a paged call, whose queries are the last seqlen_q tokens of every sequence (paged_attention passes a
+// placeholder, so a decode step needs no array of Sq's made per call).
+inline const int32_t* QuerySeqlensRead(const AttentionParams& p, const int32_t* q_seqlens) {
+  return IsPadding(p.mask_type) && p.page_size == 0 ? q_seqlens : nullptr;
+}
 
 struct BackwardBuffers : AttentionOperands {
   const void* out = nullptr;

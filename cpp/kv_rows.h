@@ -17,9 +17,9 @@ namespace te_jax {
 //   contiguous (page_size 0): [B, seqlen_kv, Hkv, dim], key j of batch b is row b * seqlen_kv + j;
 //   paged: the pool [num_pages, page_size, Hkv, dim], key j of batch b is row page * page_size + j % page_size with
 //   page = page_table[b * pages_per_seq + j / page_size].
-// The page id is clamped to [0, num_pages - 1], so no id ever addresses memory outside the pool; an id that needed the
-// clamp is the caller's error to report (the CPU refuses the call: ValidatePageTable), so the page read in its place
-// never reaches a result.
+// The page id is clamped to [0, num_pages - 1], so no id ever addresses memory outside the pool; a sequence that uses
+// an id that needed the clamp is the caller's to report (PageInPool: the CPU refuses the call, ValidatePageTable; the
+// decode kernels make the sequence's every output NaN), so the page read in its place never reaches a result.
 struct KvRows {
   int64_t seqlen_kv;          // keys per batch entry (the logical capacity when paged)
   int64_t row_stride;         // elements from one key to the next within a sequence or a page: Hkv * dim
@@ -40,6 +40,18 @@ struct KvRows {
     int64_t page = page_table[b * pages_per_seq + key / size];
     page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
     return page * page_size + key % size;
+  }
+
+  // The pages the first kv_len keys of a sequence occupy: its entries of the page table that are read.
+  TE_JAX_HOST_DEVICE int64_t PagesOf(int64_t kv_len) const {
+    const int32_t keys = static_cast<int32_t>(kv_len), size = static_cast<int32_t>(page_size);  // 32-bit, as in Row
+    return keys / size + (keys % size != 0);
+  }
+
+  // Whether entry j of batch entry b's row of the page table names a page of the pool (Row clamps one that does not).
+  TE_JAX_HOST_DEVICE bool PageInPool(int64_t b, int64_t j) const {
+    const int32_t page = page_table[b * pages_per_seq + j];
+    return page >= 0 && page < num_pages;
   }
 
   // The element offset of key j of batch entry b, kv head h (the first of its dim elements).

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cpp/bias.h"
+#include "cpp/kv_rows.h"
 #include "cpp/philox.h"
 
 namespace te_jax {
@@ -168,8 +169,9 @@ Status ValidateBackwardParams(const AttentionParams& p, Backend backend) {
 
 Status ValidateSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
   if (!IsPadding(p.mask_type)) return Status::Ok();  // the lengths are placeholders: Sq and Skv
+  q_seqlens = QuerySeqlensRead(p, q_seqlens);
   for (int64_t b = 0; b < p.batch; ++b) {
-    if (q_seqlens[b] < 0 || q_seqlens[b] > p.seqlen_q) {
+    if (q_seqlens != nullptr && (q_seqlens[b] < 0 || q_seqlens[b] > p.seqlen_q)) {
       return Status::InvalidArgument("q_seqlens[" + Str(b) + "] = " + Str(q_seqlens[b]) + " is outside [0, " +
                                      Str(p.seqlen_q) + "]");
     }
@@ -183,12 +185,11 @@ Status ValidateSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const
 
 Status ValidatePageTable(const AttentionParams& p, const int32_t* page_table, const int32_t* kv_seqlens) {
   if (p.page_size == 0) return Status::Ok();
-  const int64_t pages_per_seq = p.seqlen_kv / p.page_size;
+  const KvRows rows = MakeKvRows(p, page_table, p.head_dim);
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t used = (kv_seqlens[b] + p.page_size - 1) / p.page_size;
-    for (int64_t j = 0; j < used; ++j) {
-      const int32_t page = page_table[b * pages_per_seq + j];
-      if (page < 0 || page >= p.num_pages) {
+    for (int64_t j = 0; j < rows.PagesOf(kv_seqlens[b]); ++j) {
+      if (!rows.PageInPool(b, j)) {
+        const int32_t page = page_table[b * rows.pages_per_seq + j];
         return Status::InvalidArgument("page_table[" + Str(b) + ", " + Str(j) + "] = " + Str(page) +
                                        " is not a page of the pool [0, " + Str(p.num_pages) + "), and sequence " +
                                        Str(b) + " (kv_seqlens[" + Str(b) + "] = " + Str(kv_seqlens[b]) + ") uses it");

@@ -156,7 +156,8 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
                                    std::to_string(kNumMaskTypes) + ")");
   }
   const bool lengths = IsPadding(static_cast<MaskType>(attrs.mask_type));
-  TE_JAX_RETURN_IF_ERROR(ExpectOptional("q_seqlens", q_seqlens, lengths, {p.batch}));
+  // A paged call reads no q_seqlens (QuerySeqlensRead): paged_attention passes the placeholder, [B] is taken too.
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("q_seqlens", q_seqlens, lengths && p.page_size == 0, {p.batch}));
   TE_JAX_RETURN_IF_ERROR(ExpectOptional("kv_seqlens", kv_seqlens, lengths, {p.batch}));
   TE_JAX_RETURN_IF_ERROR(ExpectOptional("alibi_slopes", alibi_slopes, attrs.has_alibi, {p.batch, p.num_heads}));
   TE_JAX_RETURN_IF_ERROR(ExpectOptional("sinks", sinks, attrs.has_sinks, {p.batch, p.num_heads}));

@@ -6,7 +6,8 @@ Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, le
             -> out, lse, workspace
   backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias,
             dropout -> dq, dk, dv, dbias, workspace
-q_seqlens and kv_seqlens are int32 [B] with a padding mask. alibi_slopes is float32 [B, H] with config.has_alibi.
+q_seqlens and kv_seqlens are int32 [B] with a padding mask (a paged call's q_seqlens a placeholder: its queries are the
+last Sq tokens of every sequence). alibi_slopes is float32 [B, H] with config.has_alibi.
 sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
 kernels in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py). The backward is given
 that forward's out and lse, and reads nothing of it.
@@ -88,7 +89,8 @@ def no_page_table():
 def placeholder_operands(config: AttentionConfig, backward: bool) -> tuple[int, ...]:
   """Which of the operands before the bias are placeholders, as indices into q_seqlens, kv_seqlens, alibi_slopes,
   sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions, page_table."""
-  absent = (*(not config.mask_type.is_padding,) * 2, not config.has_alibi, backward or not config.has_sinks,
+  absent = (not config.mask_type.is_padding or config.page_size > 0, not config.mask_type.is_padding,
+            not config.has_alibi, backward or not config.has_sinks,
             *(not config.has_segment_ids,) * 2, *(not config.has_positions,) * 2, not config.page_size)
   return tuple(i for i, a in enumerate(absent) if a)
 

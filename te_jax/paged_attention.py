@@ -73,18 +73,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
                      f"{tuple(page_table.shape)} and {tuple(kv_lengths.shape)}")
   max_pages = page_table.shape[1]
   capacity = max_pages * page_size
-  used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < kv_lengths[:, None]  # [B, max_pages]
-  bad_page = used & ((page_table < 0) | (page_table >= num_pages))
-  bad_length = (kv_lengths < 0) | (kv_lengths > capacity)
   if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
-    _raise_if_out_of_range(np.asarray(bad_page), np.asarray(bad_length), np.asarray(page_table),
-                           np.asarray(kv_lengths), num_pages, capacity)
-  # A sequence whose used page ids or length are out of range reaches the forward with length -1: the kernels read
-  # none of its keys and make every output of its batch entry NaN (the invalid-length rule), and they clamp every page
-  # id they read (cpp/kv_rows.h), so nothing outside the pool is read and the forward runs nothing else per call. The
-  # backward takes the lengths clamped instead (_attend_bwd).
-  lengths = jnp.where(jnp.any(bad_page, axis=1) | bad_length, -1, kv_lengths)
-  clamped_lengths = jnp.clip(kv_lengths, 0, capacity)
+    _raise_if_out_of_range(np.asarray(page_table), np.asarray(kv_lengths), num_pages, page_size)
   window_left, window_right = _check_window(window_size)
   if not isinstance(return_lse, (bool, np.bool_)):
     raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
@@ -94,7 +84,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
                            has_alibi=alibi_slopes is not None, engine=requested_engine(engine),
                            lse_cotangent=bool(return_lse), page_size=page_size)
   alibi = _alibi_operand(alibi_slopes, batch, q.shape[2])
-  return _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, lengths, clamped_lengths, alibi)
+  return _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, kv_lengths, alibi)
 
 
 # The CUDA backend reads pages in place in its decode kernels, for at most this many query positions
@@ -102,19 +92,37 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
 _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 
 
-# config (the paged call's AttentionConfig) and return_lse are static. `pages`: the page table as given (every path
-# clamps the ids it reads); `lengths`: the sequences' lengths, -1 for a poisoned entry (its keys are not read, its
-# outputs are NaN); `clamped_lengths`: the lengths clamped to the capacity, for the backward; alibi: float32 [B, H]
-# (its placeholder without ALiBi). The backward recomputes the forward of the gather formulation (one gather and one
-# fused_attn forward more than a saved-residual VJP would cost) and takes its VJP with the clamped lengths and a
-# cotangent made NaN on a poisoned entry, so that entry's gradients come out NaN as its outputs do.
+# config (the paged call's AttentionConfig) and return_lse are static; `pages` is the page table as given, `lengths` the
+# kv lengths as given, alibi float32 [B, H] (its placeholder without ALiBi). A sequence whose used page ids or length
+# are out of range (a traced call's values are not checked) gets NaN in every output and gradient of its batch entry,
+# and nothing outside the pool is read: every path clamps the page ids it reads; the CUDA decode kernels find such a
+# sequence themselves (so a decode step is one kernel call and its combine, nothing more), the other paths take its
+# length as -1 (_poisoned_lengths), which the invalid-length rule makes NaN. The backward recomputes the forward of
+# the gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes
+# its VJP with the lengths clamped into range and a cotangent made NaN on a poisoned entry.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi):
-  del clamped_lengths
+def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi):
   in_place, gathered = partial(_attend_in_place, config, return_lse), partial(_attend_gathered, config, return_lse)
-  cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else gathered
-  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi, cpu=_poisoned_here(in_place),
-                                    cuda=cuda, default=gathered)
+  cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else _with_poisoned_lengths(gathered)
+  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi,
+                                    cpu=_with_poisoned_lengths(_poisoned_here(in_place)), cuda=cuda,
+                                    default=_with_poisoned_lengths(gathered))
+
+
+def _poisoned_lengths(pages, lengths, num_pages: int, page_size: int):
+  """The lengths with -1 where a sequence's length is outside [0, capacity] or a page id it uses is outside the pool."""
+  capacity = pages.shape[1] * page_size
+  used = jnp.arange(pages.shape[1], dtype=jnp.int32)[None, :] * page_size < lengths[:, None]  # [B, max_pages]
+  bad_page = jnp.any(used & ((pages < 0) | (pages >= num_pages)), axis=1)
+  return jnp.where(bad_page | (lengths < 0) | (lengths > capacity), -1, lengths)
+
+
+def _with_poisoned_lengths(attend):
+  """`attend` for a path that does not check the page ids itself: it gets the poisoned lengths."""
+  def with_poisoned_lengths(q, k_pages, v_pages, pages, lengths, alibi):
+    lengths = _poisoned_lengths(pages, lengths, k_pages.shape[0], k_pages.shape[1])
+    return attend(q, k_pages, v_pages, pages, lengths, alibi)
+  return with_poisoned_lengths
 
 
 def _poisoned_here(attend):
@@ -132,18 +140,20 @@ def _poison(x, bad):
   return x * jnp.where(bad, jnp.nan, 1.0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
 
 
-def _attend_fwd(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi):
-  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi)
-  return result, (q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi)
+def _attend_fwd(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi):
+  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi)
+  return result, (q, k_pages, v_pages, pages, lengths, alibi)
 
 
 def _attend_bwd(config, return_lse, residuals, cotangent):
-  q, k_pages, v_pages, pages, lengths, clamped_lengths, alibi = residuals
-  cotangent = jax.tree.map(lambda c: _poison(c, lengths < 0), cotangent)
-  _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped_lengths, alibi),
+  q, k_pages, v_pages, pages, lengths, alibi = residuals
+  bad = _poisoned_lengths(pages, lengths, k_pages.shape[0], config.page_size) < 0
+  cotangent = jax.tree.map(lambda c: _poison(c, bad), cotangent)
+  clamped = jnp.clip(lengths, 0, pages.shape[1] * config.page_size)
+  _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped, alibi),
                    q, k_pages, v_pages)
   # The page table and lengths are integers; ALiBi's slopes get no gradient (as in fused_attn).
-  return (*vjp(cotangent), None, None, None, None)
+  return (*vjp(cotangent), None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -151,10 +161,10 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
   """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/validate.h)."""
-  batch, seqlen_q = q.shape[:2]
-  q_lengths = jnp.asarray(np.full((batch,), seqlen_q, np.int32))
-  out, lse = _sharding.forward(config, None, q, k_pages, v_pages, q_lengths, kv_lengths, alibi, _primitives.no_sinks(),
-                               _primitives.no_tokens(), pages, _primitives.no_bias(), _primitives.no_dropout())
+  # Every sequence has Sq queries, so no q lengths are passed (a splat constant would be a broadcast kernel per call).
+  out, lse = _sharding.forward(config, None, q, k_pages, v_pages, _primitives.no_lengths(), kv_lengths, alibi,
+                               _primitives.no_sinks(), _primitives.no_tokens(), pages, _primitives.no_bias(),
+                               _primitives.no_dropout())
   return (out, lse) if return_lse else out
 
 
@@ -180,11 +190,15 @@ def _int32_operand(x, name: str, ndim: int):
   return x.astype(jnp.int32)
 
 
-def _raise_if_out_of_range(bad_page, bad_length, page_table, kv_lengths, num_pages: int, capacity: int) -> None:
+def _raise_if_out_of_range(page_table, kv_lengths, num_pages: int, page_size: int) -> None:
+  capacity = page_table.shape[1] * page_size
+  bad_length = (kv_lengths < 0) | (kv_lengths > capacity)
   if bad_length.any():
     b = int(np.flatnonzero(bad_length)[0])
     raise ValueError(f"kv_lengths must lie in [0, {capacity}] (max_pages_per_seq x page_size), got {int(kv_lengths[b])} "
                      f"for sequence {b}")
+  used = np.arange(page_table.shape[1])[None, :] * page_size < kv_lengths[:, None]
+  bad_page = used & ((page_table < 0) | (page_table >= num_pages))
   if bad_page.any():
     b, j = (int(i) for i in np.argwhere(bad_page)[0])
     raise ValueError(f"page_table[{b}, {j}] = {int(page_table[b, j])} is not a page of the pool (0 .. {num_pages - 1}), "

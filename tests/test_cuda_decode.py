@@ -120,3 +120,36 @@ def test_paged_in_place_is_bitwise_the_contiguous_decode(case, path):
   te_jax.raise_legacy_failures()
   assert out.tobytes() == ref_out.tobytes() and lse.tobytes() == ref_lse.tobytes()
   assert np.isfinite(out.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("max_pages", [2, 200], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("path", ["ffi", "legacy"])
+def test_paged_out_of_range_ids_and_lengths_poison_their_entry_in_the_kernel(max_pages, path):
+  """Traced page ids outside the pool that a sequence uses, and a length past the capacity, give NaN in every output of
+  their batch entry, found by the decode kernels themselves (the GPU program computes nothing else: no reduction or
+  select of the ids), every split of the entry agreeing; an unused entry of the table may hold anything; the other
+  entries keep the bits of a valid call."""
+  b, page_size, h, hkv, d = 4, 16, 8, 2, 128
+  rng = np.random.default_rng(max_pages)
+  num_pages = b * max_pages
+  table = rng.permutation(num_pages).reshape(b, max_pages).astype(np.int32)
+  lengths = np.full(b, max_pages * page_size - 5, np.int32)
+  lengths[0] = (max_pages - 1) * page_size  # its last entry of the table is not read
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.bfloat16)
+  k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page_size, hkv, d)), jnp.bfloat16) for _ in range(2))
+  bad_table, bad_lengths = table.copy(), lengths.copy()
+  bad_table[0, -1] = -7
+  bad_table[1, -1] = num_pages  # the last page: in the last split's keys only
+  bad_table[2, 0] = -1
+  bad_lengths[3] = max_pages * page_size + 1
+  f = jax.jit(lambda q, kp, vp, t, n: te_jax.paged_attention(q, kp, vp, t, n, return_lse=True))
+  with te_jax.custom_call_path(path):
+    program = f.lower(q, k_pages, v_pages, bad_table, bad_lengths).as_text()
+    assert "stablehlo.reduce" not in program and "stablehlo.select" not in program
+    out, lse = (np.asarray(x, np.float32) for x in f(q, k_pages, v_pages, bad_table, bad_lengths))
+    good_out, good_lse = (np.asarray(x, np.float32) for x in f(q, k_pages, v_pages, table, lengths))
+  te_jax.raise_legacy_failures()
+  assert np.isfinite(good_out).all() and np.isfinite(good_lse).all()
+  for entry in (1, 2, 3):
+    assert np.isnan(out[entry]).all() and np.isnan(lse[entry]).all(), f"entry {entry} is not all NaN"
+  assert out[0].tobytes() == good_out[0].tobytes() and lse[0].tobytes() == good_lse[0].tobytes()

@@ -295,10 +295,9 @@ def _paged_primitive(page_size, mask=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT):
   config = AttentionConfig(mask_type=mask, window_left=-1, window_right=-1, scale=0.25, softcap=0.0, has_alibi=False,
                            page_size=page_size)
 
-  def call(q, k_pages, v_pages, table, lengths):
-    b, sq = q.shape[:2]
+  def call(q, k_pages, v_pages, table, lengths):  # a paged call's q lengths are a placeholder: Sq each
     return _primitives.attention_forward_p.bind(
-        q, k_pages, v_pages, jnp.full((b,), sq, jnp.int32), lengths, _primitives.no_alibi(), _primitives.no_sinks(),
+        q, k_pages, v_pages, _primitives.no_lengths(), lengths, _primitives.no_alibi(), _primitives.no_sinks(),
         *_primitives.no_tokens(), table, _primitives.no_bias(), _primitives.no_dropout(), config=config)
   return jax.jit(call)
 

@@ -72,8 +72,8 @@ RowMask BatchMask(const AttentionParams& p, const int32_t* q_seqlens, const int3
   // Positions go with the masks without lengths (validate.cc): their causal mask and window are the tokens'.
   if (p.has_positions) return MakeRowMask(MaskType::kNoMask, p.seqlen_q, p.seqlen_kv, -1, -1);
   const bool lengths = IsPadding(p.mask_type);
-  return MakeRowMask(p.mask_type, lengths ? q_seqlens[b] : p.seqlen_q, lengths ? kv_seqlens[b] : p.seqlen_kv,
-                     p.window_left, p.window_right);
+  return MakeRowMask(p.mask_type, q_seqlens != nullptr ? q_seqlens[b] : p.seqlen_q,
+                     lengths ? kv_seqlens[b] : p.seqlen_kv, p.window_left, p.window_right);
 }
 
 // The segment ids and positions of one call; BatchTokens gives batch entry b's TokenMask (inactive without them).
@@ -305,7 +305,7 @@ OperandArgs<T> OperandArgsOf(const AttentionParams& params, const AttentionOpera
           static_cast<const T*>(o.v),
           MakeKvRows(params, o.page_table, params.head_dim),
           MakeKvRows(params, o.page_table, params.head_dim_v),
-          o.q_seqlens,
+          QuerySeqlensRead(params, o.q_seqlens),
           o.kv_seqlens,
           o.alibi_slopes,
           TokenOperandsOf(o),

@@ -22,7 +22,7 @@ struct BatchLengths {
 __device__ __forceinline__ BatchLengths ReadLengths(const ShapeArgs& s, const int32_t* q_seqlens,
                                                     const int32_t* kv_seqlens, int b) {
   if (!IsPadding(static_cast<MaskType>(s.mask_type))) return {s.seqlen_q, s.seqlen_kv, false};
-  const int q = q_seqlens[b];
+  const int q = q_seqlens != nullptr ? q_seqlens[b] : s.seqlen_q;  // nullptr: QuerySeqlensRead
   const int kv = kv_seqlens[b];
   BatchLengths r;
   r.invalid = q < 0 || q > s.seqlen_q || kv < 0 || kv > s.seqlen_kv;

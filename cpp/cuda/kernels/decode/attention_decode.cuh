@@ -214,7 +214,16 @@ struct DecodeKernel {
     float o[1][kDvP / 8][4];
     OnlineSoftmax<kSliceN / 8> softmax;
     const int2* warp_ranges = sm.Ranges() + row_tile * 16;
-    __syncthreads();  // the row table is written
+    // paged_attention's contract: a sequence that uses a page id outside the pool gets NaN in every output (its reads
+    // clamped meanwhile). Every CTA of the entry checks all the pages its sequence uses, not only its split's, so they
+    // agree; the ids are a few hundred bytes against the pages' megabytes.
+    bool page_outside_pool = false;
+    if (key_rows.paged()) {
+      const int pages = static_cast<int>(key_rows.PagesOf(len.kv_len));
+      for (int j = tid; j < pages; j += kThreads) page_outside_pool |= !key_rows.PageInPool(rb.b, j);
+    }
+    // The barrier also publishes the row table.
+    const bool poisoned = __syncthreads_or(page_outside_pool) || len.invalid;
 
     auto pass = [&](auto careful) {
       constexpr bool kCareful = decltype(careful)::kValue;
@@ -295,13 +304,14 @@ struct DecodeKernel {
     // The barrier also keeps the careful pass's first loads from overwriting a stage another warp still reads.
     if (straddles && __syncthreads_or(AnyNaN(o) || softmax.AnyNaN())) pass(BoolConstant<true>{});
     __syncthreads();  // the rings are free for the epilogue
-    Epilogue(a, sm, rb, len, o, softmax, warp, g, t, tid);
+    Epilogue(a, sm, rb, poisoned, o, softmax, warp, g, t, tid);
   }
 
   // Merges the warps' softmax states row by row and writes the CTA's rows: out and lse when the call has one split,
-  // else the split's partial output and lse for combine.cuh.
+  // else the split's partial output and lse for combine.cuh. A poisoned entry (invalid lengths, pages outside the
+  // pool) gets NaN; a split's partial says so by a NaN lse, which the combine's merge carries to out and lse.
   static __device__ __forceinline__ void Epilogue(const DecodeArgs& a, const Smem& sm, const RowBlock& rb,
-                                                  const BatchLengths& len, const float (&o)[1][kDvP / 8][4],
+                                                  bool poisoned, const float (&o)[1][kDvP / 8][4],
                                                   const OnlineSoftmax<kSliceN / 8>& softmax, int warp, int g, int t,
                                                   int tid) {
     const ShapeArgs& s = a.args.shape;
@@ -364,7 +374,7 @@ struct DecodeKernel {
       const float inv = sm.InvSum()[r];
       const int64_t row = (static_cast<int64_t>(rb.b) * s.seqlen_q + rb.Position(r)) * s.num_heads + rb.Head(r);
       if (direct) {
-        const uint32_t packed = len.invalid ? kPackedNaN : Element::Pack(x[0] * inv, x[1] * inv);
+        const uint32_t packed = poisoned ? kPackedNaN : Element::Pack(x[0] * inv, x[1] * inv);
         *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.args.out) + row * kDv + col) = packed;
       } else {
         const int64_t split_row = static_cast<int64_t>(rb.split) * s.batch * s.seqlen_q * s.num_heads + row;
@@ -374,10 +384,11 @@ struct DecodeKernel {
     for (int r = tid; r < kRows; r += kThreads) {
       if (!rb.Valid(r)) continue;
       const int64_t lse_row = (static_cast<int64_t>(rb.b) * s.num_heads + rb.Head(r)) * s.seqlen_q + rb.Position(r);
+      const float lse = poisoned ? __int_as_float(0x7fffffff) : sm.Lse()[r];
       if (direct) {
-        a.args.lse[lse_row] = len.invalid ? __int_as_float(0x7fffffff) : sm.Lse()[r];
+        a.args.lse[lse_row] = lse;
       } else {
-        a.partial_lse[static_cast<int64_t>(rb.split) * s.batch * s.num_heads * s.seqlen_q + lse_row] = sm.Lse()[r];
+        a.partial_lse[static_cast<int64_t>(rb.split) * s.batch * s.num_heads * s.seqlen_q + lse_row] = lse;
       }
     }
   }

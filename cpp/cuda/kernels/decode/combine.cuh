@@ -43,6 +43,9 @@ struct CombineKernel {
     float l = 0.0f;
     for (int sp = lane; sp < a.splits; sp += 32) l += weight(sp);
     l = WarpSum(l);
+    // A NaN lse is a split's NaN logit or its entry's poison (pages outside the pool, attention_decode.cuh): with a
+    // NaN logit the row is NaN by the formula anyway, and a poisoned row is NaN even where it sees no key.
+    const bool poisoned = len.invalid || isnan(l);
     float inv = sees_keys ? 1.0f / l : 0.0f;
     float lse = sees_keys ? m + logf(l) : -__int_as_float(0x7f800000);
     if (a.args.sinks != nullptr) MergeSink(a.args.sinks[static_cast<int64_t>(b) * s.num_heads + head], lse, inv);
@@ -61,12 +64,12 @@ struct CombineKernel {
         x[2] += w * y.z;
         x[3] += w * y.w;
       }
-      const uint2 packed = len.invalid ? make_uint2(kPackedNaN, kPackedNaN)
+      const uint2 packed = poisoned ? make_uint2(kPackedNaN, kPackedNaN)
                                        : make_uint2(Element::Pack(x[0] * inv, x[1] * inv),
                                                     Element::Pack(x[2] * inv, x[3] * inv));
       *reinterpret_cast<uint2*>(out + col) = packed;
     }
-    if (lane == 0) a.args.lse[lse_row] = len.invalid ? __int_as_float(0x7fffffff) : lse;
+    if (lane == 0) a.args.lse[lse_row] = poisoned ? __int_as_float(0x7fffffff) : lse;
   }
 };
 
