@@ -2,7 +2,10 @@
 outside the timed region (every rotation set once), then `samples` timed samples, each many calls dispatched back to
 back with a single synchronisation at the end (wall clock around block_until_ready for JAX, CUDA events after a
 synchronize for torch), each call on the next rotation set. Calls per sample are calibrated so a sample lasts about
-`sample_s`. The median of the per-call times is reported with the spread of the samples."""
+`sample_s`: runs of 1, 2, 4, ... calls until one lasts a tenth of that, then that many again, the faster of the two
+giving the time per call (one run alone carries whatever one-off stall hits it: such a stall once cut an H200 decode of
+1 ms to samples of 2 calls, each sample then paying a synchronisation's latency, run 63b). The median of the per-call
+times is reported with the spread of the samples."""
 
 from __future__ import annotations
 
@@ -45,15 +48,27 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
   return q[0], q[2]
 
 
+def _calibrate(prepared, plan: TimingPlan, max_calls: int) -> tuple[int, list[float]]:
+  """The calls of the last two calibration runs and their times per call."""
+  n = 1
+  while True:
+    elapsed = prepared.run_calls(n)
+    if elapsed >= plan.sample_s / 10 or n >= max_calls:
+      return n, [elapsed / n, prepared.run_calls(n) / n]
+    n = min(2 * n, max_calls)
+
+
 def measure(prepared, num_sets: int, plan: TimingPlan) -> Timing:
   prepared.run_calls(max(1, num_sets))  # warm-up: every set once (first-touch, autotuning, lazy init)
-  once = prepared.run_calls(1)
   max_calls = min(plan.max_calls, getattr(prepared, "max_calls", lambda: plan.max_calls)())
+  calibration_calls, calibration = _calibrate(prepared, plan, max_calls)
+  once = min(calibration)
   calls = int(max(1, min(max_calls, plan.sample_s / max(once, 1e-9))))
   samples = plan.samples
   if once * samples > plan.max_s:
     samples = max(plan.min_samples, int(plan.max_s / max(once, 1e-9)))
-  per_call = [once] if calls == 1 else []  # a one-call calibration run is a sample like the others
+  # One-call calibration runs are samples like the others (calls that long are not stalled by a one-off).
+  per_call = calibration[:samples] if calls == calibration_calls == 1 else []
   while len(per_call) < samples:
     per_call.append(prepared.run_calls(calls) / calls)
   p25, p75 = _quartiles(per_call)
