@@ -214,8 +214,8 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   TE_JAX_RETURN_IF_ERROR(CheckWorkspace(b.workspace_bytes, ForwardWorkspaceBytes(p), "forward"));
   BiasArgs bias;
   TE_JAX_RETURN_IF_ERROR(MakeBiasArgs(p, b.bias, &bias));
-  ForwardArgs args{MakeShape(p), b.q, b.k, b.v, QuerySeqlensRead(p, b.q_seqlens), b.kv_seqlens, b.alibi_slopes, b.out, b.lse,
-                   p.has_sinks ? b.sinks : nullptr,
+  ForwardArgs args{MakeShape(p), b.q, b.k, b.v, QuerySeqlensRead(p, b.q_seqlens), b.kv_seqlens, b.alibi_slopes,
+                   b.out, b.lse, p.has_sinks ? b.sinks : nullptr,
                    MakeTokenArgs(p, b.q_segment_ids, b.kv_segment_ids, b.q_positions, b.kv_positions, b.workspace),
                    MakeDropoutArgs(p, b.dropout),
                    bias};
