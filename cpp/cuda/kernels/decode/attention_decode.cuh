@@ -216,7 +216,7 @@ struct DecodeKernel {
     const int2* warp_ranges = sm.Ranges() + row_tile * 16;
     // paged_attention's contract: a sequence that uses a page id outside the pool gets NaN in every output (its reads
     // clamped meanwhile). Every CTA of the entry checks all the pages its sequence uses, not only its split's, so they
-    // agree: 4 bytes of ids per page of K/V, 32 KB of K and V per head at d 128.
+    // agree; the ids are a few hundred bytes against the pages' megabytes.
     bool page_outside_pool = false;
     if (key_rows.paged()) {
       const int pages = static_cast<int>(key_rows.PagesOf(len.kv_len));
