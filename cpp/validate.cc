@@ -37,8 +37,9 @@ Status CheckPaging(const AttentionParams& p, Backend backend) {
     }
     return Status::Ok();
   }
-  if (p.page_size < 0 || p.page_size % 8 != 0 || p.page_size > kMaxPageSize) {
-    return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of 8 in [8, " +
+  if (p.page_size < 0 || p.page_size % kPageSizeMultiple != 0 || p.page_size > kMaxPageSize) {
+    return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of " +
+                                   Str(kPageSizeMultiple) + " in [" + Str(kPageSizeMultiple) + ", " +
                                    Str(kMaxPageSize) + "], got " + Str(p.page_size));
   }
   // KvRows divides keys by the page size in 32 bits, so the capacity is bounded like a window.

@@ -18,7 +18,8 @@ inline constexpr int64_t kMaxHeadDim = 256;
 inline constexpr int64_t kMaxWindow = (int64_t{1} << 31) - 1;
 // Batch and heads are CUDA grid dimensions (y and z are at most 65535).
 inline constexpr int64_t kMaxCudaGridDim = 65535;
-// A paged KV cache's page size: a multiple of 8 up to this (cpp/attention_params.h: page_size).
+// A paged KV cache's page size: a multiple of kPageSizeMultiple up to kMaxPageSize (cpp/attention_params.h: page_size).
+inline constexpr int64_t kPageSizeMultiple = 8;
 inline constexpr int64_t kMaxPageSize = 256;
 
 // Whether a backend's kernels read a paged KV cache in place (cpp/kv_rows.h) for a call of seqlen_q query positions:

@@ -9,6 +9,7 @@ namespace te_jax::cpu {
 namespace {
 
 constexpr int kBlockRows = 6;
+constexpr int kPanelCols = 2 * kLanes;  // TileGemmBody's column panels: GemmColumnPanel<2>
 
 template <int kRows, int kVectors>
 inline void GemmBlock(int64_t depth, const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t b_row,
@@ -57,7 +58,7 @@ inline void GemmColumnPanel(int64_t rows, int64_t depth, const MatrixA& a, const
 inline void TileGemmBody(int64_t rows, int64_t cols, int64_t depth, const MatrixA& a, const MatrixB& b,
                          const MatrixC& c, Accumulate accumulate) {
   int64_t j = 0;
-  for (; j + 2 * kLanes <= cols; j += 2 * kLanes) {
+  for (; j + kPanelCols <= cols; j += kPanelCols) {
     GemmColumnPanel<2>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
   }
   if (j < cols) GemmColumnPanel<1>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
@@ -69,5 +70,8 @@ void TileGemm(int64_t rows, int64_t cols, int64_t depth, const MatrixA& a, const
               Accumulate accumulate) {
   RunWithBestIsa<&TileGemmBody>(rows, cols, depth, a, b, c, accumulate);
 }
+
+int64_t TileGemmReadsOfA(int64_t cols) { return (cols + kPanelCols - 1) / kPanelCols; }
+int64_t TileGemmReadsOfB(int64_t rows) { return (rows + kBlockRows - 1) / kBlockRows; }
 
 }  // namespace te_jax::cpu

@@ -1,0 +1,77 @@
+// A K/V tile's rows as the CPU kernels' tile products take them: float32 rows, read where they lie or from a compact
+// copy, contiguous K/V or the pages of a paged KV cache alike (cpp/kv_rows.h).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpp/cpu/element_types.h"
+#include "cpp/cpu/tile_gemm.h"
+#include "cpp/kv_rows.h"
+#include "cpp/validate.h"
+
+namespace te_jax::cpu {
+
+// rows x dim elements starting at `first` (row stride `stride`) copied as float32 into out [rows, dim].
+template <typename T>
+void CopyRowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t d = 0; d < dim; ++d) out[i * dim + d] = ToFloat(first[i * stride + d]);
+  }
+}
+
+// Whether a tile product that reads a tile's rows `reads` times (tile_gemm.h) reads them where they lie rather than
+// from a compact copy. Rows a 4 KB page or more apart each take a TLB entry and start a prefetch stream anew on every
+// pass: read several times, they ran 2-10% faster from a copy (8 KB apart; 4 KB a wash); rows that share pages ran
+// 7-16% faster in place, where the copy is pure cost; a tile read once, 1.3-1.4x faster in place (2-core x86;
+// docs/BENCHMARKS.md).
+inline constexpr int64_t kPageBytes = 4096;
+inline bool ReadInPlace(const KvRows& rows, int64_t element_bytes, int64_t reads) {
+  return reads == 1 || rows.row_stride * element_bytes < kPageBytes;
+}
+
+// Keys [first, first + count) of a tile, as float32 rows.
+struct KeyRun {
+  MatrixB rows;
+  int64_t first, count;
+};
+
+// A tile of at most kMaxKeys keys as runs of rows: one run, or in place one per page the tile touches.
+template <int64_t kMaxKeys>
+struct KeyRuns {
+  // A tile may start inside a page: its keys touch at most kMaxKeys / kPageSizeMultiple + 1 pages.
+  KeyRun run[kMaxKeys / kPageSizeMultiple + 1];
+  int count = 0;
+
+  const KeyRun* begin() const { return run; }
+  const KeyRun* end() const { return run + count; }
+};
+
+// Keys key0 .. key0 + keys - 1 of k or v (batch b, kv head h), wherever `rows` says they live. In place (float32
+// inputs and `in_place`): a run per stretch of consecutive rows (the rest of a page; the whole tile when contiguous),
+// so a paged call reads its pages as a contiguous call reads its rows. Otherwise one run of `scratch`, the rows copied
+// (converted, gathered from their pages) once. The same values in the same order either way, and TileGemm adds over
+// its depth in order, so products run by run give the bits of one product over the whole tile.
+template <int64_t kMaxKeys, typename T>
+KeyRuns<kMaxKeys> KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b, int64_t h, int64_t key0,
+                                 int64_t keys, bool in_place, float* scratch) {
+  KeyRuns<kMaxKeys> runs;
+  for (int64_t c = 0; c < keys;) {
+    const int64_t run = std::min(keys - c, rows.ContiguousKeys(key0 + c));
+    const T* first = tensor + rows.Offset(b, key0 + c, h);
+    if constexpr (std::is_same_v<T, float>) {
+      if (in_place) {
+        runs.run[runs.count++] = {{first, rows.row_stride}, c, run};
+        c += run;
+        continue;
+      }
+    }
+    CopyRowsAsFloat(first, rows.row_stride, run, rows.head_dim, scratch + c * rows.head_dim);
+    c += run;
+  }
+  if (runs.count == 0) runs.run[runs.count++] = {{scratch, rows.head_dim}, 0, keys};
+  return runs;
+}
+
+}  // namespace te_jax::cpu
