@@ -8,6 +8,7 @@
 #include "bindings/core_functions.h"
 #include "bindings/params_from_python.h"
 #include "cpp/cpu/attention_cpu.h"
+#include "cpp/cpu/isa_dispatch.h"
 #include "ffi/cpu_handlers.h"
 #include "legacy/cpu_legacy_handlers.h"
 
@@ -35,4 +36,6 @@ NB_MODULE(_te_jax_cpu, m) {
         return te_jax::cpu::BackwardWorkspaceBytes(te_jax::bindings::ParamsFromDict(fields));
       },
       nb::arg("params"), nb::arg("direction"));
+  // The instruction set the kernels run in (cpp/cpu/isa_dispatch.h): te_jax/cpu_isa.py.
+  m.def("cpu_isa", [] { return std::string(te_jax::cpu::IsaName(te_jax::cpu::CpuIsa())); });
 }

@@ -1,6 +1,7 @@
 """te_jax: fused attention for JAX, one C++ core behind XLA FFI and legacy custom calls."""
 
 from te_jax.attention import fused_attn
+from te_jax.cpu_isa import cpu_isa
 from te_jax.custom_call_path import current_custom_call_path, custom_call_path
 from te_jax.drop_in import dot_product_attention
 from te_jax.dropout import dropout_keep_mask
@@ -20,7 +21,7 @@ except ImportError:
 __all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
            "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",
-           "inverse_reorder_for_load_balancing"]
+           "inverse_reorder_for_load_balancing", "cpu_isa"]
 __version__ = "0.1.0"
 
 

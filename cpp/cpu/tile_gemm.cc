@@ -1,5 +1,7 @@
-// Register blocking: a 6 x 16 block of C lives in 12 vector registers while k runs, fed per step by two vector loads
-// of B and six broadcasts of A, so the loop is bound by FMA throughput rather than by loads and stores.
+// Register blocking: a block of C lives in vector registers while k runs, fed per step by two vector loads of B and
+// one broadcast of A per row, so the loop is bound by FMA throughput rather than by loads and stores: 6 x 16 in 12 ymm
+// registers (AVX2: 16 registers), 8 x 32 in 16 zmm (AVX-512: 32 registers, twice the lanes per FMA). Every element of
+// C takes one fused multiply-add per k in k order on either, so both give the same bits.
 #include "cpp/cpu/tile_gemm.h"
 
 #include "cpp/cpu/isa_dispatch.h"
@@ -8,70 +10,118 @@
 namespace te_jax::cpu {
 namespace {
 
-constexpr int kBlockRows = 6;
-constexpr int kPanelCols = 2 * kLanes;  // TileGemmBody's column panels: GemmColumnPanel<2>
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef float F32x16Unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 
-template <int kRows, int kVectors>
+// The vector types a panel is made of, and the rows of C a block holds in registers with two vectors per row.
+template <typename V>
+struct Vector;
+template <>
+struct Vector<F32x8> {
+  static constexpr int kWidth = 8;
+  static constexpr int kBlockRows = 6;
+  static F32x8 Load(const float* p) { return cpu::Load(p); }
+  static void Store(float* p, const F32x8& v) { cpu::Store(p, v); }
+  static F32x8 Splat(float x) { return cpu::Splat(x); }
+};
+template <>
+struct Vector<F32x16> {
+  static constexpr int kWidth = 16;
+  static constexpr int kBlockRows = 8;
+  static F32x16 Load(const float* p) { return *reinterpret_cast<const F32x16Unaligned*>(p); }
+  static void Store(float* p, const F32x16& v) { *reinterpret_cast<F32x16Unaligned*>(p) = v; }
+  static F32x16 Splat(float x) {
+    const F32x16 v = {x};
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  }
+};
+
+template <typename V, int kRows, int kVectors>
 inline void GemmBlock(int64_t depth, const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t b_row,
                       float* c, int64_t c_row, Accumulate accumulate) {
-  F32x8 acc[kRows][kVectors];
+  using Vec = Vector<V>;
+  V acc[kRows][kVectors];
   for (int i = 0; i < kRows; ++i) {
     for (int j = 0; j < kVectors; ++j) {
-      acc[i][j] = accumulate == Accumulate::kYes ? Load(c + i * c_row + j * kLanes) : F32x8{};
+      acc[i][j] = accumulate == Accumulate::kYes ? Vec::Load(c + i * c_row + j * Vec::kWidth) : V{};
     }
   }
   for (int64_t k = 0; k < depth; ++k) {
-    F32x8 b_k[kVectors];
-    for (int j = 0; j < kVectors; ++j) b_k[j] = Load(b + k * b_row + j * kLanes);
+    V b_k[kVectors];
+    for (int j = 0; j < kVectors; ++j) b_k[j] = Vec::Load(b + k * b_row + j * Vec::kWidth);
     for (int i = 0; i < kRows; ++i) {
-      const F32x8 a_ik = Splat(a[i * a_row + k * a_col]);
+      const V a_ik = Vec::Splat(a[i * a_row + k * a_col]);
       for (int j = 0; j < kVectors; ++j) acc[i][j] += a_ik * b_k[j];
     }
   }
   for (int i = 0; i < kRows; ++i) {
-    for (int j = 0; j < kVectors; ++j) Store(c + i * c_row + j * kLanes, acc[i][j]);
+    for (int j = 0; j < kVectors; ++j) Vec::Store(c + i * c_row + j * Vec::kWidth, acc[i][j]);
   }
 }
 
-// All rows of C against kVectors * kLanes columns: full blocks of kBlockRows, then one block of the remaining rows.
-template <int kVectors>
+// The last rows_left (< kRows) rows of C as one block.
+template <typename V, int kVectors, int kRows>
+inline void GemmLastRows(int64_t rows_left, int64_t depth, const float* a, int64_t a_row, int64_t a_col,
+                         const float* b, int64_t b_row, float* c, int64_t c_row, Accumulate accumulate) {
+  if constexpr (kRows > 0) {
+    if (rows_left == kRows) {
+      GemmBlock<V, kRows, kVectors>(depth, a, a_row, a_col, b, b_row, c, c_row, accumulate);
+    } else {
+      GemmLastRows<V, kVectors, kRows - 1>(rows_left, depth, a, a_row, a_col, b, b_row, c, c_row, accumulate);
+    }
+  }
+}
+
+// All rows of C against kVectors vectors of columns: full blocks, then one block of the remaining rows.
+template <typename V, int kVectors>
 inline void GemmColumnPanel(int64_t rows, int64_t depth, const MatrixA& a, const float* b, int64_t b_row, float* c,
                             int64_t c_row, Accumulate accumulate) {
+  constexpr int kBlockRows = Vector<V>::kBlockRows;
   int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
-    GemmBlock<kBlockRows, kVectors>(depth, a.data + i * a.row_stride, a.row_stride, a.col_stride, b, b_row,
-                                    c + i * c_row, c_row, accumulate);
+    GemmBlock<V, kBlockRows, kVectors>(depth, a.data + i * a.row_stride, a.row_stride, a.col_stride, b, b_row,
+                                       c + i * c_row, c_row, accumulate);
   }
-  const float* a_rest = a.data + i * a.row_stride;
-  float* c_rest = c + i * c_row;
-  const int64_t ar = a.row_stride, ac = a.col_stride;
-  switch (rows - i) {
-    case 5: GemmBlock<5, kVectors>(depth, a_rest, ar, ac, b, b_row, c_rest, c_row, accumulate); break;
-    case 4: GemmBlock<4, kVectors>(depth, a_rest, ar, ac, b, b_row, c_rest, c_row, accumulate); break;
-    case 3: GemmBlock<3, kVectors>(depth, a_rest, ar, ac, b, b_row, c_rest, c_row, accumulate); break;
-    case 2: GemmBlock<2, kVectors>(depth, a_rest, ar, ac, b, b_row, c_rest, c_row, accumulate); break;
-    case 1: GemmBlock<1, kVectors>(depth, a_rest, ar, ac, b, b_row, c_rest, c_row, accumulate); break;
-    default: break;
+  GemmLastRows<V, kVectors, kBlockRows - 1>(rows - i, depth, a.data + i * a.row_stride, a.row_stride, a.col_stride, b,
+                                            b_row, c + i * c_row, c_row, accumulate);
+}
+
+// Panels of two vectors of V; what is left (columns come in multiples of kLanes) in one V, then one F32x8.
+template <typename V>
+inline void TileGemmBody(int64_t rows, int64_t cols, int64_t depth, const MatrixA& a, const MatrixB& b,
+                         const MatrixC& c, Accumulate accumulate) {
+  constexpr int kWidth = Vector<V>::kWidth;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= cols; j += 2 * kWidth) {
+    GemmColumnPanel<V, 2>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
+  }
+  if (kWidth > kLanes && j + kWidth <= cols) {
+    GemmColumnPanel<V, 1>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
+    j += kWidth;
+  }
+  if (j < cols) {
+    GemmColumnPanel<F32x8, 1>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
   }
 }
 
-inline void TileGemmBody(int64_t rows, int64_t cols, int64_t depth, const MatrixA& a, const MatrixB& b,
-                         const MatrixC& c, Accumulate accumulate) {
-  int64_t j = 0;
-  for (; j + kPanelCols <= cols; j += kPanelCols) {
-    GemmColumnPanel<2>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
-  }
-  if (j < cols) GemmColumnPanel<1>(rows, depth, a, b.data + j, b.row_stride, c.data + j, c.row_stride, accumulate);
-}
+template <typename V>
+constexpr int64_t kPanelCols = 2 * Vector<V>::kWidth;
 
 }  // namespace
 
 void TileGemm(int64_t rows, int64_t cols, int64_t depth, const MatrixA& a, const MatrixB& b, const MatrixC& c,
               Accumulate accumulate) {
-  RunWithBestIsa<&TileGemmBody>(rows, cols, depth, a, b, c, accumulate);
+  RunWithWidestVectors<&TileGemmBody<F32x8>, &TileGemmBody<F32x16>>(rows, cols, depth, a, b, c, accumulate);
 }
 
-int64_t TileGemmReadsOfA(int64_t cols) { return (cols + kPanelCols - 1) / kPanelCols; }
-int64_t TileGemmReadsOfB(int64_t rows) { return (rows + kBlockRows - 1) / kBlockRows; }
+int64_t TileGemmReadsOfA(int64_t cols) {
+  const int64_t panel = CpuIsa() == Isa::kAvx512 ? kPanelCols<F32x16> : kPanelCols<F32x8>;
+  return (cols + panel - 1) / panel;
+}
+
+int64_t TileGemmReadsOfB(int64_t rows) {
+  const int64_t block = CpuIsa() == Isa::kAvx512 ? Vector<F32x16>::kBlockRows : Vector<F32x8>::kBlockRows;
+  return (rows + block - 1) / block;
+}
 
 }  // namespace te_jax::cpu
