@@ -59,7 +59,7 @@ inline void GemmBlock(int64_t depth, const float* a, int64_t a_row, int64_t a_co
   }
 }
 
-// The last rows_left (< kRows) rows of C as one block.
+// The last rows_left (0 to kRows) rows of C as one block.
 template <typename V, int kVectors, int kRows>
 inline void GemmLastRows(int64_t rows_left, int64_t depth, const float* a, int64_t a_row, int64_t a_col,
                          const float* b, int64_t b_row, float* c, int64_t c_row, Accumulate accumulate) {
