@@ -1,11 +1,16 @@
-"""The CPU forward reads float32 K/V rows where they lie or from a compact copy (cpp/cpu/key_rows.h: a copy when a
-tile's products read its rows several times and the rows are a 4 KB page or more apart; a paged call's rows in place
-page run by page run). The same values in the same order either way, so the same bits: a call whose rows are 4 KB
-apart (8 K/V heads of d 128) against each K/V head alone (512 B apart), decode, packed and prefill tiles; and a paged
-call read in place in page runs against the gathered pages, with a NaN in V that only some rows of a tile see (the
-products then go key by key, run by run). Against the float64 reference too."""
+"""The CPU forward reads float32 K/V rows where they lie or from a compact copy (cpp/cpu/key_rows.h: with AVX2's
+products, a copy when a tile's products read its rows several times and the rows are a 4 KB page or more apart; with
+AVX-512's always in place; a paged call's rows in place page run by page run). The same values in the same order
+either way, so the same bits: a call whose rows are 4 KB apart (8 K/V heads of d 128) against each K/V head alone
+(512 B apart), decode, packed and prefill tiles (on an AVX-512 CPU again in a subprocess capped at AVX2, where the
+rows are copied); and a paged call read in place in page runs against the gathered pages, with a NaN in V that only
+some rows of a tile see (the products then go key by key, run by run). Against the float64 reference too."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +45,15 @@ def test_copied_rows_give_the_bits_of_rows_read_in_place(seqlen_q):
   ref = attention_reference(*(x.astype(np.float64) for x in (q, k, v)), mask_type="causal_bottom_right")
   np.testing.assert_allclose(np.asarray(out, np.float64), ref["out"], rtol=tolerance("float32"),
                              atol=tolerance("float32"))
+
+
+@pytest.mark.skipif(te_jax.cpu_isa() != "avx512", reason="below AVX-512 the test above runs the copies in process")
+def test_copied_rows_give_the_bits_of_rows_read_in_place_under_avx2():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TE_JAX_CPU_ISA="avx2")
+  test = f"{__file__}::test_copied_rows_give_the_bits_of_rows_read_in_place"
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                        cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_paged_rows_in_page_runs_with_a_nan_value_give_the_gathered_bits():

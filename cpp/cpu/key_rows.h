@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "cpp/cpu/element_types.h"
+#include "cpp/cpu/isa_dispatch.h"
 #include "cpp/cpu/tile_gemm.h"
 #include "cpp/kv_rows.h"
 #include "cpp/validate.h"
@@ -22,13 +23,14 @@ void CopyRowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, 
 }
 
 // Whether a tile product that reads a tile's rows `reads` times (tile_gemm.h) reads them where they lie rather than
-// from a compact copy. Rows a 4 KB page or more apart each take a TLB entry and start a prefetch stream anew on every
-// pass: read several times, they ran 2-10% faster from a copy (8 KB apart; 4 KB a wash); rows that share pages ran
-// 7-16% faster in place, where the copy is pure cost; a tile read once, 1.3-1.4x faster in place (2-core x86;
-// docs/BENCHMARKS.md).
+// from a compact copy. With AVX2's products, rows a 4 KB page or more apart (each its own TLB entry and prefetch
+// stream on every pass) ran 2-10% faster from a copy when read several times (8 KB apart; 4 KB a wash); rows that
+// share pages ran 7-16% faster in place, where the copy is pure cost; a tile read once, 1.3-1.4x faster in place.
+// AVX-512's products read each row fewer times (8 x 32 blocks) and ran faster in place at every stride measured, 4-8
+// KB apart 1.02-1.11x, so there the copy is never made (2-core x86; docs/BENCHMARKS.md).
 inline constexpr int64_t kPageBytes = 4096;
 inline bool ReadInPlace(const KvRows& rows, int64_t element_bytes, int64_t reads) {
-  return reads == 1 || rows.row_stride * element_bytes < kPageBytes;
+  return reads == 1 || CpuIsa() == Isa::kAvx512 || rows.row_stride * element_bytes < kPageBytes;
 }
 
 // Keys [first, first + count) of a tile, as float32 rows.
