@@ -18,7 +18,8 @@ import numpy as np
 
 from te_jax import _primitives
 from te_jax import sharding as _sharding
-from te_jax.attention import _alibi_operand, _check_qkv, _check_scale, _check_softcap, _check_window, fused_attn
+from te_jax.attention import (_alibi_operand, _as_array, _check_qkv, _check_scale, _check_softcap, _check_window,
+                              _saturate_to_int32, fused_attn)
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
@@ -59,6 +60,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
     if pages.ndim != 4:
       raise ValueError(f"{name} must have shape [num_pages, page_size, Hkv, D], got {tuple(pages.shape)}")
+  if not q.dtype == k_pages.dtype == v_pages.dtype:
+    raise TypeError(f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
   if k_pages.shape[:3] != v_pages.shape[:3]:
     raise ValueError(f"k_pages and v_pages must agree on [num_pages, page_size, Hkv], got {tuple(k_pages.shape)} and "
                      f"{tuple(v_pages.shape)}")
@@ -66,8 +69,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   if page_size % 8 or not 8 <= page_size <= 256:
     raise ValueError(f"the page size (k_pages.shape[1]) must be a multiple of 8 from 8 to 256, got {page_size}")
   batch = q.shape[0]
-  page_table = _int32_operand(page_table, "page_table", ndim=2)
-  kv_lengths = _int32_operand(kv_lengths, "kv_lengths", ndim=1)
+  page_table = _index_operand(page_table, "page_table", ndim=2)
+  kv_lengths = _index_operand(kv_lengths, "kv_lengths", ndim=1)
   if page_table.shape[0] != batch or kv_lengths.shape != (batch,):
     raise ValueError(f"page_table must be [B, max_pages] and kv_lengths [B] with B = {batch} (q's batch), got "
                      f"{tuple(page_table.shape)} and {tuple(kv_lengths.shape)}")
@@ -75,6 +78,9 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   capacity = max_pages * page_size
   if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
     _raise_if_out_of_range(np.asarray(page_table), np.asarray(kv_lengths), num_pages, page_size)
+  # A traced id or length beyond int32 (x64 mode) stays out of range, so it poisons its sequence rather than wrapping
+  # into range.
+  page_table, kv_lengths = (_saturate_to_int32(jnp.asarray(x)) for x in (page_table, kv_lengths))
   window_left, window_right = _check_window(window_size)
   if not isinstance(return_lse, (bool, np.bool_)):
     raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
@@ -181,13 +187,14 @@ def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
                     return_lse=return_lse, engine=config.engine)
 
 
-def _int32_operand(x, name: str, ndim: int):
-  x = jnp.asarray(x)
+def _index_operand(x, name: str, ndim: int):
+  """x as given (its values are checked, or saturated, before they become int32), once its rank and dtype are."""
+  x = _as_array(x, name, allow_sequence=True)
   if x.ndim != ndim:
     raise ValueError(f"{name} must have {ndim} dimension{'s' if ndim > 1 else ''}, got shape {tuple(x.shape)}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-  return x.astype(jnp.int32)
+  return x
 
 
 def _raise_if_out_of_range(page_table, kv_lengths, num_pages: int, page_size: int) -> None:

@@ -147,6 +147,24 @@ def test_out_of_range_values_under_jit_poison_their_entry_only():
   assert np.isfinite(out[0]).all()
 
 
+def test_traced_wide_integers_poison_their_entry_rather_than_wrap():
+  """Under x64, a traced int64 length or used page id past int32 is clamped (stays out of range), not wrapped into a
+  valid-looking value: its entry is NaN, the others are as with int32 operands."""
+  rng = np.random.default_rng(10)
+  q, k_pages, v_pages, table, lengths = _cache(rng, b=3, sq=1, h=2, hkv=2, d=8, dv=8, page_size=8, max_pages=3,
+                                               num_pages=12)
+  lengths[:] = 20
+  f = jax.jit(lambda q, kp, vp, t, n: te_jax.paged_attention(q, kp, vp, t, n))
+  want = np.asarray(f(q, k_pages, v_pages, table, lengths))
+  with jax.enable_x64(True):
+    wide_table, wide_lengths = table.astype(np.int64), lengths.astype(np.int64)
+    wide_lengths[1] = 2**32 + 5  # would wrap to 5
+    wide_table[2, 0] = 2**32 + int(table[2, 0])  # would wrap to the page it was
+    got = np.asarray(f(q, k_pages, v_pages, wide_table, wide_lengths))
+  assert np.isnan(got[1]).all() and np.isnan(got[2]).all()
+  np.testing.assert_array_equal(got[0], want[0])
+
+
 # The in-place kernel against fused_attn over the gathered pages: the same kernel arithmetic on the same Skv (the
 # capacity), so the same key tiles, the same float32 rows (copied from the pages instead of read in place) and the same
 # products: bitwise equal, out and lse, on either custom-call path.
@@ -423,7 +441,13 @@ def test_context_parallelism_refuses_paging():
     (dict(engine="nope"), ValueError, "engine must be one of"),
     (dict(q=np.zeros((2, 1, 4, 16), np.float32)), ValueError, "q and k must have the same head dim"),
     (dict(q=np.zeros((2, 1, 3, 8), np.float32)), ValueError, r"number of q heads \(3\) must be a positive multiple"),
-    (dict(q=np.zeros((2, 1, 4, 8), np.float16)), TypeError, "q, k and v must share one dtype"),
+    (dict(q=np.zeros((2, 1, 4, 8), np.float16)), TypeError, "q, k_pages and v_pages must share one dtype"),
+    # Wider integers are checked as given, never wrapped into range first.
+    (dict(kv_lengths=np.asarray([20, 2**32 + 5], np.int64)), ValueError,
+     r"kv_lengths must lie in \[0, 24\] .*got 4294967301 for sequence 1"),
+    (dict(kv_lengths=np.asarray([20, 2**32 - 1], np.uint32)), ValueError, "got 4294967295 for sequence 1"),
+    (dict(page_table=np.asarray([[0, 1, 2], [2**32 + 3, 4, 0]], np.int64)), ValueError,
+     r"page_table\[1, 0\] = 4294967299 is not a page"),
 ])
 def test_bad_inputs_are_clear_errors(change, error, message):
   args = dict(q=np.zeros((2, 1, 4, 8), np.float32), k_pages=np.zeros((6, 8, 2, 8), np.float32),
