@@ -6,36 +6,48 @@ skipped, so ids stay the document's index + 1); documents past seqlen are cut.""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _document_of_token(lengths, seqlen: int):
-  lengths = jnp.asarray(lengths)
+  if not isinstance(seqlen, (int, np.integer)) or isinstance(seqlen, bool):
+    raise TypeError(f"seqlen must be an int, got {seqlen!r}")
+  if not 0 <= seqlen < 2**30:
+    raise ValueError(f"seqlen must lie in [0, 2**30), got {seqlen}")
+  if isinstance(lengths, (list, tuple)):
+    lengths = np.asarray(lengths)
+  if not hasattr(lengths, "shape") or not hasattr(lengths, "dtype"):
+    raise TypeError(f"lengths must be a JAX or NumPy array, got {type(lengths).__name__}")
   if lengths.ndim != 2:
     raise ValueError(f"lengths must have shape [B, N] (N documents per row), got {tuple(lengths.shape)}")
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"lengths must be an integer array, got {lengths.dtype}")
-  lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
-  ends = jnp.cumsum(lengths, axis=-1)  # [B, N]
+  # Each length clamped to [0, seqlen] in its own type before it becomes int32 (a document cannot take more than the
+  # row), and the running ends saturated at seqlen: no length or sum wraps around into a small value.
+  clip = np.clip if isinstance(lengths, np.ndarray) else jnp.clip
+  lengths = jnp.asarray(clip(lengths, 0, seqlen)).astype(jnp.int32)
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, seqlen), lengths, axis=-1)  # [B, N]
   token = jnp.arange(seqlen, dtype=jnp.int32)
   doc = jnp.sum(ends[:, None, :] <= token[None, :, None], axis=-1).astype(jnp.int32)  # [B, S]: documents before
   valid = token[None, :] < ends[:, -1:] if lengths.shape[1] else jnp.zeros((lengths.shape[0], seqlen), bool)
-  return lengths, ends, token, doc, valid
+  return ends, token, doc, valid
 
 
 def segment_ids_from_lengths(lengths, seqlen: int):
   """[B, N] document lengths -> int32 [B, seqlen] segment ids: document n's tokens get n + 1, tokens after the last
   document 0 (padding)."""
-  _, _, _, doc, valid = _document_of_token(lengths, seqlen)
+  _, _, doc, valid = _document_of_token(lengths, seqlen)
   return jnp.where(valid, doc + 1, 0).astype(jnp.int32)
 
 
 def positions_from_lengths(lengths, seqlen: int):
   """[B, N] document lengths -> int32 [B, seqlen] positions: each token's index within its document, 0 after the last
   document."""
-  lengths, ends, token, doc, valid = _document_of_token(lengths, seqlen)
-  if lengths.shape[1] == 0:
-    return jnp.zeros((lengths.shape[0], seqlen), jnp.int32)
-  starts = ends - lengths
-  start = jnp.take_along_axis(starts, jnp.minimum(doc, lengths.shape[1] - 1), axis=-1)
+  ends, token, doc, valid = _document_of_token(lengths, seqlen)
+  if ends.shape[1] == 0:
+    return jnp.zeros((ends.shape[0], seqlen), jnp.int32)
+  starts = jnp.concatenate([jnp.zeros_like(ends[:, :1]), ends[:, :-1]], axis=-1)
+  start = jnp.take_along_axis(starts, jnp.minimum(doc, ends.shape[1] - 1), axis=-1)
   return jnp.where(valid, token[None, :] - start, 0).astype(jnp.int32)

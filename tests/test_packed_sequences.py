@@ -156,6 +156,30 @@ def test_helpers_from_lengths():
   np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0, 0], [0, 1, 2, 3, 0, 0, 0], [0] * 7])
   assert ids.dtype == jnp.int32 and pos.dtype == jnp.int32
   np.testing.assert_array_equal(segment_ids_from_lengths(np.array([[5, 5]]), 7), [[1, 1, 1, 1, 1, 2, 2]])
+  # A document cut by the row's end keeps its start; lengths whose sum (or value) passes int32 never wrap.
+  np.testing.assert_array_equal(positions_from_lengths(np.array([[5, 10, 3]]), 8), [[0, 1, 2, 3, 4, 0, 1, 2]])
+  for lengths in ([[2**31 - 1, 5]], np.array([[2**32 + 2, 5]], np.int64), np.array([[2**32 - 1, 1]], np.uint32)):
+    np.testing.assert_array_equal(segment_ids_from_lengths(lengths, 4), [[1, 1, 1, 1]])
+    np.testing.assert_array_equal(positions_from_lengths(lengths, 4), [[0, 1, 2, 3]])
+  np.testing.assert_array_equal(segment_ids_from_lengths(np.array([[3, 2**30, 2**30, 2**30]], np.int32), 6),
+                                [[1, 1, 1, 2, 2, 2]])
+  # Traced (jit) lengths alike.
+  np.testing.assert_array_equal(jax.jit(segment_ids_from_lengths, static_argnums=1)(jnp.asarray([[2**31 - 1, 5]]), 4),
+                                [[1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("lengths, seqlen, error, match", [
+    (np.array([[3, 2]]), -1, ValueError, r"seqlen must lie in \[0, 2\*\*30\), got -1"),
+    (np.array([[3, 2]]), 7.0, TypeError, "seqlen must be an int, got 7.0"),
+    (np.array([[3, 2]]), True, TypeError, "seqlen must be an int"),
+    (np.array([3, 2]), 7, ValueError, r"lengths must have shape \[B, N\]"),
+    (np.array([[3.0, 2.0]]), 7, TypeError, "lengths must be an integer array"),
+    ("3, 2", 7, TypeError, "lengths must be a JAX or NumPy array"),
+])
+def test_helpers_from_lengths_refuse_bad_arguments(lengths, seqlen, error, match):
+  for helper in (segment_ids_from_lengths, positions_from_lengths):
+    with pytest.raises(error, match=match):
+      helper(lengths, seqlen)
 
 
 def _qkv(sq=16, skv=16):
