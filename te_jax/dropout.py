@@ -79,8 +79,10 @@ def dropout_keep_mask(key, shape, rate, offsets=(0, 0, 0, 0)):
   (b, h, i, j) of element [0, 0, 0, 0] in the global mask."""
   k0, k1 = key_words(key)
   rate = check_rate(rate)
-  if len(shape) != 4:
-    raise ValueError(f"shape must be (B, H, Sq, Skv), got {shape}")
+  for name, values in (("shape", shape), ("offsets", offsets)):
+    if (not isinstance(values, (tuple, list)) or len(values) != 4 or
+        not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and 0 <= n < 2**32 for n in values)):
+      raise ValueError(f"{name} must be four ints in [0, 2**32) for (B, H, Sq, Skv), got {values!r}")
   b, h, i, j = (jnp.arange(n, dtype=jnp.uint32) + jnp.uint32(o) for n, o in zip(shape, offsets))
   i, j = i[:, None], j[None, :]
   words = philox4x32_10((((j >> 4) << 2) + (j >> 1 & 3), ((i >> 4) << 3) + (i & 7), h[None, :, None, None],

@@ -75,7 +75,9 @@ def test_typed_and_raw_keys_give_the_same_mask_and_rate_zero_keeps_all():
     (None, (1, 1, 2, 2), 1.0, ValueError, r"dropout_rate must be in \[0, 1\)"),
     (None, (1, 1, 2, 2), -0.1, ValueError, r"dropout_rate must be in \[0, 1\)"),
     (None, (1, 1, 2, 2), "0.1", TypeError, "dropout_rate must be a Python float"),
-    (None, (2, 2), 0.1, ValueError, r"shape must be \(B, H, Sq, Skv\)"),
+    (None, (2, 2), 0.1, ValueError, r"shape must be four ints in \[0, 2\*\*32\) for \(B, H, Sq, Skv\)"),
+    (None, (1, 1, -2, 2), 0.1, ValueError, r"shape must be four ints .*got \(1, 1, -2, 2\)"),
+    (None, (1, 1, 2.0, 2), 0.1, ValueError, "shape must be four ints"),
     (np.zeros(2, np.int32), (1, 1, 2, 2), 0.1, ValueError, "dropout_rng must be a typed PRNG key"),
     ([0, 1], (1, 1, 2, 2), 0.1, TypeError, "dropout_rng must be a JAX PRNG key"),
 ])
@@ -83,3 +85,9 @@ def test_bad_arguments_raise(key, shape, rate, error, match):
   key = jax.random.key(0) if key is None else key
   with pytest.raises(error, match=match):
     te_jax.dropout_keep_mask(key, shape, rate)
+
+
+@pytest.mark.parametrize("offsets", [(-1, 0, 0, 0), (0, 0, 0), (0, 0, 2**32, 0), [0, 0, 0, 0.5]])
+def test_bad_offsets_raise(offsets):
+  with pytest.raises(ValueError, match=r"offsets must be four ints in \[0, 2\*\*32\)"):
+    te_jax.dropout_keep_mask(jax.random.key(0), (1, 1, 2, 2), 0.1, offsets)
