@@ -68,6 +68,29 @@ def test_grad_single_argnum(path):
   assert _bits_equal(dq_only, dq) and _bits_equal(dk_only, dk)
 
 
+def test_differentiated_alibi_slopes_are_refused_not_zero(path):
+  """The kernels compute no gradient for the slopes: differentiating them is a ValueError at trace time, in fused_attn
+  and paged_attention alike; slopes held fixed (closed over, or through stop_gradient) leave q, k, v's gradients as
+  they were."""
+  q, k, v, w = _data()
+  slopes = jnp.linspace(0.1, 0.4, q.shape[2])
+  loss = lambda q, k, v, s: (te_jax.fused_attn(q, k, v, alibi_slopes=s, **KW) * w).sum()
+  with pytest.raises(ValueError, match=r"alibi_slopes are being differentiated.*jax.lax.stop_gradient"):
+    jax.grad(loss, argnums=3)(q, k, v, slopes)
+  with pytest.raises(ValueError, match="alibi_slopes are being differentiated"):
+    jax.grad(lambda q, t: loss(q, k, v, slopes * t), argnums=(0, 1))(q, 1.0)
+  fixed = jax.grad(loss)(q, k, v, slopes)
+  stopped = jax.grad(lambda q, t: loss(q, k, v, jax.lax.stop_gradient(slopes * t)))(q, 1.0)
+  assert _bits_equal(fixed, stopped) and np.abs(np.asarray(fixed)).max() > 0
+  k_pages = jnp.asarray(np.random.default_rng(1).standard_normal((6, 8, 2, 16)), jnp.float32)
+  table, lengths = np.asarray([[0, 1, 2], [3, 4, 5]], np.int32), np.asarray([20, 9], np.int32)
+  paged = lambda s: te_jax.paged_attention(q[:, :1], k_pages, k_pages, table, lengths, alibi_slopes=s).sum()
+  with pytest.raises(ValueError, match="alibi_slopes are being differentiated"):
+    jax.grad(paged)(slopes)
+  assert np.isfinite(np.asarray(jax.grad(lambda q: te_jax.paged_attention(
+      q, k_pages, k_pages, table, lengths, alibi_slopes=slopes).sum())(q[:, :1]))).all()
+
+
 def test_value_and_grad(path):
   q, k, v, w = _data(seed=1, dtype=jnp.bfloat16)
   loss = _loss(w)
