@@ -16,7 +16,7 @@ import numpy as np
 
 def load_balanced_chunk_order(cp_size: int) -> np.ndarray:
   """The natural chunk index (of 2 * cp_size chunks) stored at each position of the reordered sequence."""
-  if not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+  if not isinstance(cp_size, (int, np.integer)) or isinstance(cp_size, bool) or cp_size < 1:
     raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
   return np.array([c for r in range(cp_size) for c in (r, 2 * cp_size - 1 - r)], np.int64)
 

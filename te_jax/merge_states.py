@@ -28,6 +28,9 @@ def merge_states(out_a, lse_a, out_b, lse_b):
   out_a, out_b: [B, S, H, Dv] (fused_attn's out); lse_a, lse_b: float32 [B, H, S] (its lse with return_lse=True).
   Returns (out, lse): out in the promoted dtype of out_a and out_b, computed in float32; lse float32 [B, H, S].
   Works under jit, vmap and grad."""
+  for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
   out_a, out_b, lse_a, lse_b = (jnp.asarray(x) for x in (out_a, out_b, lse_a, lse_b))
   if out_a.ndim != 4:
     raise ValueError(f"out_a must have shape [B, S, H, Dv], got {tuple(out_a.shape)}")

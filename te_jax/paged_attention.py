@@ -54,7 +54,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   if mask not in _MASKS:
     raise ValueError(f"paged_attention's mask_type must be 'causal_bottom_right' or 'no_mask' (queries sit at the end "
                      f"of their sequence), got {mask.name.lower()!r}")
-  q, k_pages, v_pages = (jnp.asarray(x) for x in (q, k_pages, v_pages))
+  q, k_pages, v_pages = (jnp.asarray(_as_array(x, name)) for x, name in ((q, "q"), (k_pages, "k_pages"),
+                                                                          (v_pages, "v_pages")))
   if q.ndim != 4:
     raise ValueError(f"q must have shape [B, Sq, H, D], got {tuple(q.shape)}")
   for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):

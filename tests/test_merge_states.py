@@ -90,6 +90,12 @@ def test_bad_shapes_are_clear_errors(bad, message):
     te_jax.merge_states(**args)
 
 
+def test_lists_are_refused_like_fused_attn():
+  with pytest.raises(TypeError, match="out_a must be a JAX or NumPy array, got list"):
+    te_jax.merge_states([[[[0.0]]]], np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32),
+                        np.zeros((1, 1, 1), np.float32))
+
+
 def test_integer_inputs_are_refused():
   with pytest.raises(TypeError, match="lse_b must be a floating-point array"):
     te_jax.merge_states(np.zeros((1, 3, 2, 4), np.float32), np.zeros((1, 2, 3), np.float32),

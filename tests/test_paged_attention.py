@@ -442,6 +442,7 @@ def test_context_parallelism_refuses_paging():
     (dict(q=np.zeros((2, 1, 4, 16), np.float32)), ValueError, "q and k must have the same head dim"),
     (dict(q=np.zeros((2, 1, 3, 8), np.float32)), ValueError, r"number of q heads \(3\) must be a positive multiple"),
     (dict(q=np.zeros((2, 1, 4, 8), np.float16)), TypeError, "q, k_pages and v_pages must share one dtype"),
+    (dict(k_pages=np.zeros((6, 8, 2, 8)).tolist()), TypeError, "k_pages must be a JAX or NumPy array, got list"),
     # Wider integers are checked as given, never wrapped into range first.
     (dict(kv_lengths=np.asarray([20, 2**32 + 5], np.int64)), ValueError,
      r"kv_lengths must lie in \[0, 24\] .*got 4294967301 for sequence 1"),

@@ -864,3 +864,6 @@ def test_load_balancing_round_trip_and_layout(cp_size):
   np.testing.assert_array_equal(shard0[0], np.r_[0:chunk, 8 * cp_size - chunk:8 * cp_size])
   with pytest.raises(ValueError, match="not a multiple of"):
     te_jax.reorder_for_load_balancing(x[:, :-1], cp_size)
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match=f"cp_size must be a positive int, got {bad!r}"):
+      te_jax.reorder_for_load_balancing(x, bad)
