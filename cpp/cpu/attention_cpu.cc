@@ -319,8 +319,8 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
   std::fill(s.out.begin(), s.out.begin() + rows * dv, 0.0f);
   PackTransposed(args.q, tile, p, d, lanes, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f, s.q_t.data());
   // float32 K/V rows in place or from a compact copy (key_rows.h): a decode tile's few rows read them once.
-  const bool k_in_place = ReadInPlace(args.k_rows, sizeof(T), TileGemmReadsOfA(lanes));
-  const bool v_in_place = ReadInPlace(args.v_rows, sizeof(T), TileGemmReadsOfB(rows));
+  const bool k_in_place = ReadInPlace(args.k_rows.row_stride * sizeof(T), TileGemmReadsOfA(lanes));
+  const bool v_in_place = ReadInPlace(args.v_rows.row_stride * sizeof(T), TileGemmReadsOfB(rows));
 
   float* scores = s.scores.data();
   // Key tiles start at the first key a row sees, or at a multiple of kTileKV: with segment ids or positions, whose
@@ -509,40 +509,40 @@ struct BackwardScratch {
       : q(kTileQ * p.head_dim), q_t(p.head_dim * kTileQ), dout(kTileQ * p.head_dim_v), dout_t(p.head_dim_v * kTileQ),
         dots(kTileKV * kTileQ), probs(kTileKV * kTileQ), dscores(kTileKV * kTileQ), k(kTileKV * p.head_dim),
         v(kTileKV * p.head_dim_v), dk(kTileKV * p.head_dim), dv(kTileKV * p.head_dim_v) {}
-  std::vector<float> q, q_t, dout, dout_t;  // the Q tile row-major (a float32 copy) and transposed (scaled)
+  std::vector<float> q, q_t, dout, dout_t;  // the Q tile row-major (a float32 copy, key_rows.h) and transposed
   std::vector<float> dots, probs, dscores;  // key-major [kTileKV, kTileQ]
-  std::vector<float> k, v;                  // float32 copies of the K/V tile
+  std::vector<float> k, v;                  // float32 copies of the K/V tile (key_rows.h)
   std::vector<float> dk, dv;                // this KV tile's gradients
   alignas(32) float lse2[kTileQ];           // lse in log2 units; +inf in the lanes past the tile so P = 0 there
-  alignas(32) float delta[kTileQ];          // rowsum(dO * O) - dlse
+  alignas(32) float delta[kTileQ];          // the tile rows' RowDeltas; 0 in the lanes past them
   TileKeyRanges<kTileQ> ranges;
   RowLogitInputs logits;
 };
 
-// dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is added to; dbias_copy: the float32 copy of
-// dbias it adds dS to (bias_tile.h; null without a bias).
+// delta: the call's RowDeltas, [B, H, Sq]; dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is
+// added to; dbias_copy: the float32 copy of dbias it adds dS to (bias_tile.h; null without a bias).
 template <typename T, typename Variant>
 void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const TokenMask& tokens,
-                   const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, int64_t b,
-                   int64_t h, int64_t first_row, int64_t key0, int64_t keys, float* dq_part, float* dbias_copy) {
+                   const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, const float* delta,
+                   int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys, float* dq_part,
+                   float* dbias_copy) {
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
   const int64_t lanes = RoundUpToLanes(rows);
   const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
-  const HeadRows<const T> out = Head(args.out, p.seqlen_q, p.num_heads, dv, b, h);
   const HeadRows<const T> dout = Head(args.dout, p.seqlen_q, p.num_heads, dv, b, h);
   const float* lse = args.lse + (b * p.num_heads + h) * p.seqlen_q + first_row;
-  const float* dlse = args.dlse + (b * p.num_heads + h) * p.seqlen_q + first_row;
+  const float* row_delta = delta + (b * p.num_heads + h) * p.seqlen_q + first_row;
   const Variant variant = MakeVariant<Variant>(p, args.alibi_slopes, b, h);
 
   const QueryRows<kTileQ> tile = QueryRows<kTileQ>::OneHead(b, h, h / (p.num_heads / p.num_kv_heads), first_row, rows);
   s.ranges.Compute(mask, tokens, first_row, rows);
   if constexpr (!kIsLinear<Variant>) s.logits.Compute(p, args.alibi_slopes, mask, tokens, tile);
-  // The B operands of the dV and dK products, read once per block of keys: compact copies, as K and V.
-  CopyRowsAsFloat(q.Row(first_row), q.stride, rows, d, s.q.data());
-  CopyRowsAsFloat(dout.Row(first_row), dout.stride, rows, dv, s.dout.data());
-  const MatrixB q_rows{s.q.data(), d}, dout_rows{s.dout.data(), dv};
+  // The B operands of the dV and dK products, read once per block of keys (key_rows.h).
+  const int64_t reads = TileGemmReadsOfB(keys);
+  const MatrixB q_rows = RowsAsFloat(q.Row(first_row), q.stride, rows, d, reads, s.q.data());
+  const MatrixB dout_rows = RowsAsFloat(dout.Row(first_row), dout.stride, rows, dv, reads, s.dout.data());
   PackTransposed(args.q, tile, p, d, lanes, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f, s.q_t.data());
   PackTransposed(args.dout, tile, p, dv, lanes, 1.0f, s.dout_t.data());
   for (int64_t r = 0; r < kTileQ; ++r) {
@@ -552,9 +552,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   for (int64_t r = 0; r < rows; ++r) {
     // A row that saw no key (lse = -inf) has every score masked to -inf: lse2 = +inf makes its P 0 rather than NaN.
     s.lse2[r] = lse[r] == -INFINITY ? INFINITY : lse[r] * kLog2e;
-    const T* out_row = out.Row(first_row + r);
-    for (int64_t j = 0; j < dv; ++j) s.delta[r] += ToFloat(out_row[j]) * dout_rows.data[r * dout_rows.row_stride + j];
-    s.delta[r] -= dlse[r];  // d lse_i / d s_ij = P_ij, so dlse enters dS = P * (dP - delta) with the opposite sign
+    s.delta[r] = row_delta[r];
   }
 
   // P^T = exp2(S^T - lse), zero where masked.
@@ -605,7 +603,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
 // Writes the KV tile's dK and dV and adds its dQ contributions to dq_part, heads and Q tiles in ascending order.
 template <typename T, typename Variant>
 void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<QTileReach>& q_tile_reach,
-                    const WorkItem& item, float* dq_part, float* dbias_copy) {
+                    const float* delta, const WorkItem& item, float* dq_part, float* dbias_copy) {
   const AttentionParams& p = args.params;
   const int64_t b = item.batch, kv_head = item.head;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -621,18 +619,18 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
 
   std::fill(s.dk.begin(), s.dk.begin() + keys * d, 0.0f);
   std::fill(s.dv.begin(), s.dv.begin() + keys * dv, 0.0f);
-  // Every Q tile of the group's heads multiplies the tile's K and V, several times each: compact copies (key_rows.h;
-  // in the backward as fast as in place where rows share pages, 13% faster at d 128, 8 K/V heads with AVX2's
-  // products; with AVX-512's, copies and in place within 4% of each other).
+  // K and V each feed two products per Q tile of each head of the group (key_rows.h).
+  const int64_t kv_reads = 2 * group * q_tiles;
+  const KvRows &k_rows = args.k_rows, &v_rows = args.v_rows;
   const MatrixB k_tile =
-      KeyRowsAsFloat<kTileKV>(args.k, args.k_rows, b, kv_head, key0, keys, /*in_place=*/false, s.k.data()).run[0].rows;
+      RowsAsFloat(args.k + k_rows.Offset(b, key0, kv_head), k_rows.row_stride, keys, d, kv_reads, s.k.data());
   const MatrixB v_tile =
-      KeyRowsAsFloat<kTileKV>(args.v, args.v_rows, b, kv_head, key0, keys, /*in_place=*/false, s.v.data()).run[0].rows;
+      RowsAsFloat(args.v + v_rows.Offset(b, key0, kv_head), v_rows.row_stride, keys, dv, kv_reads, s.v.data());
   for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     for (int64_t t = 0; t < q_tiles; ++t) {
       if (!Meets(p, q_tile_reach[b * q_tiles + t], args.kv_tile_tokens, b, item.tile)) continue;
-      BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, b, h, t * kTileQ, key0, keys,
-                                dq_part, dbias_copy);
+      BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, delta, b, h, t * kTileQ, key0,
+                                keys, dq_part, dbias_copy);
     }
   }
 
@@ -700,6 +698,22 @@ std::vector<int64_t> BalancedRuns(const std::vector<int64_t>& tile_costs, int64_
   return starts;
 }
 
+// delta_i = sum_j dO_ij O_ij - dlse_i for the query rows of head h of batch b, [Sq]: what each row of dS = P * (dP -
+// delta) subtracts (d lse_i / d s_ij = P_ij, so dlse enters with the opposite sign). Every KV tile's dS needs it: it
+// is computed once per row, before the KV tiles.
+template <typename T>
+void RowDeltas(const BackwardArgs<T>& args, int64_t b, int64_t h, float* delta) {
+  const AttentionParams& p = args.params;
+  const HeadRows<const T> out = Head(args.out, p.seqlen_q, p.num_heads, p.head_dim_v, b, h);
+  const HeadRows<const T> dout = Head(args.dout, p.seqlen_q, p.num_heads, p.head_dim_v, b, h);
+  const float* dlse = args.dlse + (b * p.num_heads + h) * p.seqlen_q;
+  for (int64_t i = 0; i < p.seqlen_q; ++i) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < p.head_dim_v; ++j) sum += ToFloat(out.Row(i)[j]) * ToFloat(dout.Row(i)[j]);
+    delta[i] = sum - dlse[i];
+  }
+}
+
 template <typename T, typename Variant>
 void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskScheduler* scheduler) {
   const int64_t kv_tiles = CeilDiv(p.seqlen_kv, kTileKV);
@@ -723,6 +737,10 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
     }
   }
   SortByCostDescending(&items);
+  std::vector<float> delta(p.batch * p.num_heads * p.seqlen_q);
+  ParallelFor(scheduler, p.batch * p.num_heads, [&](int64_t bh) {
+    RowDeltas(args, bh / p.num_heads, bh % p.num_heads, delta.data() + bh * p.seqlen_q);
+  });
   const int64_t workers = NumWorkers(scheduler, static_cast<int64_t>(items.size()));
   std::vector<BackwardScratch> scratch(workers, BackwardScratch(p));
 
@@ -747,8 +765,8 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
                                            : nullptr;
     const int64_t* start = run_starts.data() + item.batch * (runs + 1);
     for (int64_t t = start[item.tile]; t < start[item.tile + 1]; ++t) {
-      BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_reach, {item.batch, item.head, t, item.cost},
-                                 dq_part.data(), dbias_copy);
+      BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_reach, delta.data(),
+                                 {item.batch, item.head, t, item.cost}, dq_part.data(), dbias_copy);
     }
   });
   // Without a bias this writes the placeholder dbias's one zero.

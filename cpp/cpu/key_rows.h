@@ -29,8 +29,19 @@ void CopyRowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, 
 // AVX-512's products read each row fewer times (8 x 32 blocks) and ran faster in place at every stride measured, 4-8
 // KB apart 1.02-1.11x, so there the copy is never made (2-core x86; docs/BENCHMARKS.md).
 inline constexpr int64_t kPageBytes = 4096;
-inline bool ReadInPlace(const KvRows& rows, int64_t element_bytes, int64_t reads) {
-  return reads == 1 || CpuIsa() == Isa::kAvx512 || rows.row_stride * element_bytes < kPageBytes;
+inline bool ReadInPlace(int64_t row_bytes, int64_t reads) {
+  return reads == 1 || CpuIsa() == Isa::kAvx512 || row_bytes < kPageBytes;
+}
+
+// rows x dim elements starting at `first` (row stride `stride`) as float32 rows that a tile product reads `reads`
+// times: where they lie (float32 inputs, ReadInPlace) or copied into scratch [rows, dim].
+template <typename T>
+MatrixB RowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, int64_t reads, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (ReadInPlace(stride * sizeof(T), reads)) return {first, stride};
+  }
+  CopyRowsAsFloat(first, stride, rows, dim, scratch);
+  return {scratch, dim};
 }
 
 // Keys [first, first + count) of a tile, as float32 rows.

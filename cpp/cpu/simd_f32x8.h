@@ -34,8 +34,4 @@ inline I32x8 Splat(int32_t x) {
   const I32x4 v = {x};
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
 }
-// Lane-wise max that ignores a NaN in `b` (as fmaxf does), so a row's running max stays a number and the NaN reaches
-// the row through its exponential instead (Exp2 propagates it): the kernels follow IEEE arithmetic over the visible keys.
-inline F32x8 Max(const F32x8& a, const F32x8& b) { return b > a ? b : a; }
-
 }  // namespace te_jax::cpu

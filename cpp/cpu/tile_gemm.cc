@@ -5,36 +5,14 @@
 #include "cpp/cpu/tile_gemm.h"
 
 #include "cpp/cpu/isa_dispatch.h"
-#include "cpp/cpu/simd_f32x8.h"
+#include "cpp/cpu/simd_vector.h"
 
 namespace te_jax::cpu {
 namespace {
 
-typedef float F32x16 __attribute__((vector_size(64)));
-typedef float F32x16Unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-
-// The vector types a panel is made of, and the rows of C a block holds in registers with two vectors per row.
+// The rows of C a block holds in registers, two vectors per row (above).
 template <typename V>
-struct Vector;
-template <>
-struct Vector<F32x8> {
-  static constexpr int kWidth = 8;
-  static constexpr int kBlockRows = 6;
-  static F32x8 Load(const float* p) { return cpu::Load(p); }
-  static void Store(float* p, const F32x8& v) { cpu::Store(p, v); }
-  static F32x8 Splat(float x) { return cpu::Splat(x); }
-};
-template <>
-struct Vector<F32x16> {
-  static constexpr int kWidth = 16;
-  static constexpr int kBlockRows = 8;
-  static F32x16 Load(const float* p) { return *reinterpret_cast<const F32x16Unaligned*>(p); }
-  static void Store(float* p, const F32x16& v) { *reinterpret_cast<F32x16Unaligned*>(p) = v; }
-  static F32x16 Splat(float x) {
-    const F32x16 v = {x};
-    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  }
-};
+constexpr int kBlockRows = Vector<V>::kWidth == 8 ? 6 : 8;
 
 template <typename V, int kRows, int kVectors>
 inline void GemmBlock(int64_t depth, const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t b_row,
@@ -61,8 +39,8 @@ inline void GemmBlock(int64_t depth, const float* a, int64_t a_row, int64_t a_co
 
 // The last rows_left (0 to kRows) rows of C as one block.
 template <typename V, int kVectors, int kRows>
-inline void GemmLastRows(int64_t rows_left, int64_t depth, const float* a, int64_t a_row, int64_t a_col,
-                         const float* b, int64_t b_row, float* c, int64_t c_row, Accumulate accumulate) {
+inline void GemmLastRows(int64_t rows_left, int64_t depth, const float* a, int64_t a_row, int64_t a_col, const float* b,
+                         int64_t b_row, float* c, int64_t c_row, Accumulate accumulate) {
   if constexpr (kRows > 0) {
     if (rows_left == kRows) {
       GemmBlock<V, kRows, kVectors>(depth, a, a_row, a_col, b, b_row, c, c_row, accumulate);
@@ -76,14 +54,13 @@ inline void GemmLastRows(int64_t rows_left, int64_t depth, const float* a, int64
 template <typename V, int kVectors>
 inline void GemmColumnPanel(int64_t rows, int64_t depth, const MatrixA& a, const float* b, int64_t b_row, float* c,
                             int64_t c_row, Accumulate accumulate) {
-  constexpr int kBlockRows = Vector<V>::kBlockRows;
   int64_t i = 0;
-  for (; i + kBlockRows <= rows; i += kBlockRows) {
-    GemmBlock<V, kBlockRows, kVectors>(depth, a.data + i * a.row_stride, a.row_stride, a.col_stride, b, b_row,
-                                       c + i * c_row, c_row, accumulate);
+  for (; i + kBlockRows<V> <= rows; i += kBlockRows<V>) {
+    GemmBlock<V, kBlockRows<V>, kVectors>(depth, a.data + i * a.row_stride, a.row_stride, a.col_stride, b, b_row,
+                                          c + i * c_row, c_row, accumulate);
   }
-  GemmLastRows<V, kVectors, kBlockRows - 1>(rows - i, depth, a.data + i * a.row_stride, a.row_stride, a.col_stride, b,
-                                            b_row, c + i * c_row, c_row, accumulate);
+  GemmLastRows<V, kVectors, kBlockRows<V> - 1>(rows - i, depth, a.data + i * a.row_stride, a.row_stride, a.col_stride,
+                                               b, b_row, c + i * c_row, c_row, accumulate);
 }
 
 // Panels of two vectors of V; what is left (columns come in multiples of kLanes) in one V, then one F32x8.
@@ -120,7 +97,7 @@ int64_t TileGemmReadsOfA(int64_t cols) {
 }
 
 int64_t TileGemmReadsOfB(int64_t rows) {
-  const int64_t block = CpuIsa() == Isa::kAvx512 ? Vector<F32x16>::kBlockRows : Vector<F32x8>::kBlockRows;
+  const int64_t block = CpuIsa() == Isa::kAvx512 ? kBlockRows<F32x16> : kBlockRows<F32x8>;
   return (rows + block - 1) / block;
 }
 
