@@ -75,9 +75,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     bias: an additive logit bias, float32, bfloat16 or float16 of rank 4, broadcastable to [B, H, Sq, Skv] with each
       dim full or 1 ([1, H, Sq, Skv] relative positions, [B, 1, 1, Skv] a 0/-inf key mask, ...): the logits become
       softcap(scale * q.k) + alibi + bias, before the mask. A row whose every visible logit is -inf gives out = 0,
-      lse = -inf. It gets a gradient (summed over its broadcast dims, in its dtype). CPU backend: its GPU kernels (te_jax's
-      engine; cuDNN does not take it) are refused with a ValueError until their first GPU test run passes; there
-      deterministic=True will need a bias whose gradient sums over no dim (full shape, or dims of extent 1).
+      lse = -inf. It gets a gradient (summed over its broadcast dims, in its dtype). On a GPU te_jax's kernels serve it
+      (cuDNN does not take it), and there deterministic=True needs a bias whose gradient sums over no dim (full shape,
+      or dims of extent 1).
     dropout_rate: attention dropout, a Python float in [0, 1): each probability (after the softmax, so lse is
       unchanged) is kept with probability 1 - dropout_rate and scaled by 1 / (1 - dropout_rate) before P.V; the
       backward applies the same keep-mask. 0 (default): no dropout, dropout_rng is ignored. On the GPU te_jax's kernels

@@ -13,10 +13,11 @@ The functions follow the contract of flax's `dot_product_attention` (query, key,
 broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision, module; NNX's is_causal). They need
 nothing from Flax, so this module imports no Flax: install Flax itself (`pip install "te_jax[flax]"`).
 
-The module's `bias` and boolean `mask` become fused_attn's additive bias (te_jax.drop_in.attention_bias; CPU backend
-so far). Packed documents: pass `mask=te_jax.flax.PackedSequences(segment_ids)` to the module (te_jax's segment ids).
-What te_jax cannot serve yet is a ValueError that says what to do instead, never a silent fallback: attention dropout
-while training, sowing the attention weights (`module`).
+The module's `bias` and boolean `mask` become fused_attn's additive bias (te_jax.drop_in.attention_bias). Packed
+documents: pass `mask=te_jax.flax.PackedSequences(segment_ids)` to the module (te_jax's segment ids). Attention dropout
+while training needs broadcast_dropout=False (one mask per batch entry and head). What te_jax cannot serve is a
+ValueError that says what to do instead, never a silent fallback: broadcast dropout, sowing the attention weights
+(`module`).
 """
 
 from __future__ import annotations
