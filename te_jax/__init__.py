@@ -15,8 +15,13 @@ from te_jax.paged_attention import paged_attention
 
 try:
   import te_jax._cuda  # noqa: F401  registers the CUDA backend when the _te_jax_cuda extension was built
-except ImportError:
-  pass
+except ImportError as error:
+  from te_jax import _primitives
+  _primitives.register_unavailable("cuda", (
+      "te_jax was installed without its CUDA backend: no cuda.h was found when it was built (a CUDA toolkit, or "
+      "pip's nvidia-cuda-runtime headers); reinstall with one present (README, Quick start)"
+      if isinstance(error, ModuleNotFoundError) and error.name == "te_jax._te_jax_cuda" else
+      f"te_jax's CUDA backend failed to load: {error}"))
 
 __all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",

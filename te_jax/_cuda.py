@@ -1,7 +1,8 @@
 """The CUDA backend: registers the "cuda" platform with te_jax's backend registry and lowering when imported.
 
 Kernels are compiled at lowering time (the `prepare` hook) by NVRTC for the GPU's exact arch, cached on disk
-($TE_JAX_CACHE_DIR, default $XDG_CACHE_HOME/te_jax/cubin, else ~/.cache/te_jax/cubin) and loaded with the CUDA driver; see cpp/cuda/kernel_registry.h.
+($TE_JAX_CACHE_DIR, default $XDG_CACHE_HOME/te_jax/cubin, else ~/.cache/te_jax/cubin) and loaded with the CUDA
+driver; see cpp/cuda/kernel_registry.h.
 Importing this module needs the `_te_jax_cuda` extension (built when CUDA headers were found at install time) but no
 GPU, driver or NVRTC: those are loaded on first use, with an error naming what is missing.
 """

@@ -165,6 +165,16 @@ def register_lowering(platform: str) -> None:
     mlir.register_lowering(prim, partial(_lowering, direction=direction, platform=platform), platform=platform)
 
 
+def register_unavailable(platform: str, reason: str) -> None:
+  """Lowering either primitive for the platform raises RuntimeError(reason): a clear error where JAX would only say
+  that no lowering rule exists."""
+  def refuse(ctx, *operands, **params):
+    raise RuntimeError(reason)
+
+  for prim in (attention_forward_p, attention_backward_p):
+    mlir.register_lowering(prim, refuse, platform=platform)
+
+
 def _fold_into_batch(args, dims, size, keep=()):
   """vmap: operands [B, ...] mapped over N -> [B * N, ...], batch-major, so a sharded batch stays sharded (folding
   the mapped axis in front would split the batch's shards, and XLA would all-gather them). The operands at the indices

@@ -6,7 +6,11 @@ an error that only the C++ validation (run at lowering time) or the kernel would
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -288,3 +292,21 @@ def test_engine_cudnn_on_cpu_raises_at_lowering():
   q, k, v = _qkv()
   with pytest.raises(te_jax.EngineUnavailableError, match=r"engine='cudnn' needs an NVIDIA GPU"):
     jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, engine="cudnn")).lower(q, k, v)
+
+
+def test_gpu_lowering_without_the_cuda_backend_names_the_cause():
+  """A te_jax built without CUDA headers (no _te_jax_cuda; simulated in a subprocess) refuses to lower for a GPU with
+  a RuntimeError that says why, where JAX would only say that no lowering rule exists."""
+  script = textwrap.dedent("""
+      import sys
+      sys.modules["te_jax._te_jax_cuda"] = None  # as if it had not been built
+      import jax, jax.numpy as jnp, te_jax
+      q = jnp.ones((1, 8, 2, 16))
+      assert te_jax.fused_attn(q, q, q).shape == q.shape  # the CPU backend is unaffected
+      jax.jit(lambda q: te_jax.fused_attn(q, q, q)).trace(q).lower(lowering_platforms=("cuda",))
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "RuntimeError: te_jax was installed without its CUDA backend: no cuda.h was found" in proc.stderr, \
+      proc.stderr[-2000:]
