@@ -28,6 +28,7 @@
 #include "cpp/cpu/key_rows.h"
 #include "cpp/cpu/online_softmax.h"
 #include "cpp/cpu/query_rows.h"
+#include "cpp/cpu/row_as_float.h"
 #include "cpp/cpu/simd_f32x8.h"
 #include "cpp/cpu/softmax_backward.h"
 #include "cpp/cpu/tile_gemm.h"
@@ -112,9 +113,14 @@ HeadRows<T> Head(T* tensor, int64_t seqlen, int64_t heads, int64_t dim, int64_t 
 template <typename T>
 void PackTransposed(const T* tensor, const QueryRows<kTileQ>& tile, const AttentionParams& p, int64_t dim,
                     int64_t lanes, float factor, float* out) {
+  float row[kMaxHeadDim];
   for (int64_t r = 0; r < lanes; ++r) {
-    const T* row = r < tile.rows ? tensor + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dim : nullptr;
-    for (int64_t d = 0; d < dim; ++d) out[d * kTileQ + r] = row != nullptr ? factor * ToFloat(row[d]) : 0.0f;
+    if (r < tile.rows) {
+      RowAsFloat(tensor + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dim, dim, row);
+    } else {
+      std::fill(row, row + dim, 0.0f);
+    }
+    for (int64_t d = 0; d < dim; ++d) out[d * kTileQ + r] = factor * row[d];
   }
 }
 

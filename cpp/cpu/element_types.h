@@ -1,5 +1,5 @@
 // The storage types of q, k, v, out and the gradients, and their conversions to and from the float32 the kernels
-// compute in. Tiles are converted once when loaded and once when stored, so these need to be exact, not fast.
+// compute in: exact, element by element (row_as_float.h converts whole float16 rows with F16C where it can).
 #pragma once
 
 #include <cstdint>
@@ -29,13 +29,19 @@ inline uint32_t BitsFromFloat(float f) {
 
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(BFloat16 x) { return FloatFromBits(static_cast<uint32_t>(x.bits) << 16); }
+// No float arithmetic on a subnormal float: XLA's CPU threads run with denormals-are-zero, under which the half's bits
+// placed in a subnormal float would read as 0, flushing every float16 subnormal (a normal float32) to zero.
 inline float ToFloat(Float16 x) {
   const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
   const uint32_t magnitude = x.bits & 0x7fffu;
-  // Placing the half's exponent and mantissa in the low float bits and multiplying by 2^(127 - 15) rebiases normals
-  // and subnormals alike; only inf and NaN need their exponent set by hand.
-  const float f = magnitude >= 0x7c00u ? FloatFromBits((magnitude << 13) | 0x7f800000u)
-                                       : FloatFromBits(magnitude << 13) * 0x1p112f;
+  float f;
+  if (magnitude >= 0x7c00u) {  // inf and NaN
+    f = FloatFromBits((magnitude << 13) | 0x7f800000u);
+  } else if (magnitude >= 0x0400u) {  // normal: the exponent rebiased from 15 to 127
+    f = FloatFromBits((magnitude << 13) + ((127u - 15u) << 23));
+  } else {  // subnormal or zero: mantissa * 2^-24, an exact product of normal floats
+    f = static_cast<float>(magnitude) * 0x1p-24f;
+  }
   return FloatFromBits(BitsFromFloat(f) | sign);
 }
 

@@ -39,7 +39,8 @@ inline Isa CpuIsa() {
   static const Isa isa = [] {
     __builtin_cpu_init();
     Isa has = Isa::kBaseline;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    // Every AVX2 CPU also has F16C; the AVX2 level promises it to row_as_float.cc's float16 conversions.
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       has = __builtin_cpu_supports("avx512f") ? Isa::kAvx512 : Isa::kAvx2;
     }
     const char* cap = std::getenv("TE_JAX_CPU_ISA");

@@ -8,6 +8,7 @@
 
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/isa_dispatch.h"
+#include "cpp/cpu/row_as_float.h"
 #include "cpp/cpu/tile_gemm.h"
 #include "cpp/kv_rows.h"
 #include "cpp/validate.h"
@@ -17,9 +18,7 @@ namespace te_jax::cpu {
 // rows x dim elements starting at `first` (row stride `stride`) copied as float32 into out [rows, dim].
 template <typename T>
 void CopyRowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, float* out) {
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t d = 0; d < dim; ++d) out[i * dim + d] = ToFloat(first[i * stride + d]);
-  }
+  for (int64_t i = 0; i < rows; ++i) RowAsFloat(first + i * stride, dim, out + i * dim);
 }
 
 // Whether a tile product that reads a tile's rows `reads` times (tile_gemm.h) reads them where they lie rather than
