@@ -33,7 +33,7 @@ from jax._src import dispatch
 from jax._src import sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from te_jax import _primitives
@@ -49,6 +49,14 @@ sharded_forward_p = Primitive("te_jax_sharded_attention_forward")
 sharded_forward_p.multiple_results = True
 sharded_backward_p = Primitive("te_jax_sharded_attention_backward")
 sharded_backward_p.multiple_results = True
+
+
+def _refuse_second_derivative(primals, tangents, **params):
+  raise NotImplementedError("te_jax computes first derivatives only: its attention backward cannot be differentiated "
+                            "again (jax.grad of a gradient, jax.hessian); jax.jacrev of fused_attn works")
+
+
+ad.primitive_jvps[sharded_backward_p] = _refuse_second_derivative
 
 
 # The operands after q, k, v (and the backward's out, lse, dout, dlse), in both directions.

@@ -91,6 +91,14 @@ def test_differentiated_alibi_slopes_are_refused_not_zero(path):
       q, k_pages, k_pages, table, lengths, alibi_slopes=slopes).sum())(q[:, :1]))).all()
 
 
+def test_second_derivatives_are_refused_by_name(path):
+  q, k, v, w = _data()
+  first = lambda q: jax.grad(_loss(w))(q, k, v).sum()
+  with pytest.raises(NotImplementedError, match="te_jax computes first derivatives only"):
+    jax.grad(first)(q)
+  assert jax.jacrev(lambda q: te_jax.fused_attn(q, k, v, **KW)[0, 0, 0, :2])(q).shape == (2,) + q.shape
+
+
 def test_value_and_grad(path):
   q, k, v, w = _data(seed=1, dtype=jnp.bfloat16)
   loss = _loss(w)
