@@ -13,7 +13,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from te_jax.attention import MAX_WINDOW, fused_attn
+from te_jax.attention import MAX_HEAD_DIM, MAX_WINDOW, fused_attn
 from te_jax.engine import ENGINES
 
 # implementation= values: None (te_jax's default engine choice) and te_jax's engine names; "cudnn" is both jax.nn's
@@ -86,6 +86,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   if num_heads % num_kv_heads:
     raise ValueError(f"the number of query heads must be a multiple of the number of key/value heads, got "
                      f"{num_heads} and {num_kv_heads}")
+  if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+    raise ValueError(f"the head dim H of query, key and value must be a multiple of 8 in [8, {MAX_HEAD_DIM}] for "
+                     f"te_jax's kernels, got {head_dim}")
 
   q_seqlens = _seq_lengths(query_seq_lengths, "query_seq_lengths", batch, seqlen_q)
   kv_seqlens = _seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, seqlen_kv)

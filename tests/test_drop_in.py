@@ -281,6 +281,8 @@ def test_refused_arguments(kwargs, match):
 
 def test_refused_shapes_and_dtypes():
   q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"head dim H of query, key and value must be a multiple of 8 .*got 12"):
+    te_jax.dot_product_attention(q[..., :12], k[..., :12], v[..., :12])
   with pytest.raises(ValueError, match="query dtype must be key's dtype"):
     te_jax.dot_product_attention(q.astype(jnp.bfloat16), k, v)
   with pytest.raises(ValueError, match="value shape must be"):
