@@ -145,15 +145,15 @@ def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, 
 
 
 def _attention_fwd(config, cp, *primals):
-  refuse_slope_gradient(primals[5])
-  q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks = primal_values(primals)
+  _refuse_slope_gradient(primals[5])
+  q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks = _primal_values(primals)
   out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
   return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
   q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks = residuals
-  dout, dlse = instantiate_zeros(cotangents)
+  dout, dlse = _instantiate_zeros(cotangents)
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
                                          _primitives.no_sinks(), tokens, _primitives.no_page_table(), bias,
@@ -163,23 +163,23 @@ def _attention_bwd(config, cp, residuals, cotangents):
   return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks
 
 
-# symbolic_zeros: the forward learns which operands are differentiated (refuse_slope_gradient).
+# symbolic_zeros: the forward learns which operands are differentiated (_refuse_slope_gradient).
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def primal_values(primals):
+def _primal_values(primals):
   """The values of a custom_vjp forward's operands, which symbolic_zeros=True wraps leaf by leaf."""
   return jax.tree.map(lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
 
 
-def refuse_slope_gradient(alibi: CustomVJPPrimal) -> None:
+def _refuse_slope_gradient(alibi: CustomVJPPrimal) -> None:
   """A clear error rather than a silent zero: the kernels compute no gradient for the ALiBi slopes."""
   if alibi.perturbed:
     raise ValueError("alibi_slopes are being differentiated, but te_jax computes no gradient for them (it would be a "
                      "silent zero): pass jax.lax.stop_gradient(alibi_slopes) to train with fixed slopes")
 
 
-def instantiate_zeros(cotangents):
+def _instantiate_zeros(cotangents):
   """The cotangents with each symbolic zero (symbolic_zeros=True: an output nothing depends on) made an array."""
   return jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c, cotangents,
                       is_leaf=lambda x: isinstance(x, SymbolicZero))

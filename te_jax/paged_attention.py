@@ -19,7 +19,8 @@ import numpy as np
 from te_jax import _primitives
 from te_jax import sharding as _sharding
 from te_jax.attention import (_alibi_operand, _as_array, _check_qkv, _check_scale, _check_softcap, _check_window,
-                              _saturate_to_int32, fused_attn, instantiate_zeros, primal_values, refuse_slope_gradient)
+                              _instantiate_zeros, _primal_values, _refuse_slope_gradient, _saturate_to_int32,
+                              fused_attn)
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
@@ -148,8 +149,8 @@ def _poison(x, bad):
 
 
 def _attend_fwd(config, return_lse, *primals):
-  refuse_slope_gradient(primals[5])
-  q, k_pages, v_pages, pages, lengths, alibi = primal_values(primals)
+  _refuse_slope_gradient(primals[5])
+  q, k_pages, v_pages, pages, lengths, alibi = _primal_values(primals)
   result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi)
   return result, (q, k_pages, v_pages, pages, lengths, alibi)
 
@@ -157,11 +158,11 @@ def _attend_fwd(config, return_lse, *primals):
 def _attend_bwd(config, return_lse, residuals, cotangent):
   q, k_pages, v_pages, pages, lengths, alibi = residuals
   bad = _poisoned_lengths(pages, lengths, k_pages.shape[0], config.page_size) < 0
-  cotangent = jax.tree.map(lambda c: _poison(c, bad), instantiate_zeros(cotangent))
+  cotangent = jax.tree.map(lambda c: _poison(c, bad), _instantiate_zeros(cotangent))
   clamped = jnp.clip(lengths, 0, pages.shape[1] * config.page_size)
   _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped, alibi),
                    q, k_pages, v_pages)
-  # The page table and lengths are integers; ALiBi's slopes are never differentiated (refuse_slope_gradient).
+  # The page table and lengths are integers; ALiBi's slopes are never differentiated (_refuse_slope_gradient).
   return (*vjp(cotangent), None, None, None)
 
 
