@@ -1,5 +1,5 @@
 // Eight float32 lanes as a GCC vector type. The kernels are written once against it: inside the AVX2 clone of a
-// multiversioned routine (multiversion.h) a value is one ymm register, inside the baseline clone two xmm registers.
+// multiversioned routine (isa_dispatch.h) a value is one ymm register, inside the baseline clone two xmm registers.
 #pragma once
 
 #include <cstdint>
