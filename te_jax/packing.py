@@ -10,16 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.attention import _as_array
+
 
 def _document_of_token(lengths, seqlen: int):
   if not isinstance(seqlen, (int, np.integer)) or isinstance(seqlen, bool):
     raise TypeError(f"seqlen must be an int, got {seqlen!r}")
   if not 0 <= seqlen < 2**30:
     raise ValueError(f"seqlen must lie in [0, 2**30), got {seqlen}")
-  if isinstance(lengths, (list, tuple)):
-    lengths = np.asarray(lengths)
-  if not hasattr(lengths, "shape") or not hasattr(lengths, "dtype"):
-    raise TypeError(f"lengths must be a JAX or NumPy array, got {type(lengths).__name__}")
+  lengths = _as_array(lengths, "lengths", allow_sequence=True)
   if lengths.ndim != 2:
     raise ValueError(f"lengths must have shape [B, N] (N documents per row), got {tuple(lengths.shape)}")
   if not jnp.issubdtype(lengths.dtype, jnp.integer):

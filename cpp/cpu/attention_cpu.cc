@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "cpp/cpu/bias_tile.h"
@@ -113,12 +114,15 @@ HeadRows<T> Head(T* tensor, int64_t seqlen, int64_t heads, int64_t dim, int64_t 
 template <typename T>
 void PackTransposed(const T* tensor, const QueryRows<kTileQ>& tile, const AttentionParams& p, int64_t dim,
                     int64_t lanes, float factor, float* out) {
-  float row[kMaxHeadDim];
+  float converted[kMaxHeadDim];
   for (int64_t r = 0; r < lanes; ++r) {
-    if (r < tile.rows) {
-      RowAsFloat(tensor + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dim, dim, row);
+    const float* row = converted;  // float32 rows are read where they lie
+    if (r >= tile.rows) {
+      std::fill(converted, converted + dim, 0.0f);
+    } else if constexpr (std::is_same_v<T, float>) {
+      row = tensor + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dim;
     } else {
-      std::fill(row, row + dim, 0.0f);
+      RowAsFloat(tensor + tile.TensorRow(r, p.seqlen_q, p.num_heads) * dim, dim, converted);
     }
     for (int64_t d = 0; d < dim; ++d) out[d * kTileQ + r] = factor * row[d];
   }
