@@ -356,6 +356,11 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
       if (key0 == key_end) continue;
     }
     const int64_t keys = key_end - key0;
+    const int64_t next_keys = std::min(kTileKV, s.ranges.any.end - (tile0 + kTileKV));
+    if (next_keys > 0) {
+      PrefetchKeyRows(args.k, args.k_rows, b, kv_head, tile0 + kTileKV, next_keys);
+      PrefetchKeyRows(args.v, args.v_rows, b, kv_head, tile0 + kTileKV, next_keys);
+    }
     for (const KeyRun& k_run :
          KeyRowsAsFloat<kTileKV>(args.k, args.k_rows, b, kv_head, key0, keys, k_in_place, s.k.data())) {
       TileGemm(k_run.count, lanes, d, {k_run.rows.data, k_run.rows.row_stride, 1}, {s.q_t.data(), kTileQ},
