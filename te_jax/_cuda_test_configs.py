@@ -26,8 +26,10 @@ CASES = [
 ]
 
 # Decode-shaped cases (Sq <= 16: the decode kernels, cpp/cuda/kernels/decode/), tests/test_cuda_decode.py: GQA packing
-# of 1-80 query heads per K/V head with 1-16 positions (both kernels, padding rows, several row blocks), split-KV
-# (b x Hkv small against long keys), every mask and variant, ragged lengths.
+# of 1-80 query heads per K/V head with 1-16 positions (the kernels of one and four row tiles, padding rows, several
+# row blocks), split-KV (b x Hkv small against long keys), every mask and variant, ragged lengths. One row tile takes
+# the shallow ring when its CTAs fit in one wave of it (on an H200, up to 396 CTAs at d <= 128), else the deep one:
+# dec_many_ctas_deep_ring has 448.
 DECODE_CASES = [
     # name,                   dtype,      b, sq, skv,   h,  hkv, d,   dv,  mask,                          window,   cap,  alibi, ragged
     ("dec_sq1_gqa4_ragged",   "bfloat16", 3, 1,  3000,  8,  2,   128, 128, "padding_causal_bottom_right", (-1, -1), 0.0,  False, True),
@@ -41,6 +43,7 @@ DECODE_CASES = [
     ("dec_sq_gt_skv",         "bfloat16", 1, 9,  5,     4,  2,   64,  64,  "causal_bottom_right",         (-1, -1), 0.0,  False, False),
     ("dec_d8",                "bfloat16", 2, 2,  300,   2,  1,   8,   8,   "no_mask",                     (-1, -1), 5.0,  False, False),
     ("dec_window_both_fp16",  "float16",  2, 5,  900,   4,  2,   64,  64,  "no_mask",                     (100, 20), 0.0, False, False),
+    ("dec_many_ctas_deep_ring", "bfloat16", 56, 1, 700, 16, 8,  128, 128, "padding_causal_bottom_right", (-1, -1), 0.0,  False, True),
     ("dec_long_splits",       "bfloat16", 1, 1,  20000, 8,  1,   128, 128, "causal_bottom_right",         (-1, -1), 0.0,  False, False),
 ]
 

@@ -167,9 +167,11 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
     return Status::InvalidArgument("the decode kernels address at most 2^31 - 1 key rows, this call's K/V hold " +
                                    std::to_string(rows));
   }
-  const int kernel = DecodeKernelFor(p);
-  const DecodeGeometry g =
-      DecodeGeometryFor(p, DecodeSlots(multiprocessors, smem_per_multiprocessor, module->smem_bytes[kernel]));
+  const auto slots = [&](int kernel) {
+    return SlotsOfKernel(multiprocessors, smem_per_multiprocessor, module->smem_bytes[kernel]);
+  };
+  const DecodeGeometry g = DecodeGeometryFor(
+      p, {slots(DecodeKernelFor(p)), module->count > decode::kShallowKernel ? slots(decode::kShallowKernel) : 0});
   const int64_t partial_rows = g.splits * p.batch * p.seqlen_q * p.num_heads;
   if (g.splits > 1) {
     TE_JAX_RETURN_IF_ERROR(
@@ -194,7 +196,7 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                                 decode::kThreads, module->smem_bytes[g.kernel], stream, &decode));
   if (g.splits == 1) return Status::Ok();
   const int rows_per_block = decode::kCombineThreads / 32;
-  return Launch(driver, module->kernels[2], "attention decode combine",
+  return Launch(driver, module->kernels[decode::kCombineKernel], "attention decode combine",
                 CeilDiv(p.batch * p.seqlen_q * p.num_heads, rows_per_block), 1, 1, decode::kCombineThreads, 0, stream,
                 &decode);
 }

@@ -25,7 +25,7 @@ int DecodeKernelFor(const AttentionParams& p) {
   return p.num_heads / p.num_kv_heads * p.seqlen_q <= decode::RowsOfTile(decode::RowTilesOfKernel(0)) ? 0 : 1;
 }
 
-DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots) {
+DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots) {
   DecodeGeometry g;
   const int64_t group = p.num_heads / p.num_kv_heads;
   g.kernel = DecodeKernelFor(p);
@@ -35,9 +35,16 @@ DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots) {
   g.head_blocks = static_cast<int>(CeilDiv(group, g.heads_per_block));
   g.row_blocks = g.head_blocks * static_cast<int>(CeilDiv(p.seqlen_q, g.positions_per_block));
   g.ctas_per_split = p.batch * p.num_kv_heads * g.row_blocks;
+  int64_t wave = slots.deep;
+  const bool shallower = decode::kShallowStages < decode::DeepStages(static_cast<int>(p.head_dim),
+                                                                    static_cast<int>(p.head_dim_v));
+  if (g.kernel == 0 && shallower && g.ctas_per_split <= slots.shallow) {
+    g.kernel = decode::kShallowKernel;
+    wave = slots.shallow;
+  }
   const int64_t tiles = std::max<int64_t>(1, CeilDiv(p.seqlen_kv, decode::kBlockN));
   const int64_t splits =
-      g.ctas_per_split == 0 ? 1 : std::clamp<int64_t>(std::min(slots, kMaxSlots) / g.ctas_per_split, 1, tiles);
+      g.ctas_per_split == 0 ? 1 : std::clamp<int64_t>(std::min(wave, kMaxSlots) / g.ctas_per_split, 1, tiles);
   g.tiles_per_split = static_cast<int>(CeilDiv(tiles, splits));
   g.splits = static_cast<int>(CeilDiv(tiles, g.tiles_per_split));  // no split without tiles
   return g;
@@ -45,12 +52,13 @@ DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots) {
 
 int64_t DecodeWorkspaceBytes(const AttentionParams& p) {
   if (!UsesDecodeKernels(p)) return 0;
-  const DecodeGeometry g = DecodeGeometryFor(p, kMaxSlots);
+  // Both rings' splits are at most kMaxSlots / ctas_per_split.
+  const DecodeGeometry g = DecodeGeometryFor(p, {kMaxSlots, kMaxSlots});
   if (g.splits == 1) return 0;
   return g.splits * p.batch * p.seqlen_q * p.num_heads * (p.head_dim_v + 1) * static_cast<int64_t>(sizeof(float));
 }
 
-int64_t DecodeSlots(int multiprocessors, int smem_per_multiprocessor, int smem_bytes) {
+int64_t SlotsOfKernel(int multiprocessors, int smem_per_multiprocessor, int smem_bytes) {
   // Each CTA also takes 1 KB of shared memory the driver reserves.
   const int64_t per_sm = std::max(1, smem_per_multiprocessor / (smem_bytes + 1024));
   return std::min<int64_t>(kMaxSlots, static_cast<int64_t>(multiprocessors) * per_sm);

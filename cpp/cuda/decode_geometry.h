@@ -13,7 +13,7 @@ namespace te_jax::cuda {
 bool UsesDecodeKernels(const AttentionParams& p);
 
 struct DecodeGeometry {
-  int kernel = 0;  // entry point of the decode module: 0 (one 16-row tile) or 1 (four)
+  int kernel = 0;  // entry point of the decode module (kernels/decode/tile_size.h): 0, 1 or kShallowKernel
   int heads_per_block = 1;
   int positions_per_block = 1;
   int head_blocks = 1;
@@ -23,18 +23,26 @@ struct DecodeGeometry {
   int64_t ctas_per_split = 0;  // batch x K/V heads x row blocks
 };
 
-// The decode module's entry point a call takes: 0 (one 16-row tile) when a K/V head's query heads x positions fit in
-// 16 rows, else 1 (four).
+// The decode module's deep-ring entry point for a call: 0 (one 16-row tile) when a K/V head's query heads x positions
+// fit in 16 rows, else 1 (four). DecodeGeometryFor may take the shallow ring's one-row-tile kernel instead.
 int DecodeKernelFor(const AttentionParams& p);
 
-// `slots`: how many CTAs of the call's decode kernel the GPU runs at once (SMs x CTAs per SM); splits fill them once.
-DecodeGeometry DecodeGeometryFor(const AttentionParams& p, int64_t slots);
+// How many CTAs of a decode kernel the GPU runs at once (SMs x CTAs per SM): of the deep ring's kernel the call takes
+// (DecodeKernelFor) and of the shallow ring's.
+struct DecodeSlots {
+  int64_t deep = 0;
+  int64_t shallow = 0;
+};
+
+// A one-row-tile call whose CTAs fit in one wave of the shallow ring's slots takes the shallow ring; splits fill the
+// slots of the kernel taken once.
+DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots);
 
 // The split partials' workspace (float out and lse per split), for the most slots any GPU has (so it follows from the
 // params alone, as the lowering needs); 0 when the call does not take the decode kernels.
 int64_t DecodeWorkspaceBytes(const AttentionParams& p);
 
 // The slots of the current device for a decode kernel of `smem_bytes` shared memory, at most the bound above.
-int64_t DecodeSlots(int multiprocessors, int smem_per_multiprocessor, int smem_bytes);
+int64_t SlotsOfKernel(int multiprocessors, int smem_per_multiprocessor, int smem_bytes);
 
 }  // namespace te_jax::cuda

@@ -27,8 +27,9 @@ const char* const kBiasDeterministicBackwardEntries[] = {
     "te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq",
     "te_jax_bias_grad_convert", "te_jax_token_tables", "te_jax_token_spans"};
 
+// In the order of decode/tile_size.h's kernel indices.
 const char* const kDecodeEntries[] = {"te_jax_attention_decode_rows16", "te_jax_attention_decode_rows64",
-                                      "te_jax_attention_decode_combine"};
+                                      "te_jax_attention_decode_combine", "te_jax_attention_decode_rows16_shallow"};
 
 const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_enforce_length_contract"};
 
@@ -71,8 +72,8 @@ const char* const* KernelConfig::EntryPoints(int* count) const {
     *count = 2;
     return kLengthGuardEntries;
   }
-  if (decode) {
-    *count = 3;
+  if (decode) {  // the shallow ring's kernel where it is shallower than the deep one
+    *count = decode::kShallowStages < decode::DeepStages(head_dim, head_dim_v) ? 4 : 3;
     return kDecodeEntries;
   }
   const int token_kernels = tokens ? 2 : 0;
@@ -157,14 +158,16 @@ std::string KernelConfig::RenderSource() const {
                     (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
   if (decode) {
     const std::string decode_kernel = "te_jax::cuda::decode::DecodeKernel<" + element + ", " + dims + ", " + variant;
+    const auto stages = [&](int index) { return std::to_string(decode::StagesOfKernel(head_dim, head_dim_v, index)); };
     src += "#include \"cpp/cuda/kernels/decode/attention_decode.cuh\"\n"
            "#include \"cpp/cuda/kernels/decode/combine.cuh\"\n"
-           "using Rows16 = " + decode_kernel + ", 1>;\n"
-           "using Rows64 = " + decode_kernel + ", 4>;\n"
-           "using Combine = te_jax::cuda::decode::CombineKernel<" + element + ", " + std::to_string(head_dim_v) + ">;\n";
+           "using Rows16 = " + decode_kernel + ", 1, " + stages(0) + ">;\n"
+           "using Rows64 = " + decode_kernel + ", 4, " + stages(1) + ">;\n"
+           "using Combine = te_jax::cuda::decode::CombineKernel<" + element + ", " + std::to_string(head_dim_v) + ">;\n"
+           "using Rows16Shallow = " + decode_kernel + ", 1, " + stages(decode::kShallowKernel) + ">;\n";
     int count = 0;
     const char* const* entries = EntryPoints(&count);
-    const std::string kernels[] = {"Rows16", "Rows64", "Combine"};
+    const std::string kernels[] = {"Rows16", "Rows64", "Combine", "Rows16Shallow"};
     for (int i = 0; i < count; ++i) {
       src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
              "(const te_jax::cuda::DecodeArgs args) { " + kernels[i] + "::Run(args); }\n";

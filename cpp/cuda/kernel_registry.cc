@@ -84,7 +84,7 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
 
 int SmemBytes(const KernelConfig& c, int index) {
   if (c.kind == ModuleKind::kLengthGuard) return 0;
-  if (c.decode) return index < 2 ? decode::SmemBytes(c.head_dim, c.head_dim_v, decode::RowTilesOfKernel(index)) : 0;
+  if (c.decode) return decode::KernelSmemBytes(c.head_dim, c.head_dim_v, index);
   const int bias_bytes = c.BiasBytes();
   if (c.Family() == KernelFamily::kSm90) {
     if (c.direction == Direction::kForward) {

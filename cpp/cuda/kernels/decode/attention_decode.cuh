@@ -89,13 +89,13 @@ __device__ __forceinline__ RowBlock RowBlockOfCta(const DecodeArgs& a) {
   return rb;
 }
 
-template <typename Element, int kD, int kDv, typename Variant, int kRowTiles>
+// kStages: the cp.async ring's depth (tile_size.h: the deep ring, or the shallow one that fits more CTAs on an SM).
+template <typename Element, int kD, int kDv, typename Variant, int kRowTiles, int kStages>
 struct DecodeKernel {
   static constexpr int kThreads = decode::kThreads;
   static constexpr int kRows = RowsOfTile(kRowTiles);
   static constexpr int kKeySlices = kWarps / kRowTiles;
   static constexpr int kSliceN = kBlockN / kKeySlices;  // keys per warp per stage
-  static constexpr int kStages = Stages(kD, kDv);
   static constexpr int kDP = PadHeadDim(kD);
   static constexpr int kDvP = PadHeadDim(kDv);
   using QTile = sm80::SmemTile<kRows, kDP>;
@@ -105,11 +105,12 @@ struct DecodeKernel {
   static constexpr int kRingOffset = QTile::kBytes;
   static constexpr int kRowsOffset = kRingOffset + kStages * kStageBytes;
   static constexpr int kKeyRowsOffset = kRowsOffset + kRows * 16;
-  static constexpr int kKeyRowSlots = KeyRowSlots(kD, kDv);
+  static constexpr int kKeyRowSlots = KeyRowSlots(kStages);
   static constexpr int kSmemBytes = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
   static constexpr int kPitch = EpiloguePitch(kDv);
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
-  static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles), "tile_size.h and the kernel disagree on shared memory");
+  static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles, kStages),
+                "tile_size.h and the kernel disagree on shared memory");
   static_assert(kRingOffset % 128 == 0 && kStageBytes % 128 == 0 && KTile::kBytes % 128 == 0,
                 "stage tiles start on 128-byte lines (the swizzle's bank groups, whole L2 sectors)");
   static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,

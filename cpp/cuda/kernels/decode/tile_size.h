@@ -33,18 +33,22 @@ TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
   return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : TileBytes(kBlockN, PadHeadDim(d));
 }
 
-// Stages of the cp.async ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile: two CTAs per
-// SM), two above (~138 KB at d = 256).
-TE_JAX_HOST_DEVICE constexpr int Stages(int d, int dv) {
+// Stages of the cp.async ring. The deep ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile:
+// two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~68 KB at d = 128: three
+// CTAs per SM), serves a one-row-tile call whose CTAs fit in one wave of its slots (decode_geometry.cc): H200, b 8 x
+// 32k, its kernel took 245 us against the deep ring's 251 (DRAM 91% against 89% busy), while b 64 x 4k's 512 CTAs
+// took 1.29 waves of it: 326 us against 254 (docs/BENCHMARKS.md, run 63e).
+TE_JAX_HOST_DEVICE constexpr int DeepStages(int d, int dv) {
   return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
 }
+inline constexpr int kShallowStages = 2;
 
 // The rows of each tile's keys (cpp/kv_rows.h) are looked up once, by one thread per key, into a ring of tables in
 // shared memory an iteration before the tile's copies are issued, so no copy waits on a page-table read (that wait
 // made paged calls 1.7x slower than contiguous ones on an H200; with the tables they are within 2%, docs/BENCHMARKS.md).
 // (Asking the L2 for tiles beyond the ring with prefetch.global.L2 measured 10-25% slower there, and fetching 256-byte
 // L2 blocks per copy ~8% slower.)
-TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int d, int dv) { return Stages(d, dv) + 1; }
+TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int stages) { return stages + 1; }
 
 // A CTA's warps split its tile as row_tiles 16-row tiles x (kWarps / row_tiles) key slices of each stage: one row tile
 // (16 rows: a single position of up to 16 heads, the common decode step) gives each warp 16 of the 64 keys; four row
@@ -53,11 +57,10 @@ TE_JAX_HOST_DEVICE constexpr int RowsOfTile(int row_tiles) { return 16 * row_til
 
 // The pipeline: the q tile, the k and v rings, and each row's key range, position and ALiBi slope. The epilogue reuses
 // the rings for the warps' float partial outputs and each row's max and sum per warp.
-TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles) {
+TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles, int stages) {
   const int rows = RowsOfTile(row_tiles);
-  return TileBytes(rows, PadHeadDim(d)) +
-         Stages(d, dv) * (StageTileBytes(d) + StageTileBytes(dv)) + rows * (8 + 4 + 4) +
-         KeyRowSlots(d, dv) * kBlockN * 4;
+  return TileBytes(rows, PadHeadDim(d)) + stages * (StageTileBytes(d) + StageTileBytes(dv)) + rows * (8 + 4 + 4) +
+         KeyRowSlots(stages) * kBlockN * 4;
 }
 
 // The epilogue's float rows of each warp's partial output, padded by 4 floats so a fragment store's 8 rows spread over
@@ -70,7 +73,16 @@ TE_JAX_HOST_DEVICE constexpr int EpilogueBytes(int dv) { return kWarps * 16 * (E
 // more SMs).
 inline constexpr int kCombineThreads = 128;
 
-// The two kernels of a decode module: row tiles 1 and 4.
-TE_JAX_HOST_DEVICE constexpr int RowTilesOfKernel(int index) { return index == 0 ? 1 : 4; }
+// The decode module's entry points (kernel_config.cc): 0 one row tile, deep ring; 1 four row tiles, deep ring; 2 the
+// combine; 3 one row tile, shallow ring.
+inline constexpr int kCombineKernel = 2;
+inline constexpr int kShallowKernel = 3;
+TE_JAX_HOST_DEVICE constexpr int RowTilesOfKernel(int index) { return index == 1 ? 4 : 1; }
+TE_JAX_HOST_DEVICE constexpr int StagesOfKernel(int d, int dv, int index) {
+  return index == kShallowKernel ? kShallowStages : DeepStages(d, dv);
+}
+TE_JAX_HOST_DEVICE constexpr int KernelSmemBytes(int d, int dv, int index) {
+  return index == kCombineKernel ? 0 : SmemBytes(d, dv, RowTilesOfKernel(index), StagesOfKernel(d, dv, index));
+}
 
 }  // namespace te_jax::cuda::decode
