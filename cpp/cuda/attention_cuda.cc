@@ -57,13 +57,24 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
   return GetLoadedModule(config, call->device, &call->module, &report);
 }
 
+// `dependent`: launched with programmatic stream serialization, so it may start during the previous kernel's tail
+// (the kernel waits for that kernel's results: kernels/common/dependent_launch.h).
 template <typename Args>
 Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsigned gx, unsigned gy, unsigned gz,
-              unsigned threads, unsigned smem, CUstream stream, Args* args) {
+              unsigned threads, unsigned smem, CUstream stream, Args* args, bool dependent = false) {
   if (gx == 0 || gy == 0 || gz == 0) return Status::Ok();
   void* params[] = {args};
-  const CUresult r =
-      driver->cuLaunchKernel(reinterpret_cast<CUfunction>(kernel), gx, gy, gz, threads, 1, 1, smem, stream, params, nullptr);
+  CUresult r;
+  if (dependent) {
+    CUlaunchAttribute attribute{};
+    attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    const CUlaunchConfig config{gx, gy, gz, threads, 1, 1, smem, stream, &attribute, 1};
+    r = driver->cuLaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel), params, nullptr);
+  } else {
+    r = driver->cuLaunchKernel(reinterpret_cast<CUfunction>(kernel), gx, gy, gz, threads, 1, 1, smem, stream, params,
+                               nullptr);
+  }
   if (r != CUDA_SUCCESS) return Status::Internal(std::string("te_jax ") + what + " launch failed: " + driver->ErrorString(r));
   return Status::Ok();
 }
@@ -196,9 +207,11 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                                 decode::kThreads, module->smem_bytes[g.kernel], stream, &decode));
   if (g.splits == 1) return Status::Ok();
   const int rows_per_block = decode::kCombineThreads / 32;
+  // Launched as a dependent of the decode kernel where the arch has it: its launch and start overlap the decode
+  // kernel's epilogues, which allow it (kernels/common/dependent_launch.h).
   return Launch(driver, module->kernels[decode::kCombineKernel], "attention decode combine",
                 CeilDiv(p.batch * p.seqlen_q * p.num_heads, rows_per_block), 1, 1, decode::kCombineThreads, 0, stream,
-                &decode);
+                &decode, module->dependent_launch);
 }
 
 }  // namespace

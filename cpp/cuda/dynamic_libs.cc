@@ -53,6 +53,7 @@ Status GetDriver(const DriverApi** api) {
     Bind(lib, "cuLibraryGetKernel", &driver.cuLibraryGetKernel, &missing);
     Bind(lib, "cuKernelSetAttribute", &driver.cuKernelSetAttribute, &missing);
     Bind(lib, "cuLaunchKernel", &driver.cuLaunchKernel, &missing);
+    Bind(lib, "cuLaunchKernelEx", &driver.cuLaunchKernelEx, &missing);
     Bind(lib, "cuMemsetD8Async", &driver.cuMemsetD8Async, &missing);
     // The _v2 symbols are the 64-bit-size versions cuda.h's macros name (the plain ones are the CUDA 3 ABI).
     Bind(lib, "cuDeviceGetName", &driver.cuDeviceGetName, &missing);

@@ -25,6 +25,7 @@ struct DriverApi {
   CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                              unsigned int, unsigned int, CUstream, void**, void**);
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);  // a dependent launch
   CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   // Lowering-time measurement of the engines (engine_timing.h): scratch buffers, a stream and events.
   CUresult (*cuDeviceGetName)(char*, int, CUdevice);

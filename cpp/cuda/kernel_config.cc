@@ -293,6 +293,12 @@ bool BiasFitsTma(const AttentionParams& params) {
          params.seqlen_kv * DTypeSize(params.bias_dtype) % 16 == 0;
 }
 
+bool DependentLaunch(const std::string& arch) {
+  int number = 0;  // "sm_90a" -> 90, "sm_100a" -> 100
+  for (size_t i = 3; i < arch.size() && arch[i] >= '0' && arch[i] <= '9'; ++i) number = 10 * number + (arch[i] - '0');
+  return number >= 90;
+}
+
 std::string ArchForComputeCapability(int major, int minor) {
   std::string arch = "sm_" + std::to_string(major) + std::to_string(minor);
   if (major == 9 || major == 10 || major == 12) arch += "a";  // arch-specific targets of Hopper and Blackwell

@@ -92,4 +92,8 @@ bool BiasFitsTma(const AttentionParams& params);
 // "sm_80", "sm_86", "sm_89", "sm_90a" (Hopper's arch-specific target), "sm_100a", ... from a compute capability.
 std::string ArchForComputeCapability(int major, int minor);
 
+// Whether kernels built for `arch` wait for the previous kernel when launched as dependents (sm_90 and newer:
+// kernels/common/dependent_launch.h), so the host may launch them so.
+bool DependentLaunch(const std::string& arch);
+
 }  // namespace te_jax::cuda

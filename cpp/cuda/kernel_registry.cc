@@ -157,6 +157,7 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
       entry->module.smem_bytes[i] = SmemBytes(config, i);
     }
     entry->module.count = count;
+    entry->module.dependent_launch = DependentLaunch(config.arch);
   } else {
     report->name = config.Name();
     report->origin = "memory";

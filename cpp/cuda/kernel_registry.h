@@ -26,11 +26,12 @@ struct JitReport {
 Status EnsureCubin(const KernelConfig& config, JitReport* report);
 
 struct LoadedModule {
-  // KernelConfig::EntryPoints: at most 3, the dbias conversion, and the 2 token-table kernels.
+  // KernelConfig::EntryPoints: at most 4 (decode), or 3, the dbias conversion and the 2 token-table kernels.
   static constexpr int kMaxKernels = 6;
   CUkernel kernels[kMaxKernels] = {};
   int count = 0;
   int smem_bytes[kMaxKernels] = {};
+  bool dependent_launch = false;  // DependentLaunch(its arch)
 };
 
 // The loaded module for `config` with its shared-memory limits raised on `device`.

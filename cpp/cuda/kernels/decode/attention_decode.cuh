@@ -13,6 +13,7 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/dependent_launch.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
@@ -305,6 +306,7 @@ struct DecodeKernel {
     // The barrier also keeps the careful pass's first loads from overwriting a stage another warp still reads.
     if (straddles && __syncthreads_or(AnyNaN(o) || softmax.AnyNaN())) pass(BoolConstant<true>{});
     __syncthreads();  // the rings are free for the epilogue
+    AllowNextGrid();  // the combine, launched as a dependent, may start; it waits for this grid's partials
     Epilogue(a, sm, rb, poisoned, o, softmax, warp, g, t, tid);
   }
 

@@ -5,6 +5,7 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
+#include "cpp/cuda/kernels/common/dependent_launch.h"
 #include "cpp/cuda/kernels/common/element.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
@@ -16,6 +17,7 @@ struct CombineKernel {
   static constexpr int kThreads = kCombineThreads;
 
   static __device__ __forceinline__ void Run(const DecodeArgs& a) {
+    WaitForPreviousGrid();  // the decode kernel's partials (a dependent launch on sm_90+)
     const ShapeArgs& s = a.args.shape;
     const int lane = threadIdx.x & 31;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);  // (b, pos, head)
