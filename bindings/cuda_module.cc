@@ -15,10 +15,12 @@
 #include "bindings/cudnn_functions.h"
 #include "bindings/params_from_python.h"
 #include "cpp/cuda/attention_cuda.h"
+#include "cpp/cuda/decode_geometry.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/engine_timing.h"
 #include "cpp/cuda/jit_cache.h"
 #include "cpp/cuda/kernel_registry.h"
+#include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/nvrtc_compiler.h"
 #include "cpp/validate.h"
@@ -216,4 +218,30 @@ NB_MODULE(_te_jax_cuda, m) {
       },
       nb::arg("params"), nb::arg("arch"));
   m.def("render_source", [](const nb::dict& config) { return bindings::ConfigFromDict(config).RenderSource(); });
+  // How a decode call of these params is laid out on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor`
+  // bytes of shared memory each (no GPU needed): the entry point it takes, its splits and its CTAs per split.
+  m.def(
+      "call_decode_geometry",
+      [](const nb::dict& fields, const std::string& arch, int multiprocessors, int smem_per_multiprocessor) {
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        const cuda::KernelConfig config = cuda::ConfigFor(params, cuda::Direction::kForward, arch);
+        if (!config.decode) {
+          bindings::ThrowIfError(Status::InvalidArgument("these params do not take the decode kernels"));
+        }
+        int count = 0;
+        const char* const* entries = config.EntryPoints(&count);
+        int smem_bytes[cuda::LoadedModule::kMaxKernels] = {};
+        for (int i = 0; i < count; ++i) {
+          smem_bytes[i] = cuda::decode::KernelSmemBytes(config.head_dim, config.head_dim_v, i);
+        }
+        const cuda::DecodeGeometry g =
+            cuda::DecodeGeometryOnGpu(params, smem_bytes, count, multiprocessors, smem_per_multiprocessor);
+        nb::dict out;
+        out["entry"] = std::string(entries[g.kernel]);
+        out["splits"] = g.splits;
+        out["tiles_per_split"] = g.tiles_per_split;
+        out["ctas_per_split"] = g.ctas_per_split;
+        return out;
+      },
+      nb::arg("params"), nb::arg("arch"), nb::arg("multiprocessors"), nb::arg("smem_per_multiprocessor"));
 }

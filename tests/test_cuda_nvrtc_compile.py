@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ext = pytest.importorskip("te_jax._te_jax_cuda", reason="te_jax was built without its CUDA backend")
@@ -160,6 +161,53 @@ def test_which_sm90_forward_kernel_a_call_takes(d, seqlen, causal, entry, monkey
   assert ext.call_forward_entry(params, "sm_90a") == entry
   monkeypatch.setenv("TE_JAX_SM90_PERSISTENT", "auto")
   assert ext.call_forward_entry(params, "sm_90a") == entry
+
+
+H200 = dict(multiprocessors=132, smem_per_multiprocessor=233472)
+A100 = dict(multiprocessors=108, smem_per_multiprocessor=167936)
+
+
+def _decode_params(batch, seqlen_kv, d=128, seqlen_q=1, heads=32, kv_heads=8):
+  return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+              head_dim_v=d, dtype=1, mask_type=2, window_left=-1, window_right=-1, scale=0.1, softcap=0.0,
+              has_alibi=False, deterministic=False)  # causal_bottom_right
+
+
+@pytest.mark.parametrize("gpu, params, entry, splits", [
+    # One 16-row tile per K/V head whose CTAs fit in one wave of the shallow ring's 396 slots (3 an SM): the shallow
+    # ring, split to fill them (b 8 x 32k: 6 splits of 64 CTAs).
+    (H200, _decode_params(8, 32768), "te_jax_attention_decode_rows16_shallow", 6),
+    (H200, _decode_params(8, 1024), "te_jax_attention_decode_rows16_shallow", 6),
+    (H200, _decode_params(48, 4096), "te_jax_attention_decode_rows16_shallow", 1),  # 384 CTAs: one wave
+    # More CTAs than that wave: the deep ring (264 slots), in whole waves of its own.
+    (H200, _decode_params(64, 4096), "te_jax_attention_decode_rows16", 1),
+    # 16 positions of 4 heads: the 64-row tile (deep ring only: 132 slots); d 256: one ring (two stages, 132 slots).
+    (H200, _decode_params(8, 8192, seqlen_q=16), "te_jax_attention_decode_rows64", 2),
+    (H200, _decode_params(8, 32768, d=256), "te_jax_attention_decode_rows16", 2),
+    # An A100's 164 KB: two shallow CTAs an SM (216 slots) against one deep (108).
+    (A100, _decode_params(8, 32768), "te_jax_attention_decode_rows16_shallow", 3),
+    (A100, _decode_params(32, 4096), "te_jax_attention_decode_rows16", 1),
+])
+def test_which_decode_kernel_and_splits_a_call_takes(gpu, params, entry, splits):
+  g = ext.call_decode_geometry(params, "sm_90a" if gpu is H200 else "sm_80", **gpu)
+  assert (g["entry"], g["splits"]) == (entry, splits)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_workspace_holds_every_gpus_splits(seed):
+  # The workspace is sized at lowering for the most splits any GPU takes: never fewer than a call takes on a given one.
+  rng = np.random.default_rng(seed)
+  for _ in range(50):
+    kv_heads = int(rng.choice([1, 2, 4, 8]))
+    params = _decode_params(int(rng.integers(1, 80)), int(rng.integers(1, 200000)), d=int(rng.choice([64, 128, 256])),
+                            seqlen_q=int(rng.integers(1, 17)), heads=kv_heads * int(rng.choice([1, 2, 4, 8])),
+                            kv_heads=kv_heads)
+    for gpu, arch in ((H200, "sm_90a"), (A100, "sm_80")):
+      g = ext.call_decode_geometry(params, arch, **gpu)
+      rows = params["batch"] * params["seqlen_q"] * params["num_heads"]
+      need = g["splits"] * rows * (params["head_dim_v"] + 1) * 4 if g["splits"] > 1 else 0
+      assert ext.workspace_bytes(params, "forward") >= need, (params, g)
+      assert g["splits"] * g["ctas_per_split"] <= max(g["ctas_per_split"], 1024)
 
 
 def test_persistent_forward_override(monkeypatch):

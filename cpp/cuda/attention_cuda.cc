@@ -178,11 +178,8 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
     return Status::InvalidArgument("the decode kernels address at most 2^31 - 1 key rows, this call's K/V hold " +
                                    std::to_string(rows));
   }
-  const auto slots = [&](int kernel) {
-    return SlotsOfKernel(multiprocessors, smem_per_multiprocessor, module->smem_bytes[kernel]);
-  };
-  const DecodeGeometry g = DecodeGeometryFor(
-      p, {slots(DecodeKernelFor(p)), module->count > decode::kShallowKernel ? slots(decode::kShallowKernel) : 0});
+  const DecodeGeometry g =
+      DecodeGeometryOnGpu(p, module->smem_bytes, module->count, multiprocessors, smem_per_multiprocessor);
   const int64_t partial_rows = g.splits * p.batch * p.seqlen_q * p.num_heads;
   if (g.splits > 1) {
     TE_JAX_RETURN_IF_ERROR(

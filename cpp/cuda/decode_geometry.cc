@@ -58,10 +58,15 @@ int64_t DecodeWorkspaceBytes(const AttentionParams& p) {
   return g.splits * p.batch * p.seqlen_q * p.num_heads * (p.head_dim_v + 1) * static_cast<int64_t>(sizeof(float));
 }
 
-int64_t SlotsOfKernel(int multiprocessors, int smem_per_multiprocessor, int smem_bytes) {
-  // Each CTA also takes 1 KB of shared memory the driver reserves.
-  const int64_t per_sm = std::max(1, smem_per_multiprocessor / (smem_bytes + 1024));
-  return std::min<int64_t>(kMaxSlots, static_cast<int64_t>(multiprocessors) * per_sm);
+DecodeGeometry DecodeGeometryOnGpu(const AttentionParams& p, const int* smem_bytes, int count, int multiprocessors,
+                                   int smem_per_multiprocessor) {
+  const auto slots = [&](int kernel) -> int64_t {
+    if (kernel >= count) return 0;
+    // Each CTA also takes 1 KB of shared memory the driver reserves.
+    const int64_t per_sm = std::max(1, smem_per_multiprocessor / (smem_bytes[kernel] + 1024));
+    return std::min<int64_t>(kMaxSlots, static_cast<int64_t>(multiprocessors) * per_sm);
+  };
+  return DecodeGeometryFor(p, {slots(DecodeKernelFor(p)), slots(decode::kShallowKernel)});
 }
 
 }  // namespace te_jax::cuda

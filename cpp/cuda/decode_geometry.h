@@ -42,7 +42,10 @@ DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots);
 // params alone, as the lowering needs); 0 when the call does not take the decode kernels.
 int64_t DecodeWorkspaceBytes(const AttentionParams& p);
 
-// The slots of the current device for a decode kernel of `smem_bytes` shared memory, at most the bound above.
-int64_t SlotsOfKernel(int multiprocessors, int smem_per_multiprocessor, int smem_bytes);
+// DecodeGeometryFor on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor` bytes of shared memory each, the
+// decode module's entry points taking smem_bytes[0 .. count) (LoadedModule's; a module without the shallow ring's
+// entry point has count <= kShallowKernel).
+DecodeGeometry DecodeGeometryOnGpu(const AttentionParams& p, const int* smem_bytes, int count, int multiprocessors,
+                                   int smem_per_multiprocessor);
 
 }  // namespace te_jax::cuda
