@@ -55,7 +55,7 @@ def main(bench_dir: str, dst: str) -> None:
       ("forward + backward (run 61c)",
        _cuda_bench(at("h200-run61c.json"), "fwd+bwd", "f+b",
                    [(d, s, True) for d in (64, 128, 256) for s in (1024, 4096, 16384)])),
-      ("decode (run 63d, two rounds)", _decode([at(f"h200-decode-run63d-{r}.json") for r in (1, 2)])),
+      ("decode (run 64a, two rounds)", _decode([at(f"h200-decode-run64a-{r}.json") for r in (1, 2)])),
       ("with a bias (run 46) / dropout (run 62c)",
        _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-dropout-run62c.json"), "dropout")),
   ]
@@ -72,7 +72,7 @@ def main(bench_dir: str, dst: str) -> None:
   ax.set_ylabel("te_jax / cuDNN speed (higher is better)")
   ax.legend(handles=[Patch(color=color, label=name) for (name, _), color in zip(groups, ("C0", "C1", "C2", "C3"))],
             fontsize=8, loc="upper left")
-  ax.set_title("te_jax against cuDNN (jax.nn.dot_product_attention), NVIDIA H200, bf16, runs of 2026-12-03 and 04",
+  ax.set_title("te_jax against cuDNN (jax.nn.dot_product_attention), NVIDIA H200, bf16, runs of 2026-12-03 to 05",
                fontsize=10)
   ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
