@@ -25,11 +25,11 @@
 namespace te_jax::cuda::decode {
 
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
-// tile's kRows keys into a tile; key_rows[r] is key r's row (cpp/kv_rows.h: contiguous or in a page of the pool, so a
+// tile's kRows keys into a tile; row_of(r) is key r's row (cpp/kv_rows.h: contiguous or in a page of the pool, so a
 // paged call gives the contiguous call's bits), -1 for a key past the length (zero-filled, as are columns past cols).
-template <int kThreads, typename Tile>
-__device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, const int* key_rows,
-                                              int64_t row_stride, int head_offset, int cols, int tid) {
+template <int kThreads, typename Tile, typename RowOf>
+__device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, RowOf row_of, int64_t row_stride,
+                                              int head_offset, int cols, int tid) {
   constexpr int kChunksPerRow = Tile::kCols / 8;
   constexpr int kChunks = Tile::kRows * kChunksPerRow;
   // tid through an empty asm: the compiler cannot see that the chunks' offsets repeat from tile to tile, so it
@@ -41,7 +41,7 @@ __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* 
     const int c = tid + i * kThreads;
     if (kChunks % kThreads != 0 && c >= kChunks) break;
     const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
-    const int row = key_rows[r];
+    const int row = row_of(r);
     const bool valid = row >= 0 && col < cols;
     sm80::CpAsync16(tile.Address(r, col), valid ? base + row * row_stride + head_offset + col : base, valid);
   }
@@ -190,7 +190,9 @@ struct DecodeKernel {
     const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
-    // The key-row table of the pass's i-th tile: one thread per key (call with tid < kBlockN).
+    // The key-row table of the pass's i-th tile: one thread per key (call with tid < kBlockN). Paged calls only: a
+    // contiguous call's rows follow from the key (below), with no table to write, read and wait for.
+    const bool paged = key_rows.paged();
     auto look_up_rows = [&](int i, int key_in_tile) {
       const int key = (tile_begin + i) * kBlockN + key_in_tile;
       sm.KeyRows(i)[key_in_tile] = key < len.kv_len ? static_cast<int>(key_rows.Row(rb.b, key)) : -1;
@@ -198,8 +200,18 @@ struct DecodeKernel {
     // The pass's i-th tile into its stage.
     auto load = [&](int i) {
       const int stage = i % kStages;
-      AsyncLoadKeys<kThreads>(sm.K(stage), k, sm.KeyRows(i), k_stride, rb.kv_head * kD, kD, tid);
-      AsyncLoadKeys<kThreads>(sm.V(stage), v, sm.KeyRows(i), v_stride, rb.kv_head * kDv, kDv, tid);
+      auto load_rows = [&](auto row_of) {
+        AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kD, kD, tid);
+        AsyncLoadKeys<kThreads>(sm.V(stage), v, row_of, v_stride, rb.kv_head * kDv, kDv, tid);
+      };
+      if (paged) {
+        const int* table = sm.KeyRows(i);
+        load_rows([table](int r) { return table[r]; });
+      } else {
+        const int key0 = (tile_begin + i) * kBlockN, keys = len.kv_len - key0;
+        const int first_row = static_cast<int>(key_rows.Row(rb.b, key0));
+        load_rows([first_row, keys](int r) { return r < keys ? first_row + r : -1; });
+      }
     };
     // A tile's table is written kRowsLead tiles before the tile is multiplied: its copies, the first to read it, are
     // issued a barrier later.
@@ -231,8 +243,10 @@ struct DecodeKernel {
       constexpr bool kCareful = decltype(careful)::kValue;
       softmax.Reset();
       sm80::ZeroFragments(o);
-      for (int c = tid; c < kRowsLead * kBlockN; c += kThreads) {
-        if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
+      if (paged) {
+        for (int c = tid; c < kRowsLead * kBlockN; c += kThreads) {
+          if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
+        }
       }
       __syncthreads();
 #pragma unroll
@@ -246,7 +260,7 @@ struct DecodeKernel {
         __syncthreads();  // tile i landed for everyone, and everyone is done with the stage the next load overwrites
         if (i + kStages - 1 < tiles) load(i + kStages - 1);
         sm80::CpAsyncCommit();
-        if (tid < kBlockN && i + kRowsLead < tiles) look_up_rows(i + kRowsLead, tid);
+        if (paged && tid < kBlockN && i + kRowsLead < tiles) look_up_rows(i + kRowsLead, tid);
         const int tile = tile_begin + i, n0 = tile * kBlockN, key0 = n0 + slice * kSliceN;
         const bool interior = tile >= full_begin && tile < full_end;
         if constexpr (kCareful) {
