@@ -43,11 +43,11 @@ TE_JAX_HOST_DEVICE constexpr int DeepStages(int d, int dv) {
 }
 inline constexpr int kShallowStages = 2;
 
-// The rows of each tile's keys (cpp/kv_rows.h) are looked up once, by one thread per key, into a ring of tables in
-// shared memory an iteration before the tile's copies are issued, so no copy waits on a page-table read (that wait
-// made paged calls 1.7x slower than contiguous ones on an H200; with the tables they are within 2%, docs/BENCHMARKS.md).
-// (Asking the L2 for tiles beyond the ring with prefetch.global.L2 measured 10-25% slower there, and fetching 256-byte
-// L2 blocks per copy ~8% slower.)
+// A paged call's rows of each tile's keys (cpp/kv_rows.h; a contiguous call's follow from the key) are looked up once,
+// by one thread per key, into a ring of tables in shared memory an iteration before the tile's copies are issued, so
+// no copy waits on a page-table read (that wait made paged calls 1.7x slower than contiguous ones on an H200; with the
+// tables they are within 2%, docs/BENCHMARKS.md). (Asking the L2 for tiles beyond the ring with prefetch.global.L2
+// measured 10-25% slower there, and fetching 256-byte L2 blocks per copy ~8% slower.)
 TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int stages) { return stages + 1; }
 
 // A CTA's warps split its tile as row_tiles 16-row tiles x (kWarps / row_tiles) key slices of each stage: one row tile
