@@ -97,6 +97,8 @@ PAGED = [
      dict(window_size=(50, 0), alibi=True), "bfloat16"),
     ("mqa32_sq2_p64_softcap", 2, 32, 1, 32, 32, 64, 4, "causal_bottom_right", dict(softcap=3.0), "float16"),
     ("gqa8_sq16_p24_nomask_dv", 16, 8, 1, 16, 32, 24, 8, "no_mask", {}, "float32"),
+    # Four rows: the keys-in-lanes scores (key_lane_scores.h) over page runs of 16 + 8 keys and d = 4 x 16 + 8.
+    ("gqa4_sq1_p24_d72", 1, 8, 2, 72, 72, 24, 6, "causal_bottom_right", {}, "float32"),
 ]
 
 
@@ -174,6 +176,9 @@ SAME_BITS_CASES = [
     DECODE.replace(seqlen_q=3, heads=40, kv_heads=1, mask="padding_causal_bottom_right", q_seqlens=(3, 1, 3),
                    kv_seqlens=(150, 0, 2), dtype="bfloat16"),
     DECODE.replace(seqlen_q=16, heads=6, kv_heads=2, mask="causal", window=(-1, 2), head_dim_v=16, dtype="float16"),
+    # Unpacked tiles of 2 rows take the keys-in-lanes scores (key_lane_scores.h), the packed tiles of 16 TileGemm's:
+    # d = 72 and 300 keys leave partial blocks of the transpose.
+    DECODE.replace(seqlen_q=2, heads=16, kv_heads=2, head_dim=72, seqlen_kv=300),
 ]
 
 

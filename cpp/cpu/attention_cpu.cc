@@ -26,6 +26,7 @@
 #include "cpp/cpu/bias_tile.h"
 #include "cpp/cpu/dropout_tile.h"
 #include "cpp/cpu/element_types.h"
+#include "cpp/cpu/key_lane_scores.h"
 #include "cpp/cpu/key_rows.h"
 #include "cpp/cpu/online_softmax.h"
 #include "cpp/cpu/query_rows.h"
@@ -299,11 +300,12 @@ struct ForwardArgs : OperandArgs<T> {
 struct ForwardScratch {
   explicit ForwardScratch(const AttentionParams& p)
       : q_t(p.head_dim * kTileQ), scores(kTileKV * kTileQ), out(kTileQ * p.head_dim_v), k(kTileKV * p.head_dim),
-        v(kTileKV * p.head_dim_v) {}
+        v(kTileKV * p.head_dim_v), key_lane_scores(kTileKV, p.head_dim) {}
   std::vector<float> q_t;     // [D, kTileQ], scaled
   std::vector<float> scores;  // [kTileKV, kTileQ]
   std::vector<float> out;     // [kTileQ, Dv], unnormalised
   std::vector<float> k, v;    // compact float32 copies of the K/V tile (key_rows.h)
+  KeyLaneScores key_lane_scores;  // S for tiles of few rows
   alignas(32) float rescale[kTileQ];
   TileKeyRanges<kTileQ> ranges;
   RowLogitInputs logits;
@@ -331,6 +333,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
   // float32 K/V rows in place or from a compact copy (key_rows.h): a decode tile's few rows read them once.
   const bool k_in_place = ReadInPlace(args.k_rows.row_stride * sizeof(T), TileGemmReadsOfA(lanes));
   const bool v_in_place = ReadInPlace(args.v_rows.row_stride * sizeof(T), TileGemmReadsOfB(rows));
+  const bool key_lanes = rows <= kKeyLaneMaxRows;  // a decode tile's scores: key_lane_scores.h
 
   float* scores = s.scores.data();
   // Key tiles start at the first key a row sees, or at a multiple of kTileKV: with segment ids or positions, whose
@@ -363,9 +366,14 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     }
     for (const KeyRun& k_run :
          KeyRowsAsFloat<kTileKV>(args.k, args.k_rows, b, kv_head, key0, keys, k_in_place, s.k.data())) {
-      TileGemm(k_run.count, lanes, d, {k_run.rows.data, k_run.rows.row_stride, 1}, {s.q_t.data(), kTileQ},
-               {scores + k_run.first * kTileQ, kTileQ}, Accumulate::kNo);
+      if (key_lanes) {
+        s.key_lane_scores.AddKeys(k_run.first, k_run.count, k_run.rows);
+      } else {
+        TileGemm(k_run.count, lanes, d, {k_run.rows.data, k_run.rows.row_stride, 1}, {s.q_t.data(), kTileQ},
+                 {scores + k_run.first * kTileQ, kTileQ}, Accumulate::kNo);
+      }
     }
+    if (key_lanes) s.key_lane_scores.Scores(keys, rows, lanes, s.q_t.data(), kTileQ, scores, kTileQ);
     if constexpr (!kIsLinear<Variant>) ApplyLogits(variant, s.logits, scores, scores, keys, lanes, key0, tokens);
     if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
     if (!all_see) {
