@@ -333,7 +333,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
   // float32 K/V rows in place or from a compact copy (key_rows.h): a decode tile's few rows read them once.
   const bool k_in_place = ReadInPlace(args.k_rows.row_stride * sizeof(T), TileGemmReadsOfA(lanes));
   const bool v_in_place = ReadInPlace(args.v_rows.row_stride * sizeof(T), TileGemmReadsOfB(rows));
-  const bool key_lanes = rows <= kKeyLaneMaxRows;  // a decode tile's scores: key_lane_scores.h
+  const bool key_lanes = UseKeyLaneScores(rows);  // a decode tile's scores: key_lane_scores.h
 
   float* scores = s.scores.data();
   // Key tiles start at the first key a row sees, or at a multiple of kTileKV: with segment ids or positions, whose

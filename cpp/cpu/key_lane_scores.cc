@@ -74,11 +74,13 @@ int64_t RoundUpToLanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 }  // namespace
 
+bool UseKeyLaneScores(int64_t rows) { return rows <= kLanes && CpuIsa() == Isa::kAvx512; }
+
 KeyLaneScores::KeyLaneScores(int64_t max_keys, int64_t head_dim)
     : head_dim_(head_dim),
       stride_(RoundUpToLanes(max_keys)),
       k_t_(head_dim * stride_),
-      scores_t_(kKeyLaneMaxRows * stride_) {}
+      scores_t_(kLanes * stride_) {}
 
 void KeyLaneScores::AddKeys(int64_t first, int64_t count, const MatrixB& rows) {
   RunWithWidestVectors<&TransposeRunBody<F32x8>, &TransposeRunBody<F32x16>>(

@@ -14,9 +14,10 @@
 
 namespace te_jax::cpu {
 
-// Tiles of up to this many query rows take KeyLaneScores (above it TileGemm's lanes are full enough that the
-// transpose would not pay for itself).
-inline constexpr int64_t kKeyLaneMaxRows = kLanes;
+// Whether a tile of `rows` query rows takes KeyLaneScores: at most 8 rows (above, TileGemm's lanes are full enough
+// that the transpose would not pay for itself), where the AVX-512 products run (with AVX2's 8-lane vectors, whose
+// interleaves cross the register's 128-bit halves, one-query decode measured 0.7-1.0x of TileGemm's, 2-core Xeon).
+bool UseKeyLaneScores(int64_t rows);
 
 class KeyLaneScores {
  public:
@@ -26,7 +27,7 @@ class KeyLaneScores {
   void AddKeys(int64_t first, int64_t count, const MatrixB& rows);
 
   // scores[key * scores_stride + r] = the product of q row r (column r of q_t, [head_dim, q_t_stride]) with key `key`
-  // for the tile's keys [0, keys) (all added) and rows [0, rows <= kKeyLaneMaxRows); lanes [rows, lanes) get zeros.
+  // for the tile's keys [0, keys) (all added) and rows [0, rows <= kLanes); lanes [rows, lanes) get zeros.
   void Scores(int64_t keys, int64_t rows, int64_t lanes, const float* q_t, int64_t q_t_stride, float* scores,
               int64_t scores_stride);
 
@@ -34,7 +35,7 @@ class KeyLaneScores {
   int64_t head_dim_;
   int64_t stride_;               // the transposed tile's row length: max_keys rounded up to kLanes
   std::vector<float> k_t_;       // [head_dim, stride_]: K^T
-  std::vector<float> scores_t_;  // [kKeyLaneMaxRows, stride_]: S^T
+  std::vector<float> scores_t_;  // [kLanes, stride_]: S^T
 };
 
 }  // namespace te_jax::cpu

@@ -65,8 +65,8 @@ inline void GemmColumnPanel(int64_t rows, int64_t depth, const MatrixA& a, const
                                                b, b_row, c + i * c_row, c_row, accumulate);
 }
 
-// Tiles of at most this many rows (a decode tile's P V) take panels of four vectors where the columns allow: each row
-// of B is then walked half as often.
+// Tiles of at most this many rows (a decode tile's P V) take panels of four vectors where the columns allow, each row
+// of B then walked half as often: with AVX-512's 32 registers only (the 16 accumulators alone fill AVX2's 16).
 constexpr int64_t kFewRows = 4;
 
 // Panels of two vectors of V; what is left (columns come in multiples of kLanes) in one V, then one F32x8.
@@ -75,7 +75,7 @@ inline void TileGemmBody(int64_t rows, int64_t cols, int64_t depth, const Matrix
                          const MatrixC& c, Accumulate accumulate) {
   constexpr int kWidth = Vector<V>::kWidth;
   int64_t j = 0;
-  if (rows <= kFewRows) {
+  if (kWidth > kLanes && rows <= kFewRows) {
     for (; j + 4 * kWidth <= cols; j += 4 * kWidth) {
       GemmLastRows<V, 4, kFewRows>(rows, depth, a.data, a.row_stride, a.col_stride, b.data + j, b.row_stride,
                                    c.data + j, c.row_stride, accumulate);
