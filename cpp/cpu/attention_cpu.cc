@@ -58,7 +58,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t RoundUpToLanes(int64_t n) { return CeilDiv(n, kLanes) * kLanes; }
 
 // The plain scaled dot is linear in q, so its scale (and log2 e) can ride on the packed Q^T and the tiles need no
 // per-element logit pass; the other variants apply Logit to the raw dot products.

@@ -70,8 +70,6 @@ void TransposeRunBody(int64_t count, int64_t head_dim, const float* rows, int64_
   }
 }
 
-int64_t RoundUpToLanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
 }  // namespace
 
 bool UseKeyLaneScores(int64_t rows) { return rows <= kLanes && CpuIsa() == Isa::kAvx512; }

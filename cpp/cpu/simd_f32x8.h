@@ -12,6 +12,8 @@
 namespace te_jax::cpu {
 
 inline constexpr int64_t kLanes = 8;
+// Lane counts (a tile's rows, a product's columns) come in whole F32x8 vectors.
+inline constexpr int64_t RoundUpToLanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef int32_t I32x8 __attribute__((vector_size(32)));
