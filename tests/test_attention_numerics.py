@@ -122,7 +122,7 @@ def test_gradients_through_lse_match_reference(case):
 
 
 # deterministic=True: the CPU backward adds dq up in an order fixed by the problem alone (chunks of KV tiles, see
-# cpp/cpu/attention_cpu.cc), so repeated runs, the two paths (XLA's thread pool, te_jax's) and any thread count give
+# cpp/cpu/attention_backward.cc), so repeated runs, the two paths (XLA's thread pool, te_jax's) and any thread count give
 # the same bits. Every case has several KV tiles (128 keys each), where the default backward's dq order follows the
 # thread scheduling.
 DETERMINISTIC_CASES = [

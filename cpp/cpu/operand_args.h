@@ -1,0 +1,52 @@
+// The operands both directions read, typed.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpp/attention_params.h"
+#include "cpp/cpu/batch_masks.h"
+#include "cpp/cpu/bias_tile.h"
+#include "cpp/cpu/dropout_tile.h"
+#include "cpp/cpu/tile_token_bounds.h"
+#include "cpp/kv_rows.h"
+#include "cpp/validate.h"
+
+namespace te_jax::cpu {
+
+template <typename T>
+struct OperandArgs {
+  const AttentionParams& params;
+  const T* q;
+  const T* k;
+  const T* v;
+  KvRows k_rows, v_rows;  // where k's and v's rows live (contiguous, or paged in the forward)
+  const int32_t* q_seqlens;
+  const int32_t* kv_seqlens;
+  const float* alibi_slopes;
+  TokenOperands tokens;
+  const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
+  BiasOperand bias;
+  DropoutOperand dropout;
+};
+
+// `kv_tile_tokens` must outlive the result (it points into it).
+template <typename T>
+OperandArgs<T> OperandArgsOf(const AttentionParams& params, const AttentionOperands& o,
+                             const std::vector<KeyTokenBounds>& kv_tile_tokens) {
+  return {params,
+          static_cast<const T*>(o.q),
+          static_cast<const T*>(o.k),
+          static_cast<const T*>(o.v),
+          MakeKvRows(params, o.page_table, params.head_dim),
+          MakeKvRows(params, o.page_table, params.head_dim_v),
+          QuerySeqlensRead(params, o.q_seqlens),
+          o.kv_seqlens,
+          o.alibi_slopes,
+          TokenOperandsOf(o),
+          kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
+          MakeBiasOperand(params, o.bias),
+          MakeDropoutOperand(params, o.dropout)};
+}
+
+}  // namespace te_jax::cpu
