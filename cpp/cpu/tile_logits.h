@@ -18,7 +18,7 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // The plain scaled dot is linear in q, so its scale (and log2 e) can ride on the packed Q^T and the tiles need no
 // per-element logit pass; the other variants apply Logit to the raw dot products.
 template <typename Variant>
-constexpr bool kIsLinear = !Variant::kHasSoftcap && !Variant::kHasAlibi;
+inline constexpr bool kIsLinear = !Variant::kHasSoftcap && !Variant::kHasAlibi;
 
 template <typename Variant>
 Variant MakeVariant(const AttentionParams& p, const float* alibi_slopes, int64_t b, int64_t h) {
