@@ -7,6 +7,7 @@ from te_jax.drop_in import dot_product_attention
 from te_jax.dropout import dropout_keep_mask
 from te_jax.packing import positions_from_lengths, segment_ids_from_lengths
 from te_jax.engine import EngineUnavailableError
+from te_jax.export_checks import disabled_export_checks
 from te_jax.legacy_failures import raise_legacy_failures
 from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing
 from te_jax.mask_type import MaskType
@@ -23,10 +24,13 @@ except ImportError as error:
       if isinstance(error, ModuleNotFoundError) and error.name == "te_jax._te_jax_cuda" else
       f"te_jax's CUDA backend failed to load: {error}"))
 
+from te_jax import _backends  # noqa: E402  after the CUDA backend's registration
+_backends.register_available_targets()
+
 __all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
            "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",
-           "inverse_reorder_for_load_balancing", "cpu_isa"]
+           "inverse_reorder_for_load_balancing", "cpu_isa", "disabled_export_checks"]
 __version__ = "0.1.0"
 
 

@@ -50,8 +50,10 @@ class Backend:
     xla_platform = {"cpu": "cpu", "cuda": "CUDA"}[self.platform]
     for name, capsule in self.extension.ffi_registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
+      _registered_targets.append(name)
     for name, capsule in self.extension.legacy_registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=0)
+      _registered_targets.append(name)
     _registered_platforms.add(self.platform)
 
 
@@ -64,6 +66,7 @@ def _te_only(config) -> Choice:
 
 
 _registered_platforms: set[str] = set()
+_registered_targets: list[str] = []
 
 _BACKENDS: dict[str, Backend] = {
     "cpu": Backend(platform="cpu", code=0, extension_name="_te_jax_cpu", legacy_api_version=3),
@@ -72,6 +75,22 @@ _BACKENDS: dict[str, Backend] = {
 
 def register_backend(backend: Backend) -> None:
   _BACKENDS[backend.platform] = backend
+
+
+def register_available_targets() -> None:
+  """Registers the targets of every backend whose extension loads, at import: a process that runs a function
+  serialised with `jax.export` calls te_jax's targets without lowering a te_jax call first. A backend whose extension
+  fails to load is left to its first lowering, which raises the reason (`Backend.extension`)."""
+  for backend in _BACKENDS.values():
+    try:
+      backend.ensure_registered()
+    except RuntimeError:
+      pass
+
+
+def registered_targets() -> list[str]:
+  """The custom-call targets registered in this process (both directions and both paths of each backend)."""
+  return list(_registered_targets)
 
 
 def loaded_extensions() -> list[Any]:
