@@ -1,6 +1,7 @@
 """jax.export of a function that calls te_jax: exported with te_jax.disabled_export_checks(), serialised with its
 VJP, then run and differentiated in a fresh process that only imports te_jax (the import registers the targets). Its
-out, lse and gradients must equal those of the function called directly, bit for bit, on either custom-call path."""
+out, lse and gradients must equal those of the function called directly, bit for bit, on either custom-call path; on
+the CPU, and on the GPU where there is one."""
 
 from __future__ import annotations
 
@@ -38,27 +39,37 @@ np.savez(sys.argv[3], **{name: np.asarray(r, np.float32) for name, r in results.
 
 
 def _attention(q, k, v):
-  return te_jax.fused_attn(q, k, v, mask_type="causal", return_lse=True, deterministic=True)
+  return te_jax.fused_attn(q, k, v, mask_type="causal", return_lse=True, deterministic=True, engine="te")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_exported_function_runs_in_a_fresh_process(path, dtype, tmp_path):
+def _device(platform: str):
+  try:
+    return jax.devices(platform)[0]
+  except RuntimeError:
+    pytest.skip(f"no {platform} device here")
+
+
+@pytest.mark.parametrize("platform,dtype", [("cpu", "float32"), ("cpu", "bfloat16"), ("cuda", "bfloat16")])
+def test_exported_function_runs_in_a_fresh_process(path, platform, dtype, tmp_path):
+  device = _device(platform)
   keys = jax.random.split(jax.random.key(7), 5)
   q = jax.random.normal(keys[0], (2, 48, 4, 32), dtype)
   k, v = (jax.random.normal(key, (2, 80, 2, 32), dtype) for key in keys[1:3])  # GQA 4 / 2, Sq != Skv
   w_out = jax.random.normal(keys[3], (2, 48, 4, 32), jnp.float32)
   w_lse = jax.random.normal(keys[4], (2, 4, 48), jnp.float32)
+  q, k, v, w_out, w_lse = jax.device_put((q, k, v, w_out, w_lse), device)
 
   with te_jax.custom_call_path(path):
     f = jax.jit(_attention)
-    exported = jax.export.export(f, disabled_checks=te_jax.disabled_export_checks())(q, k, v)
+    exported = jax.export.export(f, platforms=(platform,), disabled_checks=te_jax.disabled_export_checks())(
+        *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
 
     def loss(q, k, v):
       out, lse = f(q, k, v)
       return (out * w_out).sum() + (lse * w_lse).sum()
 
     (out, lse), grads = f(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
-  target = f"te_jax_attention_forward_cpu_{path}"
+  target = f"te_jax_attention_forward_{platform}_{path}"
   assert target in exported.mlir_module(), f"the exported module does not call {target}"
 
   blob, inputs, results = tmp_path / "attention.bin", tmp_path / "inputs.npz", tmp_path / "results.npz"
@@ -67,7 +78,7 @@ def test_exported_function_runs_in_a_fresh_process(path, dtype, tmp_path):
            w_out=w_out, w_lse=w_lse)
   env = {name: value for name, value in os.environ.items() if name != "TE_JAX_CUSTOM_CALL"}
   run = subprocess.run([sys.executable, "-c", RUN_EXPORTED, blob, inputs, results], capture_output=True, text=True,
-                       timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+                       timeout=300, env={**env, "JAX_PLATFORMS": platform})
   assert run.returncode == 0, run.stderr[-3000:]
 
   got = np.load(results)
