@@ -33,13 +33,19 @@ struct KvRows {
 
   // The row of key j of batch entry b in the [B * seqlen_kv] or [num_pages * page_size] row axis.
   TE_JAX_HOST_DEVICE int64_t Row(int64_t b, int64_t j) const {
-    if (page_size == 0) return b * seqlen_kv + j;
-    // A key and a page size are int32 (keys below an int32 kv length, pages of at most 256), so the page of a key is a
-    // 32-bit division: on the GPU a short instruction sequence, not the 64-bit division routine, for every copied row.
-    const int32_t key = static_cast<int32_t>(j), size = static_cast<int32_t>(page_size);
-    int64_t page = page_table[b * pages_per_seq + key / size];
-    page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
-    return page * page_size + key % size;
+    return page_size == 0 ? b * seqlen_kv + j : RowInPage(PageEntry(b, j), j);
+  }
+
+  // A paged Row in its two steps, for a kernel that also checks the entry it reads: key j's entry of batch entry b's
+  // row of the page table, then the row that entry gives key j (the id clamped to the pool). A key and a page size are
+  // int32 (keys below an int32 kv length, pages of at most 256), so the page of a key is a 32-bit division: on the GPU a
+  // short instruction sequence, not the 64-bit division routine, for every copied row.
+  TE_JAX_HOST_DEVICE int32_t PageEntry(int64_t b, int64_t j) const {
+    return page_table[b * pages_per_seq + static_cast<int32_t>(j) / static_cast<int32_t>(page_size)];
+  }
+  TE_JAX_HOST_DEVICE int64_t RowInPage(int32_t entry, int64_t j) const {
+    const int64_t page = entry < 0 ? 0 : (entry >= num_pages ? num_pages - 1 : entry);
+    return page * page_size + static_cast<int32_t>(j) % static_cast<int32_t>(page_size);
   }
 
   // The pages the first kv_len keys of a sequence occupy: its entries of the page table that are read.
@@ -49,10 +55,8 @@ struct KvRows {
   }
 
   // Whether entry j of batch entry b's row of the page table names a page of the pool (Row clamps one that does not).
-  TE_JAX_HOST_DEVICE bool PageInPool(int64_t b, int64_t j) const {
-    const int32_t page = page_table[b * pages_per_seq + j];
-    return page >= 0 && page < num_pages;
-  }
+  TE_JAX_HOST_DEVICE bool PageInPool(int64_t b, int64_t j) const { return EntryInPool(page_table[b * pages_per_seq + j]); }
+  TE_JAX_HOST_DEVICE bool EntryInPool(int32_t entry) const { return entry >= 0 && entry < num_pages; }
 
   // The element offset of key j of batch entry b, kv head h (the first of its dim elements).
   TE_JAX_HOST_DEVICE int64_t Offset(int64_t b, int64_t j, int64_t h) const {

@@ -123,12 +123,14 @@ def test_paged_in_place_is_bitwise_the_contiguous_decode(case, path):
 
 
 @pytest.mark.parametrize("max_pages", [2, 200], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("window", [(-1, -1), (32, 0)], ids=["no_window", "window32"])
 @pytest.mark.parametrize("path", ["ffi", "legacy"])
-def test_paged_out_of_range_ids_and_lengths_poison_their_entry_in_the_kernel(max_pages, path):
+def test_paged_out_of_range_ids_and_lengths_poison_their_entry_in_the_kernel(max_pages, window, path):
   """Traced page ids outside the pool that a sequence uses, and a length past the capacity, give NaN in every output of
   their batch entry, found by the decode kernels themselves (the GPU program computes nothing else: no reduction or
   select of the ids), every split of the entry agreeing; an unused entry of the table may hold anything; the other
-  entries keep the bits of a valid call."""
+  entries keep the bits of a valid call. With a 32-key window the first page (entry 2's bad id) is one no query sees:
+  it still poisons its entry."""
   b, page_size, h, hkv, d = 4, 16, 8, 2, 128
   rng = np.random.default_rng(max_pages)
   num_pages = b * max_pages
@@ -142,7 +144,7 @@ def test_paged_out_of_range_ids_and_lengths_poison_their_entry_in_the_kernel(max
   bad_table[1, -1] = num_pages  # the last page: in the last split's keys only
   bad_table[2, 0] = -1
   bad_lengths[3] = max_pages * page_size + 1
-  f = jax.jit(lambda q, kp, vp, t, n: te_jax.paged_attention(q, kp, vp, t, n, return_lse=True))
+  f = jax.jit(lambda q, kp, vp, t, n: te_jax.paged_attention(q, kp, vp, t, n, window_size=window, return_lse=True))
   with te_jax.custom_call_path(path):
     program = f.lower(q, k_pages, v_pages, bad_table, bad_lengths).as_text()
     assert "stablehlo.reduce" not in program and "stablehlo.select" not in program

@@ -35,15 +35,27 @@ __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* 
   // tid through an empty asm: the compiler cannot see that the chunks' offsets repeat from tile to tile, so it
   // computes them here instead of keeping them live through the main loop (which spilled at d = 256).
   asm volatile("" : "+r"(tid));
-  // A fixed trip count (tid < kThreads), so the loop unrolls completely.
+  // A fixed trip count (tid < kThreads), so the loops unroll completely.
+  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
+  // Every row of a group of chunks before the group's copies: a paged call's rows come from shared memory, and read
+  // one by one between the copies, each copy waited for its read (H200, b 8 x 16 queries x 8k, one CTA an SM: paged
+  // 0.78 of contiguous). Up to d = 128 the group is all of a thread's chunks (8); above, the four-row-tile kernel has
+  // no register to spare (255 at d = 256: a group of two spills), so one row at a time.
+  constexpr int kGroup = kIters <= 8 ? kIters : 1;
+  auto exists = [&](int i) { return i < kIters && (kChunks % kThreads == 0 || tid + i * kThreads < kChunks); };
 #pragma unroll
-  for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    if (kChunks % kThreads != 0 && c >= kChunks) break;
-    const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
-    const int row = row_of(r);
-    const bool valid = row >= 0 && col < cols;
-    sm80::CpAsync16(tile.Address(r, col), valid ? base + row * row_stride + head_offset + col : base, valid);
+  for (int i0 = 0; i0 < kIters; i0 += kGroup) {
+    int rows[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) rows[j] = exists(i0 + j) ? row_of((tid + (i0 + j) * kThreads) / kChunksPerRow) : -1;
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      if (!exists(i0 + j)) break;
+      const int c = tid + (i0 + j) * kThreads;
+      const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
+      const bool valid = rows[j] >= 0 && col < cols;
+      sm80::CpAsync16(tile.Address(r, col), valid ? base + rows[j] * row_stride + head_offset + col : base, valid);
+    }
   }
 }
 
@@ -190,12 +202,31 @@ struct DecodeKernel {
     const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
-    // The key-row table of the pass's i-th tile: one thread per key (call with tid < kBlockN). Paged calls only: a
-    // contiguous call's rows follow from the key (below), with no table to write, read and wait for.
     const bool paged = key_rows.paged();
+    // paged_attention's contract: a sequence that uses a page id outside the pool gets NaN in every output (its reads
+    // clamped meanwhile). The splits of a row block share the check: each checks the pages of its share of the
+    // sequence's keys, [split, split + 1) x tiles_per_split tiles, those of the tiles it reads as it looks up their rows
+    // and the rest (keys no row of the CTA sees: a window) before its epilogue; a split's NaN lse makes the combine's
+    // rows NaN, and one split checks every page. So a call reads no page-table entry but its look-ups, and no copy waits
+    // on a check (that wait, and its barrier, came before the first copy).
+    bool page_outside_pool = false;
+    // The key-row table of the pass's i-th tile, each key's page checked: one thread per key (call with tid < kBlockN).
+    // Paged calls only: a contiguous call's rows follow from the key (below), with no table to write, read and wait for.
     auto look_up_rows = [&](int i, int key_in_tile) {
       const int key = (tile_begin + i) * kBlockN + key_in_tile;
-      sm.KeyRows(i)[key_in_tile] = key < len.kv_len ? static_cast<int>(key_rows.Row(rb.b, key)) : -1;
+      int row = -1;
+      if (key < len.kv_len) {
+        const int32_t entry = key_rows.PageEntry(rb.b, key);
+        page_outside_pool |= !key_rows.EntryInPool(entry);
+        row = static_cast<int>(key_rows.RowInPage(entry, key));
+      }
+      sm.KeyRows(i)[key_in_tile] = row;
+    };
+    // The pages of keys [key_begin, key_end), a thread each.
+    auto check_pages_of_keys = [&](int key_begin, int key_end) {
+      for (int j = key_begin / a.page_size + tid; j * a.page_size < key_end; j += kThreads) {
+        page_outside_pool |= !key_rows.PageInPool(rb.b, j);
+      }
     };
     // The pass's i-th tile into its stage.
     auto load = [&](int i) {
@@ -228,16 +259,6 @@ struct DecodeKernel {
     float o[1][kDvP / 8][4];
     OnlineSoftmax<kSliceN / 8> softmax;
     const int2* warp_ranges = sm.Ranges() + row_tile * 16;
-    // paged_attention's contract: a sequence that uses a page id outside the pool gets NaN in every output (its reads
-    // clamped meanwhile). Every CTA of the entry checks all the pages its sequence uses, not only its split's, so they
-    // agree; the ids are a few hundred bytes against the pages' megabytes.
-    bool page_outside_pool = false;
-    if (key_rows.paged()) {
-      const int pages = static_cast<int>(key_rows.PagesOf(len.kv_len));
-      for (int j = tid; j < pages; j += kThreads) page_outside_pool |= !key_rows.PageInPool(rb.b, j);
-    }
-    // The barrier also publishes the row table.
-    const bool poisoned = __syncthreads_or(page_outside_pool) || len.invalid;
 
     auto pass = [&](auto careful) {
       constexpr bool kCareful = decltype(careful)::kValue;
@@ -248,7 +269,7 @@ struct DecodeKernel {
           if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
         }
       }
-      __syncthreads();
+      __syncthreads();  // the first tables, and (first pass) each row's key range, position and slope
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < tiles) load(i);
@@ -319,7 +340,18 @@ struct DecodeKernel {
     const bool straddles = tiles > 0 && (!span.all_rows_valid || full_begin > tile_begin || full_end < tile_end);
     // The barrier also keeps the careful pass's first loads from overwriting a stage another warp still reads.
     if (straddles && __syncthreads_or(AnyNaN(o) || softmax.AnyNaN())) pass(BoolConstant<true>{});
-    __syncthreads();  // the rings are free for the epilogue
+    if (paged) {
+      const int share_begin = rb.split * a.tiles_per_split * kBlockN;
+      const int share_end = min(len.kv_len, (rb.split + 1) * a.tiles_per_split * kBlockN);
+      if (tiles > 0) {
+        check_pages_of_keys(share_begin, tile_begin * kBlockN);
+        check_pages_of_keys(tile_end * kBlockN, share_end);
+      } else {
+        check_pages_of_keys(share_begin, share_end);
+      }
+    }
+    // The barrier also frees the rings for the epilogue.
+    const bool poisoned = __syncthreads_or(page_outside_pool) || len.invalid;
     AllowNextGrid();  // the combine, launched as a dependent, may start; it waits for this grid's partials
     Epilogue(a, sm, rb, poisoned, o, softmax, warp, g, t, tid);
   }
