@@ -181,8 +181,8 @@ def _decode_params(batch, seqlen_kv, d=128, seqlen_q=1, heads=32, kv_heads=8):
     (H200, _decode_params(48, 4096), "te_jax_attention_decode_rows16_shallow", 1),  # 384 CTAs: one wave
     # More CTAs than that wave: the deep ring (264 slots), in whole waves of its own.
     (H200, _decode_params(64, 4096), "te_jax_attention_decode_rows16", 1),
-    # 16 positions of 4 heads: the 64-row tile (deep ring only: 132 slots); d 256: one ring (two stages, 132 slots).
-    (H200, _decode_params(8, 8192, seqlen_q=16), "te_jax_attention_decode_rows64", 2),
+    # 16 positions of 4 heads: the 64-row tile, on the shallow ring (264 slots); d 256: one ring (two stages, 132 slots).
+    (H200, _decode_params(8, 8192, seqlen_q=16), "te_jax_attention_decode_rows64", 4),
     (H200, _decode_params(8, 32768, d=256), "te_jax_attention_decode_rows16", 2),
     # An A100's 164 KB: two shallow CTAs an SM (216 slots) against one deep (108).
     (A100, _decode_params(8, 32768), "te_jax_attention_decode_rows16_shallow", 3),

@@ -35,9 +35,9 @@ TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
 
 // Stages of the cp.async ring. The deep ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile:
 // two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~68 KB at d = 128: three
-// CTAs per SM), serves a one-row-tile call whose CTAs fit in one wave of its slots (decode_geometry.cc): H200, b 8 x
-// 32k, its kernel took 245 us against the deep ring's 251 (DRAM 91% against 89% busy), while b 64 x 4k's 512 CTAs
-// took 1.29 waves of it: 326 us against 254 (docs/BENCHMARKS.md, run 63e).
+// CTAs per SM), serves the four-row-tile kernel (below) and a one-row-tile call whose CTAs fit in one wave of its
+// slots (decode_geometry.cc): H200, b 8 x 32k, its kernel took 245 us against the deep ring's 251 (DRAM 91% against
+// 89% busy), while b 64 x 4k's 512 CTAs took 1.29 waves of it: 326 us against 254 (docs/BENCHMARKS.md, run 63e).
 TE_JAX_HOST_DEVICE constexpr int DeepStages(int d, int dv) {
   return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
 }
@@ -73,13 +73,16 @@ TE_JAX_HOST_DEVICE constexpr int EpilogueBytes(int dv) { return kWarps * 16 * (E
 // more SMs).
 inline constexpr int kCombineThreads = 128;
 
-// The decode module's entry points (kernel_config.cc): 0 one row tile, deep ring; 1 four row tiles, deep ring; 2 the
-// combine; 3 one row tile, shallow ring.
+// The decode module's entry points (kernel_config.cc): 0 one row tile, deep ring; 1 four row tiles, shallow ring; 2
+// the combine; 3 one row tile, shallow ring. The four-row-tile kernel does four times the one-row-tile kernel's
+// products per byte, with four warps a CTA; its deep ring (~118 KB at d = 128) ran one CTA an SM, whose warps waited
+// on their own products; on the shallow ring (~84 KB) two CTAs share an SM (H100, b 8 x 16 queries x 8k: paged 64
+// 126 -> 120-122 us, paged 16 145 -> 122-128; docs/BENCHMARKS.md, run 67).
 inline constexpr int kCombineKernel = 2;
 inline constexpr int kShallowKernel = 3;
 TE_JAX_HOST_DEVICE constexpr int RowTilesOfKernel(int index) { return index == 1 ? 4 : 1; }
 TE_JAX_HOST_DEVICE constexpr int StagesOfKernel(int d, int dv, int index) {
-  return index == kShallowKernel ? kShallowStages : DeepStages(d, dv);
+  return index == kShallowKernel || index == 1 ? kShallowStages : DeepStages(d, dv);
 }
 TE_JAX_HOST_DEVICE constexpr int KernelSmemBytes(int d, int dv, int index) {
   return index == kCombineKernel ? 0 : SmemBytes(d, dv, RowTilesOfKernel(index), StagesOfKernel(d, dv, index));
