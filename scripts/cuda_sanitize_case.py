@@ -3,10 +3,10 @@ softcap + ALiBi (at d 64, and at d 192 / dv 128, where the sm90 backward splits 
 the plain product at d 64 (the sm90 forward's three consumer warpgroups), each with both backwards (atomic dq and
 deterministic), on te_jax's kernels; then causal forwards whose v holds a NaN at a key the first rows do not see (the
 forward's rare path for non-finite values in a straddling tile; 160 rows take the persistent kernel, 1100 the
-three-consumer one), and one whose CTAs each take several query blocks (the persistent kernel's loop); then a
-paged decode call with a page id outside the pool; then an additive bias whose rows start off 16-byte boundaries (its
-last chunk reaches past the operand) and one whose rows TMA copies, in full shape (dbias written directly) and
-broadcast (the float accumulator), with -inf rows. Exit status 1 on unexpected results."""
+three-consumer one), and one whose CTAs each take several query blocks (the persistent kernel's loop); then paged
+decode calls (the one-row and four-row tile kernels) with a page id outside the pool; then an additive bias whose rows
+start off 16-byte boundaries (its last chunk reaches past the operand) and one whose rows TMA copies, in full shape
+(dbias written directly) and broadcast (the float accumulator), with -inf rows. Exit status 1 on unexpected results."""
 import sys
 
 import jax
@@ -58,19 +58,21 @@ out = np.asarray(jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="c
 expected = np.zeros(out.shape, bool)
 expected[0, 100:, 5:10, 3] = True
 ok &= bool(np.array_equal(~np.isfinite(out), expected))
-# The decode kernels (Sq <= 16): a split-KV call over a shuffled page pool, GQA 4, ragged lengths, with a traced page
-# id outside the pool in the last sequence (clamped in the kernel: nothing is read outside the pool; that entry is NaN,
-# the others finite).
-rng = np.random.default_rng(2)
-pages, page_size, max_pages = 48, 16, 16
-q = jnp.asarray(rng.standard_normal((3, 2, 8, 128)), jnp.bfloat16)
-k_pages, v_pages = (jnp.asarray(rng.standard_normal((pages, page_size, 2, 128)), jnp.bfloat16) for _ in range(2))
-table = rng.permutation(pages)[: 3 * max_pages].reshape(3, max_pages).astype(np.int32)
-table[2, 3] = pages + 7
-lengths = np.asarray([256, 37, 100], np.int32)
-out = np.asarray(jax.jit(te_jax.paged_attention)(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths)),
-                 np.float32)
-ok &= bool(np.isfinite(out[:2]).all() and np.isnan(out[2]).all())
+# The decode kernels (Sq <= 16): split-KV calls over a shuffled page pool with ragged lengths and a traced page id
+# outside the pool in the last sequence (clamped in the kernel: nothing is read outside the pool; that entry is NaN,
+# the others finite). Sq 2 over pages of 16 (GQA 4); Sq 16 x GQA 4 over pages of 64 (the four-row-tile kernel, 2k
+# keys: several splits); Sq 1 over pages of 16 (the one-row tile, 2k keys).
+for sq, page_size, max_pages in ((2, 16, 16), (16, 64, 32), (1, 16, 128)):
+  rng = np.random.default_rng(2)
+  pages = 3 * max_pages
+  q = jnp.asarray(rng.standard_normal((3, sq, 8, 128)), jnp.bfloat16)
+  k_pages, v_pages = (jnp.asarray(rng.standard_normal((pages, page_size, 2, 128)), jnp.bfloat16) for _ in range(2))
+  table = rng.permutation(pages).reshape(3, max_pages).astype(np.int32)
+  table[2, 1] = pages + 7  # inside every call's 100 keys of that sequence
+  lengths = np.asarray([max_pages * page_size, 37, 100], np.int32)
+  out = np.asarray(jax.jit(te_jax.paged_attention)(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths)),
+                   np.float32)
+  ok &= bool(np.isfinite(out[:2]).all() and np.isnan(out[2]).all())
 # A bias (issue 12) over Skv = 77 keys (rows off 16-byte boundaries: the sm80 kernels) and over 80 (rows TMA copies:
 # the sm90 kernels on sm_90a): bf16 [B, H, Sq, Skv] with both backwards, float32 [1, H, 1, Skv] (summed dbias) with the
 # atomic one, GQA, causal; -inf entries (a whole row, a key).
