@@ -55,7 +55,7 @@ def main(bench_dir: str, dst: str) -> None:
       ("forward + backward (run 61c)",
        _cuda_bench(at("h200-run61c.json"), "fwd+bwd", "f+b",
                    [(d, s, True) for d in (64, 128, 256) for s in (1024, 4096, 16384)])),
-      ("decode (run 65a, two rounds)", _decode([at(f"h200-decode-run65a-{r}.json") for r in (1, 2)])),
+      ("decode (run 68, two rounds)", _decode([at(f"h200-decode-run68-{r}.json") for r in (1, 2)])),
       ("with a bias (run 46) / dropout (run 62c)",
        _features(at("h200-bias-sm90.json"), "bias") + _features(at("h200-dropout-run62c.json"), "dropout")),
   ]
