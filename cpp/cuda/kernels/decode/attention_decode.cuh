@@ -42,17 +42,30 @@ __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* 
   // 0.78 of contiguous). Up to d = 128 the group is all of a thread's chunks (8); above, the four-row-tile kernel has
   // no register to spare (255 at d = 256: a group of two spills), so one row at a time.
   constexpr int kGroup = kIters <= 8 ? kIters : 1;
+  // Where the CTA's threads cover whole rows, a thread's chunks are one column of rows kRowStep apart, so chunk i's
+  // row and column follow from tid by a shift and a mask and its shared-memory address by an immediate; a signed
+  // division per chunk put ~100 instructions between a stage's barrier and its first copy (SASS, d = 128).
+  constexpr bool kColumnOfRows = kThreads % kChunksPerRow == 0 && kChunks % kThreads == 0;
+  constexpr int kRowStep = kThreads / kChunksPerRow;
+  const unsigned thread = static_cast<unsigned>(tid);
+  auto row_of_chunk = [&](int i) {
+    if constexpr (kColumnOfRows) return static_cast<int>(thread / kChunksPerRow) + i * kRowStep;
+    return (tid + i * kThreads) / kChunksPerRow;
+  };
+  auto col_of_chunk = [&](int i) {
+    if constexpr (kColumnOfRows) return static_cast<int>(thread % kChunksPerRow) * 8;
+    return (tid + i * kThreads) % kChunksPerRow * 8;
+  };
   auto exists = [&](int i) { return i < kIters && (kChunks % kThreads == 0 || tid + i * kThreads < kChunks); };
 #pragma unroll
   for (int i0 = 0; i0 < kIters; i0 += kGroup) {
     int rows[kGroup];
 #pragma unroll
-    for (int j = 0; j < kGroup; ++j) rows[j] = exists(i0 + j) ? row_of((tid + (i0 + j) * kThreads) / kChunksPerRow) : -1;
+    for (int j = 0; j < kGroup; ++j) rows[j] = exists(i0 + j) ? row_of(row_of_chunk(i0 + j)) : -1;
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
       if (!exists(i0 + j)) break;
-      const int c = tid + (i0 + j) * kThreads;
-      const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
+      const int r = row_of_chunk(i0 + j), col = col_of_chunk(i0 + j);
       const bool valid = rows[j] >= 0 && col < cols;
       sm80::CpAsync16(tile.Address(r, col), valid ? base + rows[j] * row_stride + head_offset + col : base, valid);
     }
