@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|bias|features|train|stress|sanitize|jit|decode|bench|oldkernels]...   Sections default to all.
+# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|bias|features|train|stress|sanitize|jit|decode|decode_ab|bench|oldkernels]...
+# Sections default to tests, sanitize, jit and bench.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
 # it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
-# today's, for a before/after figure. BENCH_ARGS are passed to scripts/cuda_bench.py.
+# today's, for a before/after figure. BENCH_ARGS are passed to scripts/cuda_bench.py. `decode_ab` times the installed
+# tree's decode kernels against other trees' (AB_ROOTS="label=DIR ...", each DIR holding a tree's cpp/, carried; e.g.
+# `git archive <commit> cpp | tar -x -C .device_out/before`) with scripts/decode_ab.py (AB_ARGS), one process per tree
+# and round, AB_ROUNDS rounds.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -119,6 +123,14 @@ PY
     timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --backends te_jax-te,jax-cudnn --mode fwd --batch 8 --heads 32 \
       --kv-heads 8 --head-dim 128 --seq 1,4,16,17,32,64 --seq-kv 8192 --causal no --keep-going \
       --json "$OUT/decode_crossover.json" 2>&1 | tee "$OUT/decode_crossover.log" | grep -v Warning | tail -20 ;;
+  decode_ab)
+    for round in $(seq ${AB_ROUNDS:-2}); do
+      for tree in installed ${AB_ROOTS:-}; do
+        root=${tree#*=}; [ "$tree" = installed ] && root=""
+        timeout ${AB_TIMEOUT:-150} python3 "$REPO/scripts/decode_ab.py" --label "${tree%%=*}" ${root:+--kernel-root "$root"} \
+          ${AB_ARGS:-} --jsonl "$OUT/decode_ab.jsonl" 2>&1 | grep -v Warning | tail -1
+      done
+    done ;;
   bench)
     timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 \
       | tee "$OUT/bench.log" | grep -v Warning ;;
