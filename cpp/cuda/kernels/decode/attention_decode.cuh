@@ -24,19 +24,10 @@
 
 namespace te_jax::cuda::decode {
 
-// A contiguous call's rows of a tile's keys: key r is row first + r, keys r >= keys are past the length.
-struct ConsecutiveRows {
-  int first, keys;
-  __device__ __forceinline__ int operator()(int r) const { return r < keys ? first + r : -1; }
-};
-template <typename RowOf>
-inline constexpr bool kIsConsecutiveRows = false;
-template <>
-inline constexpr bool kIsConsecutiveRows<ConsecutiveRows> = true;
-
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
-// tile's kRows keys into a tile; row_of(r) is key r's row (cpp/kv_rows.h: ConsecutiveRows, or in a page of the pool, so
-// a paged call gives the contiguous call's bits), -1 for a key past the length (zero-filled, as are columns past cols).
+// paged tile's kRows keys into a tile; row_of(r) is key r's row in the pool (cpp/kv_rows.h; the contiguous call's tile,
+// consecutive rows, takes the tiles' AsyncLoad, with the same bits), -1 for a key past the length (zero-filled, as are
+// columns past cols).
 template <int kThreads, typename Tile, typename RowOf>
 __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, RowOf row_of, int64_t row_stride,
                                               int head_offset, int cols, int tid) {
@@ -67,23 +58,6 @@ __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* 
     return (tid + i * kThreads) % kChunksPerRow * 8;
   };
   auto exists = [&](int i) { return i < kIters && (kChunks % kThreads == 0 || tid + i * kThreads < kChunks); };
-  if constexpr (kColumnOfRows && kIsConsecutiveRows<RowOf>) {
-    // Consecutive rows: a thread's source moves kRowStep rows a chunk, one 64-bit add where a row index and its
-    // product with the stride took ~15 instructions. The step goes through an empty asm so the compiler does not
-    // keep a pointer per chunk live through the main loop.
-    const int r0 = row_of_chunk(0), col = col_of_chunk(0);
-    const bool col_ok = col < cols;
-    int64_t step = kRowStep * row_stride;
-    const uint16_t* src = base + static_cast<int64_t>(row_of.first + r0) * row_stride + head_offset + col;
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const bool valid = col_ok && r0 + i * kRowStep < row_of.keys;
-      sm80::CpAsync16(tile.Address(r0 + i * kRowStep, col), valid ? src : base, valid);
-      asm volatile("" : "+l"(step));
-      src += step;
-    }
-    return;
-  }
 #pragma unroll
   for (int i0 = 0; i0 < kIters; i0 += kGroup) {
     int rows[kGroup];
@@ -271,16 +245,20 @@ struct DecodeKernel {
     // The pass's i-th tile into its stage.
     auto load = [&](int i) {
       const int stage = i % kStages;
-      auto load_rows = [&](auto row_of) {
-        AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kD, kD, tid);
-        AsyncLoadKeys<kThreads>(sm.V(stage), v, row_of, v_stride, rb.kv_head * kDv, kDv, tid);
-      };
       if (paged) {
         const int* table = sm.KeyRows(i);
-        load_rows([table](int r) { return table[r]; });
+        const auto row_of = [table](int r) { return table[r]; };
+        AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kD, kD, tid);
+        AsyncLoadKeys<kThreads>(sm.V(stage), v, row_of, v_stride, rb.kv_head * kDv, kDv, tid);
       } else {
+        // Consecutive rows, each thread's source one pointer that moves a fixed number of rows a chunk. tid through an
+        // empty asm, as in AsyncLoadKeys: the chunks' offsets are computed here, not kept live through the main loop.
+        int copy_tid = tid;
+        asm volatile("" : "+r"(copy_tid));
         const int key0 = (tile_begin + i) * kBlockN;
-        load_rows(ConsecutiveRows{static_cast<int>(key_rows.Row(rb.b, key0)), len.kv_len - key0});
+        const int first_row = static_cast<int>(key_rows.Row(rb.b, key0)), end_row = first_row + len.kv_len - key0;
+        sm.K(stage).template AsyncLoad<kThreads>(k + rb.kv_head * kD, k_stride, first_row, end_row, kD, copy_tid);
+        sm.V(stage).template AsyncLoad<kThreads>(v + rb.kv_head * kDv, v_stride, first_row, end_row, kDv, copy_tid);
       }
     };
     // A tile's table is written kRowsLead tiles before the tile is multiplied: its copies, the first to read it, are

@@ -3,6 +3,7 @@
 // 16; the padding columns and rows past the valid length are zero-filled by the loader, so they add nothing.
 #pragma once
 
+#include "cpp/cuda/kernels/sm80/async_load_rows.h"
 #include "cpp/cuda/kernels/sm80/cp_async.h"
 
 namespace te_jax::cuda::sm80 {
@@ -29,45 +30,14 @@ struct SmemTile {
   // Where in its row (in elements) the row's 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) is stored.
   static __device__ __forceinline__ int ChunkColumn(int /*row*/, int chunk) { return chunk * 8; }
 
-  // Asynchronously copies rows [row0, row0 + kRows) of a row-major global tensor with `row_stride` elements between
-  // rows and `cols` valid columns (a multiple of 8) per row; rows at or past `valid_rows` and columns past `cols` are
-  // zero-filled. Every thread of the CTA calls it.
+  // Rows any step apart are kPitch elements a row apart.
+  static constexpr bool LinearRowStep(int /*step*/) { return true; }
+
+  // AsyncLoadRows (async_load_rows.h) into this tile.
   template <int kThreads>
   __device__ __forceinline__ void AsyncLoad(const uint16_t* base, int64_t row_stride, int row0, int valid_rows,
                                             int cols, int tid) const {
-    constexpr int kChunksPerRow = kCols / 8;
-    constexpr int kChunks = kRows * kChunksPerRow;
-    if constexpr (kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0) {
-      // Each thread copies one column chunk of every (kThreads / kChunksPerRow)-th row. The source pointer advances by
-      // a stride the compiler cannot see through (the empty asm), so it does not keep one 64-bit pointer per chunk
-      // live across the whole kernel (that cost ~30 registers and spills in the main loops).
-      constexpr int kRowStep = kThreads / kChunksPerRow;
-      const int r0 = tid / kChunksPerRow;
-      const int col = (tid % kChunksPerRow) * 8;
-      const bool col_ok = col < cols;
-      int64_t step = kRowStep * row_stride;
-      const uint16_t* src = base + static_cast<int64_t>(row0 + r0) * row_stride + col;
-      const uint32_t dst = Address(r0, col);
-#pragma unroll
-      for (int i = 0; i < kRows / kRowStep; ++i) {
-        const bool valid = col_ok && row0 + r0 + i * kRowStep < valid_rows;
-        CpAsync16(dst + i * kRowStep * kPitch * 2, valid ? src : base, valid);
-        asm volatile("" : "+l"(step));
-        src += step;
-      }
-    } else {
-      // A fixed trip count (tid < kThreads), so the loop unrolls completely.
-#pragma unroll
-      for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-        const int c = tid + i * kThreads;
-        if (kChunks % kThreads != 0 && c >= kChunks) break;
-        const int r = c / kChunksPerRow;
-        const int col = (c % kChunksPerRow) * 8;
-        const bool valid = row0 + r < valid_rows && col < cols;
-        const uint16_t* src = valid ? base + static_cast<int64_t>(row0 + r) * row_stride + col : base;
-        CpAsync16(Address(r, col), src, valid);
-      }
-    }
+    AsyncLoadRows<kThreads>(*this, base, row_stride, row0, valid_rows, cols, tid);
   }
 
   // The fragment loaders add the lane's part of the address and the fragment's (row, col) as separate terms, so a

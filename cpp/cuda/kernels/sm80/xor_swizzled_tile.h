@@ -10,6 +10,7 @@
 // 16-byte bank groups (the XOR takes 8 values).
 #pragma once
 
+#include "cpp/cuda/kernels/sm80/async_load_rows.h"
 #include "cpp/cuda/kernels/sm80/cp_async.h"
 
 namespace te_jax::cuda::sm80 {
@@ -31,6 +32,16 @@ struct XorSwizzledTile {
   }
 
   __device__ __forceinline__ uint32_t Address(int row, int col) const { return SmemAddress(data) + Offset(row, col); }
+
+  // Rows a multiple of 8 apart have the same swizzle, so they are kPitch elements a row apart.
+  static constexpr bool LinearRowStep(int step) { return step % 8 == 0; }
+
+  // AsyncLoadRows (async_load_rows.h) into this tile.
+  template <int kThreads>
+  __device__ __forceinline__ void AsyncLoad(const uint16_t* base, int64_t row_stride, int row0, int valid_rows,
+                                            int cols, int tid) const {
+    AsyncLoadRows<kThreads>(*this, base, row_stride, row0, valid_rows, cols, tid);
+  }
 
   // Where in its row (in elements) the row's 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) is stored.
   static __device__ __forceinline__ int ChunkColumn(int row, int chunk) { return (chunk ^ (row & 7)) * 8; }
