@@ -25,9 +25,9 @@
 namespace te_jax::cuda::decode {
 
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
-// paged tile's kRows keys into a tile; row_of(r) is key r's row in the pool (cpp/kv_rows.h; the contiguous call's tile,
-// consecutive rows, takes the tiles' AsyncLoad, with the same bits), -1 for a key past the length (zero-filled, as are
-// columns past cols).
+// paged call's tile of kRows keys into a tile; row_of(r) is key r's row in the pool (cpp/kv_rows.h), -1 for a key past
+// the length (zero-filled, as are columns past cols). A contiguous call's rows are consecutive: its tiles' AsyncLoad
+// (sm80/async_load_rows.h) copies them, and a paged call gives its bits.
 template <int kThreads, typename Tile, typename RowOf>
 __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, RowOf row_of, int64_t row_stride,
                                               int head_offset, int cols, int tid) {

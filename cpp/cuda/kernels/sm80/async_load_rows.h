@@ -1,6 +1,6 @@
 // The cp.async copy of consecutive rows of a row-major global tensor into a shared-memory tile (SmemTile or
-// XorSwizzledTile: anything with kRows, kCols, kPitch, Address(row, col) and LinearRowStep(step)), the loader of every tile whose rows are one stride
-// apart in global memory.
+// XorSwizzledTile: anything with kRows, kCols, kPitch, Address(row, col) and LinearRowStep(step)): the loader of every
+// tile whose rows are one stride apart in global memory.
 #pragma once
 
 #include "cpp/cuda/kernels/sm80/cp_async.h"
