@@ -11,8 +11,8 @@
 
 namespace te_jax::cuda::sm80 {
 
-// The scans below look at each row's kCols / 8 chunks in storage order, which holds the same elements in SmemTile and
-// XorSwizzledTile (whose rows store their chunks permuted).
+// The scans below reach elements through the tile's At(row, col) (SmemTile's padded rows, XorSwizzledTile's permuted
+// chunks); a 16-byte chunk (8 columns from a multiple of 8) is stored whole in both.
 
 // Whether any element of the tile (padding included: the loader zero-fills it) is inf or NaN; every thread of the CTA
 // calls it between barriers, and each looks at its share of 16-byte chunks.
@@ -21,7 +21,7 @@ __device__ __forceinline__ bool ThreadSeesNonFinite(const Tile& tile, int tid) {
   constexpr int kChunksPerRow = Tile::kCols / 8;
   bool any = false;
   for (int c = tid; c < Tile::kRows * kChunksPerRow; c += kThreads) {
-    const uint4 chunk = *reinterpret_cast<const uint4*>(tile.data + (c / kChunksPerRow) * tile.kPitch + (c % kChunksPerRow) * 8);
+    const uint4 chunk = *reinterpret_cast<const uint4*>(tile.At(c / kChunksPerRow, c % kChunksPerRow * 8));
     const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
@@ -37,7 +37,7 @@ template <typename Element, int kThreads, typename Tile>
 __device__ __forceinline__ void ZeroNonFinite(const Tile& tile, int tid) {
   constexpr int kCols = Tile::kCols;
   for (int e = tid; e < Tile::kRows * kCols; e += kThreads) {
-    uint16_t& x = tile.data[(e / kCols) * tile.kPitch + e % kCols];
+    uint16_t& x = *tile.At(e / kCols, e % kCols);
     if (IsNonFinite<Element>(x)) x = 0;
   }
 }
@@ -61,12 +61,11 @@ __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][k
 #pragma unroll 1
       for (int key = first; key < last; ++key) {
         if (!sees(mt * 16 + g + 8 * r, key)) continue;
-        const uint16_t* row = v_tile.data + (key - n0) * VTile::kPitch;
 #pragma unroll
         for (int j = 0; j < kN8; ++j)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const uint16_t x = row[VTile::ChunkColumn(key - n0, j) + 2 * t + c];
+            const uint16_t x = *v_tile.At(key - n0, j * 8 + 2 * t + c);
             if (IsNonFinite<Element>(x)) o[mt][j][2 * r + c] = __int_as_float(0x7fffffff);
           }
       }

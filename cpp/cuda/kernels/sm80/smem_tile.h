@@ -27,8 +27,8 @@ struct SmemTile {
   // access cost ~4 integer instructions per ldmatrix and ~30 registers of addresses).
   __device__ __forceinline__ uint32_t Address(int row, int col) const { return SmemAddress(data) + Offset(row, col); }
 
-  // Where in its row (in elements) the row's 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) is stored.
-  static __device__ __forceinline__ int ChunkColumn(int /*row*/, int chunk) { return chunk * 8; }
+  // Element (row, col), for the scalar scans of nonfinite_tile.h.
+  __device__ __forceinline__ uint16_t* At(int row, int col) const { return data + (row * kPitch + col); }
 
   // Rows any step apart are kPitch elements a row apart.
   static constexpr bool LinearRowStep(int /*step*/) { return true; }
