@@ -198,7 +198,18 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                     partial_out == nullptr ? nullptr : partial_out + partial_rows * p.head_dim_v,
                     b.page_table,
                     p.page_size,
-                    p.num_pages};
+                    p.num_pages,
+                    {},
+                    {}};
+  // TMA copies a contiguous call's K and V stages where the arch has it and the stages are swizzled tiles
+  // (kernels/decode/attention_decode.cuh kTmaStages, the same conditions).
+  const int dp = sm80::PadHeadDim(static_cast<int>(p.head_dim)), dvp = sm80::PadHeadDim(static_cast<int>(p.head_dim_v));
+  if (module->tma && p.page_size == 0 && p.seqlen_kv > 0 && decode::SwizzledStage(dp) && decode::SwizzledStage(dvp)) {
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, p.head_dim,
+                                                decode::kBlockN, &decode.k_map));
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads,
+                                                p.head_dim_v, decode::kBlockN, &decode.v_map));
+  }
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[g.kernel], "attention decode", static_cast<unsigned>(g.splits),
                                 static_cast<unsigned>(p.num_kv_heads * g.row_blocks), static_cast<unsigned>(p.batch),
                                 decode::kThreads, module->smem_bytes[g.kernel], stream, &decode));

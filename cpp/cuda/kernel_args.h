@@ -88,6 +88,12 @@ struct ForwardArgs {
   BiasArgs bias;     // read only by kernels built with a bias (LogitsVariant::kHasBias)
 };
 
+// A CUtensorMap (cuda.h), opaque: 128 bytes, 128-byte aligned. Kernels built by NVRTC see no cuda.h, so they take it as
+// this; the host encodes a CUtensorMap and copies it in (tensor_maps.h checks the sizes agree).
+struct alignas(128) TensorMap {
+  uint64_t opaque[16];
+};
+
 // The decode kernels' parameters (kernels/decode/): the forward's, and the launch geometry the host chose. A CTA
 // (blockIdx x = split, y = K/V head x row block, z = batch) packs heads_per_block query heads of one K/V head times
 // positions_per_block query positions into the rows of its tile (row r: position r / heads_per_block, head
@@ -108,12 +114,11 @@ struct DecodeArgs {
   const int32_t* page_table;
   int64_t page_size;
   int64_t num_pages;
-};
-
-// A CUtensorMap (cuda.h), opaque: 128 bytes, 128-byte aligned. Kernels built by NVRTC see no cuda.h, so they take it as
-// this; the host encodes a CUtensorMap and copies it in (tensor_maps.h checks the sizes agree).
-struct alignas(128) TensorMap {
-  uint64_t opaque[16];
+  // A contiguous call on sm_90 on where the K and V stages are swizzled tiles (attention_decode.cuh kTmaStages): k and
+  // v as tensor maps of 64-row boxes (tensor_maps.h), whose copies fill the stages. The parameter is __grid_constant__,
+  // so TMA reads the maps in place.
+  TensorMap k_map;
+  TensorMap v_map;
 };
 
 // The sm90 forward's parameters: the forward's, and TMA tensor maps of q, k and v as 4-D tensors [B][S][H][D] (innermost

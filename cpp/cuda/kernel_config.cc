@@ -12,6 +12,12 @@
 namespace te_jax::cuda {
 namespace {
 
+int ArchNumber(const std::string& arch) {
+  int number = 0;  // "sm_90a" -> 90, "sm_100a" -> 100
+  for (size_t i = 3; i < arch.size() && arch[i] >= '0' && arch[i] <= '9'; ++i) number = 10 * number + (arch[i] - '0');
+  return number;
+}
+
 const char* const kForwardEntries[] = {"te_jax_attention_forward", "te_jax_token_tables", "te_jax_token_spans"};
 const char* const kPersistentForwardEntries[] = {"te_jax_attention_forward", "te_jax_attention_forward_persistent"};
 const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
@@ -170,7 +176,7 @@ std::string KernelConfig::RenderSource() const {
     const std::string kernels[] = {"Rows16", "Rows64", "Combine", "Rows16Shallow"};
     for (int i = 0; i < count; ++i) {
       src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
-             "(const te_jax::cuda::DecodeArgs args) { " + kernels[i] + "::Run(args); }\n";
+             "(const __grid_constant__ te_jax::cuda::DecodeArgs args) { " + kernels[i] + "::Run(args); }\n";
     }
   } else if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
     // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
@@ -293,11 +299,9 @@ bool BiasFitsTma(const AttentionParams& params) {
          params.seqlen_kv * DTypeSize(params.bias_dtype) % 16 == 0;
 }
 
-bool DependentLaunch(const std::string& arch) {
-  int number = 0;  // "sm_90a" -> 90, "sm_100a" -> 100
-  for (size_t i = 3; i < arch.size() && arch[i] >= '0' && arch[i] <= '9'; ++i) number = 10 * number + (arch[i] - '0');
-  return number >= 90;
-}
+bool DependentLaunch(const std::string& arch) { return ArchNumber(arch) >= 90; }
+
+bool HasTma(const std::string& arch) { return ArchNumber(arch) >= 90; }
 
 std::string ArchForComputeCapability(int major, int minor) {
   std::string arch = "sm_" + std::to_string(major) + std::to_string(minor);

@@ -96,4 +96,8 @@ std::string ArchForComputeCapability(int major, int minor);
 // kernels/common/dependent_launch.h), so the host may launch them so.
 bool DependentLaunch(const std::string& arch);
 
+// Whether kernels built for `arch` have the TMA unit (sm_90 and newer), so the host encodes tensor maps for the kernels
+// that copy with it where they can (the decode kernels' contiguous calls: kernels/decode/attention_decode.cuh).
+bool HasTma(const std::string& arch);
+
 }  // namespace te_jax::cuda

@@ -158,6 +158,7 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
     }
     entry->module.count = count;
     entry->module.dependent_launch = DependentLaunch(config.arch);
+    entry->module.tma = HasTma(config.arch);
   } else {
     report->name = config.Name();
     report->origin = "memory";

@@ -32,6 +32,7 @@ struct LoadedModule {
   int count = 0;
   int smem_bytes[kMaxKernels] = {};
   bool dependent_launch = false;  // DependentLaunch(its arch)
+  bool tma = false;  // HasTma(its arch)
 };
 
 // The loaded module for `config` with its shared-memory limits raised on `device`.

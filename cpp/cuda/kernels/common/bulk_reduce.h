@@ -4,7 +4,7 @@
 // they compile to nothing for older targets, so one kernel body serves both.
 #pragma once
 
-#include "cpp/host_device.h"
+#include "cpp/cuda/kernels/common/shared_memory.h"
 
 namespace te_jax::cuda {
 
@@ -13,13 +13,6 @@ inline constexpr bool kHasBulkReduce = true;
 #else
 inline constexpr bool kHasBulkReduce = false;
 #endif
-
-// Makes this thread's generic-proxy shared-memory writes visible to the copy engine (async proxy).
-__device__ __forceinline__ void FenceSharedForAsyncProxy() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
 
 // global[0, bytes) += shared[0, bytes) as float32; bytes a multiple of 16, both addresses 16-byte aligned.
 __device__ __forceinline__ void BulkReduceAddF32(float* global, uint32_t smem_addr, uint32_t bytes) {

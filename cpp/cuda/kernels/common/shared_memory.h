@@ -12,4 +12,12 @@ __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return a;
 }
 
+// Makes this thread's generic-proxy shared-memory writes visible to the copy engines (the async proxy: TMA, bulk
+// copies) before they read or overwrite the same bytes. Nothing before sm_90, which has no such engines.
+__device__ __forceinline__ void FenceSharedForAsyncProxy() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 }  // namespace te_jax::cuda

@@ -1,5 +1,6 @@
-// Decode attention (few query positions, long key sequences): mma.sync m16n8k16, ldmatrix and a cp.async ring, so it
-// runs on every arch from sm_80. Bound by reading K and V, not by the tensor cores, so the design is about bytes:
+// Decode attention (few query positions, long key sequences): mma.sync m16n8k16, ldmatrix and a ring of stages that
+// cp.async fills (TMA a contiguous call's on sm_90 on), so it runs on every arch from sm_80. Bound by reading K and V,
+// not by the tensor cores, so the design is about bytes:
 //   - GQA packing: a CTA's tile rows are query heads of one K/V head x query positions (kernel_args.h DecodeArgs), so
 //     each K/V byte is read once per group, not once per query head;
 //   - split-KV: the key tiles of a (batch, K/V head) are split across CTAs (blockIdx.x) so that small batches still
@@ -20,6 +21,8 @@
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/xor_swizzled_tile.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
+#include "cpp/cuda/kernels/sm90/mbarrier.h"
+#include "cpp/cuda/kernels/sm90/tma.h"
 #include "cpp/kv_rows.h"
 
 namespace te_jax::cuda::decode {
@@ -116,7 +119,15 @@ __device__ __forceinline__ RowBlock RowBlockOfCta(const DecodeArgs& a) {
   return rb;
 }
 
-// kStages: the cp.async ring's depth (tile_size.h: the deep ring, or the shallow one that fits more CTAs on an SM).
+// Whether this build copies a contiguous call's K and V stages with TMA (sm_90 on): one thread issues a tile's copies
+// where cp.async took 16 per thread, the tensor map's 128-byte swizzle writing XorSwizzledTile's layout.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+inline constexpr bool kArchHasTma = true;
+#else
+inline constexpr bool kArchHasTma = false;
+#endif
+
+// kStages: the ring's depth (tile_size.h: the deep ring, or the shallow one that fits more CTAs on an SM).
 template <typename Element, int kD, int kDv, typename Variant, int kRowTiles, int kStages>
 struct DecodeKernel {
   static constexpr int kThreads = decode::kThreads;
@@ -129,23 +140,28 @@ struct DecodeKernel {
   using KTile = typename StageTileOf<kBlockN, kDP>::Type;
   using VTile = typename StageTileOf<kBlockN, kDvP>::Type;
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
-  static constexpr int kRingOffset = QTile::kBytes;
-  static constexpr int kRowsOffset = kRingOffset + kStages * kStageBytes;
+  // TMA for the stages of this build's contiguous calls: stage tiles in XorSwizzledTile's layout.
+  static constexpr bool kTmaStages = kArchHasTma && SwizzledStage(kDP) && SwizzledStage(kDvP);
+  // From a 1024-byte-aligned base (tile_size.h SmemBytes), the ring first, so its tiles start on the swizzle's atoms.
+  static constexpr int kRingOffset = 0;
+  static constexpr int kQOffset = kRingOffset + kStages * kStageBytes;
+  static constexpr int kRowsOffset = kQOffset + QTile::kBytes;
   static constexpr int kKeyRowsOffset = kRowsOffset + kRows * 16;
   static constexpr int kKeyRowSlots = KeyRowSlots(kStages);
-  static constexpr int kSmemBytes = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
+  static constexpr int kBarriersOffset = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + kStages * 8;
   static constexpr int kPitch = EpiloguePitch(kDv);
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
   static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles, kStages),
                 "tile_size.h and the kernel disagree on shared memory");
-  static_assert(kRingOffset % 128 == 0 && kStageBytes % 128 == 0 && KTile::kBytes % 128 == 0,
-                "stage tiles start on 128-byte lines (the swizzle's bank groups, whole L2 sectors)");
+  static_assert(kStageBytes % 1024 == 0 && KTile::kBytes % 1024 == 0 && kBarriersOffset % 8 == 0,
+                "stage tiles start on 1024-byte swizzle atoms (TMA's swizzle, the bank groups, whole L2 sectors)");
   static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,
                 "the epilogue fits in the rings");
 
   struct Smem {
     unsigned char* base;
-    __device__ __forceinline__ QTile Q() const { return {reinterpret_cast<uint16_t*>(base)}; }
+    __device__ __forceinline__ QTile Q() const { return {reinterpret_cast<uint16_t*>(base + kQOffset)}; }
     __device__ __forceinline__ KTile K(int stage) const {
       return {reinterpret_cast<uint16_t*>(base + kRingOffset + stage * kStageBytes)};
     }
@@ -160,6 +176,8 @@ struct DecodeKernel {
     __device__ __forceinline__ int* KeyRows(int i) const {
       return reinterpret_cast<int*>(base + kKeyRowsOffset) + i % kKeyRowSlots * kBlockN;
     }
+    // The stage's TMA copies complete on its barrier (a contiguous call's, kTmaStages).
+    __device__ __forceinline__ uint32_t Full(int stage) const { return SmemAddress(base + kBarriersOffset) + stage * 8; }
     // The epilogue, over the rings: each warp's 16 x dv partial output, then each warp's row maxima and sums, then per
     // CTA row the warps' weights, 1 / sum and lse.
     __device__ __forceinline__ float* PartialOut(int warp) const {
@@ -173,8 +191,8 @@ struct DecodeKernel {
   };
 
   static __device__ __forceinline__ void Run(const DecodeArgs& a) {
-    extern __shared__ __align__(128) unsigned char smem_raw[];  // XorSwizzledTile's lines
-    const Smem sm{smem_raw};
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const Smem sm{smem_raw + (-SmemAddress(smem_raw) & 1023u)};
     const ForwardArgs& args = a.args;
     const ShapeArgs& s = args.shape;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -217,6 +235,22 @@ struct DecodeKernel {
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
     const bool paged = key_rows.paged();
+    // A contiguous call of a build with TMA stages (the host encoded the maps: attention_cuda.cc): thread 0 copies each
+    // stage, which completes on the stage's barrier; else every thread's cp.async copies, which it waits for by group.
+    // TMA copies whole 64-row boxes, so a stage also holds the rows of the batch's K/V past its length up to the tile's
+    // end (cp.async zero-fills them): no row sees those keys, and a non-finite value there (a cache never written) is
+    // the careful pass's, like one in any key a row does not see.
+    const bool tma = kTmaStages && !paged;
+    if constexpr (kTmaStages) {
+      if (tma && tid == 0 && tiles > 0) {  // (no K/V rows: no maps)
+        sm90::PrefetchTensorMap(&a.k_map);
+        sm90::PrefetchTensorMap(&a.v_map);
+        for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(sm.Full(stage), 1);
+        sm90::FenceMbarrierInit();  // before any copy names a barrier; the pass's first barrier publishes the inits
+      }
+    }
+    // Bit `stage` of `phases`: the parity of the phase of the stage's barrier that its next tile completes.
+    uint32_t phases = 0;
     // paged_attention's contract: a sequence that uses a page id outside the pool gets NaN in every output (its reads
     // clamped meanwhile). The splits of a row block share the check: each checks the pages of its share of the
     // sequence's keys, [split, split + 1) x tiles_per_split tiles, those of the tiles it reads as it looks up their rows
@@ -245,7 +279,27 @@ struct DecodeKernel {
     // The pass's i-th tile into its stage.
     auto load = [&](int i) {
       const int stage = i % kStages;
-      if (paged) {
+      if constexpr (kTmaStages) {
+        if (tma) {
+          if (tid == 0) {
+            const uint32_t full = sm.Full(stage);
+            const int key0 = (tile_begin + i) * kBlockN;
+            sm90::MbarrierArriveExpectBytes(full, kStageBytes);
+#pragma unroll
+            for (int c = 0; c < kDP / 64; ++c) {
+              sm90::TmaLoad4d(SmemAddress(sm.K(stage).data) + c * KTile::kBlockBytes, &a.k_map, full, 64 * c,
+                              rb.kv_head, key0, rb.b);
+            }
+#pragma unroll
+            for (int c = 0; c < kDvP / 64; ++c) {
+              sm90::TmaLoad4d(SmemAddress(sm.V(stage).data) + c * VTile::kBlockBytes, &a.v_map, full, 64 * c,
+                              rb.kv_head, key0, rb.b);
+            }
+          }
+          return;
+        }
+      }
+      if (kTmaStages || paged) {
         const int* table = sm.KeyRows(i);
         const auto row_of = [table](int r) { return table[r]; };
         AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kD, kD, tid);
@@ -294,7 +348,13 @@ struct DecodeKernel {
       }
       for (int i = 0; i < tiles; ++i) {
         const int stage = i % kStages;
-        sm80::CpAsyncWait<kStages - 2>();
+        if constexpr (kTmaStages) {
+          if (tma) {
+            sm90::MbarrierWait(sm.Full(stage), phases >> stage & 1u);
+            phases ^= 1u << stage;
+          }
+        }
+        sm80::CpAsyncWait<kStages - 2>();  // (with TMA: the q tile's group)
         __syncthreads();  // tile i landed for everyone, and everyone is done with the stage the next load overwrites
         if (i + kStages - 1 < tiles) load(i + kStages - 1);
         sm80::CpAsyncCommit();
@@ -307,6 +367,7 @@ struct DecodeKernel {
                                                           [](int, int) { return true; });
             __syncthreads();  // every warp has read the values before they are zeroed
             sm80::ZeroNonFinite<Element, kThreads>(sm.V(stage), tid);
+            FenceSharedForAsyncProxy();  // the zeroes before a later TMA copy overwrites the stage
             __syncthreads();
           }
         }

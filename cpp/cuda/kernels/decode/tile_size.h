@@ -33,7 +33,7 @@ TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
   return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : TileBytes(kBlockN, PadHeadDim(d));
 }
 
-// Stages of the cp.async ring. The deep ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile:
+// Stages of the ring. The deep ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile:
 // two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~68 KB at d = 128: three
 // CTAs per SM), serves the four-row-tile kernel (below) and a one-row-tile call whose CTAs fit in one wave of its
 // slots (decode_geometry.cc): H200, b 8 x 32k, its kernel took 245 us against the deep ring's 251 (DRAM 91% against
@@ -55,12 +55,13 @@ TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int stages) { return stages + 1; }
 // tiles (64 rows, e.g. 4 heads x 16 positions) give each warp 16 rows and all 64 keys.
 TE_JAX_HOST_DEVICE constexpr int RowsOfTile(int row_tiles) { return 16 * row_tiles; }
 
-// The pipeline: the q tile, the k and v rings, and each row's key range, position and ALiBi slope. The epilogue reuses
-// the rings for the warps' float partial outputs and each row's max and sum per warp.
+// The pipeline: the k and v rings, the q tile, each row's key range, position and ALiBi slope, the key-row tables and a
+// barrier per stage, from a base the kernel aligns to 1024 bytes (TMA's swizzle atoms: 1024 more bytes). The epilogue
+// reuses the rings for the warps' float partial outputs and each row's max and sum per warp.
 TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles, int stages) {
   const int rows = RowsOfTile(row_tiles);
-  return TileBytes(rows, PadHeadDim(d)) + stages * (StageTileBytes(d) + StageTileBytes(dv)) + rows * (8 + 4 + 4) +
-         KeyRowSlots(stages) * kBlockN * 4;
+  return 1024 + stages * (StageTileBytes(d) + StageTileBytes(dv)) + TileBytes(rows, PadHeadDim(d)) +
+         rows * (8 + 4 + 4) + KeyRowSlots(stages) * kBlockN * 4 + stages * 8;
 }
 
 // The epilogue's float rows of each warp's partial output, padded by 4 floats so a fragment store's 8 rows spread over
