@@ -83,6 +83,30 @@ def test_decode_invalid_runtime_seqlens_give_nan():
       assert not np.isnan(x[0]).any(), f"{name} of the valid batch has NaN"
 
 
+def test_decode_ignores_nonfinite_cache_rows_past_the_lengths():
+  """A KV cache whose rows past each sequence's length hold NaN and inf (never written): the keys no row sees never
+  affect it, also where the copies read those rows with the tile (TMA copies whole 64-row boxes) and across splits."""
+  rng = np.random.default_rng(5)
+  for skv, lengths in ((300, [1, 130, 257]), (9000, [8999, 4100, 70])):
+    q = rng.standard_normal((3, 4, 8, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((3, skv, 2, 128)).astype(np.float32) for _ in range(2))
+    for i, n in enumerate(lengths):
+      k[i, n:] = np.nan
+      v[i, n:: 2] = np.inf
+      v[i, n + 1:: 2] = np.nan
+    qs = jnp.asarray([4, 4, 4], jnp.int32)
+    ks = jnp.asarray(lengths, jnp.int32)
+    f = jax.jit(lambda q, k, v, ks: te_jax.fused_attn(q, k, v, mask_type="padding_causal_bottom_right", q_seqlens=qs,
+                                                      kv_seqlens=ks, return_lse=True, engine="te"))
+    out, lse = (np.asarray(t, np.float32) for t in f(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), ks))
+    assert np.isfinite(out).all() and not np.isnan(lse).any(), f"skv {skv}: a row saw a key past its length"
+    bf = [np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) for x in (q, k, v)]
+    ref = attention_reference(*bf, mask_type="padding_causal_bottom_right", q_seqlens=np.asarray(qs),
+                              kv_seqlens=np.asarray(lengths))
+    assert _rel(out, ref["out"]) < TOL["bfloat16"]["out"], f"skv {skv}"
+    assert np.array_equal(np.isinf(lse), np.isinf(ref["lse"])), f"skv {skv}: rows without keys differ"
+
+
 # Paged KV caches read in place by the decode kernels: (page_size, b, sq, h, hkv, d, mask).
 PAGED = [
     (16, 3, 1, 8, 2, 128, "causal_bottom_right"),
