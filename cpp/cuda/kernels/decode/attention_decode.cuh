@@ -177,7 +177,9 @@ struct DecodeKernel {
       return reinterpret_cast<int*>(base + kKeyRowsOffset) + i % kKeyRowSlots * kBlockN;
     }
     // The stage's TMA copies complete on its barrier (a contiguous call's, kTmaStages).
-    __device__ __forceinline__ uint32_t Full(int stage) const { return SmemAddress(base + kBarriersOffset) + stage * 8; }
+    __device__ __forceinline__ uint32_t Full(int stage) const {
+      return SmemAddress(base + kBarriersOffset) + stage * 8;
+    }
     // The epilogue, over the rings: each warp's 16 x dv partial output, then each warp's row maxima and sums, then per
     // CTA row the warps' weights, 1 / sum and lse.
     __device__ __forceinline__ float* PartialOut(int warp) const {

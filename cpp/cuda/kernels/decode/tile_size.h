@@ -33,8 +33,8 @@ TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
   return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : TileBytes(kBlockN, PadHeadDim(d));
 }
 
-// Stages of the ring. The deep ring: three for head dims up to 128 (~102 KB at d = 128 with the 16-row tile:
-// two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~68 KB at d = 128: three
+// Stages of the ring. The deep ring: three for head dims up to 128 (~103 KB at d = 128 with the 16-row tile:
+// two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~70 KB at d = 128: three
 // CTAs per SM), serves the four-row-tile kernel (below) and a one-row-tile call whose CTAs fit in one wave of its
 // slots (decode_geometry.cc): H200, b 8 x 32k, its kernel took 245 us against the deep ring's 251 (DRAM 91% against
 // 89% busy), while b 64 x 4k's 512 CTAs took 1.29 waves of it: 326 us against 254 (docs/BENCHMARKS.md, run 63e).

@@ -1,8 +1,8 @@
 // A [kRows x kCols] tile of 16-bit elements in shared memory, stored as kCols / 64 column blocks of kRows rows x 128
 // bytes, each row's 16-byte chunks permuted within its block by XOR with row % 8: chunk c of row r sits at chunk
-// c ^ (r % 8) of the row's 128 bytes in block c / 8. That is the layout a TMA copy with the 128-byte swizzle writes
-// (sm90/swizzled_tile.h, when the tile starts on a 1024-byte boundary), so cp.async and TMA fill the same tile. The same
-// interface as SmemTile (smem_tile.h), for tiles filled from global memory at full bandwidth.
+// (c % 8) ^ (r % 8) of the row's 128 bytes in block c / 8. That is the layout a TMA copy with the 128-byte swizzle
+// writes (sm90/swizzled_tile.h, when the tile starts on a 1024-byte boundary), so cp.async and TMA fill the same tile.
+// The same interface as SmemTile (smem_tile.h), for tiles filled from global memory at full bandwidth.
 //
 // Why not SmemTile's padding: its rows are 16 bytes longer than their data, so every other row starts 16 bytes off a
 // 32-byte boundary, that row's 32-byte global sectors land across two 32-byte shared sectors, and cp.async asks the L2
