@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
 # JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|bias|features|train|stress|sanitize|jit|decode|decode_ab|bench|oldkernels]...
+# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|bias|features|train|stress|sanitize|jit|decode|decode_ab|cp_overlap|bench|oldkernels]...
 # Sections default to tests, sanitize, jit and bench.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
@@ -131,6 +131,10 @@ PY
           ${AB_ARGS:-} --jsonl "$OUT/decode_ab.jsonl" 2>&1 | grep -v Warning | tail -1
       done
     done ;;
+  cp_overlap)
+    # Issue 14 on a multi-GPU machine: the ring against one GPU, and its permutes alone (CP_DEVICES, default all).
+    timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cp_overlap.py" --devices ${CP_DEVICES:-0} \
+      --seq ${CP_SEQS:-32768,131072,262144} --json "$OUT/cp_overlap.json" 2>&1 | grep -v Warning | tee "$OUT/cp_overlap.log" ;;
   bench)
     timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 \
       | tee "$OUT/bench.log" | grep -v Warning ;;
