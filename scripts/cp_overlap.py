@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import te_jax
 
-
-def seconds_per_call(fn, args, calls: int, samples: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(samples):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls)
-  return float(np.median(times))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the scripts' helpers, also under PYTHONSAFEPATH
+from call_timing import seconds_per_call  # noqa: E402
 
 
 def ring_permutes(mesh: Mesh):

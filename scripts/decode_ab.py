@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +24,12 @@ import te_jax
 import te_jax._cuda  # noqa: F401
 from te_jax.bench.paging import paged_layout
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the scripts' helpers, also under PYTHONSAFEPATH
+from call_timing import seconds_per_call  # noqa: E402
+
 
 def per_call_us(fn, args, calls: int, samples: int) -> float:
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(samples):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e6)
-  return float(np.median(times))
+  return seconds_per_call(fn, args, calls, samples) * 1e6
 
 
 def main():
