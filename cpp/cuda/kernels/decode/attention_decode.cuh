@@ -21,8 +21,8 @@
 #include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/xor_swizzled_tile.h"
 #include "cpp/cuda/kernels/sm80/warp_gemm.h"
-#include "cpp/cuda/kernels/sm90/mbarrier.h"
-#include "cpp/cuda/kernels/sm90/tma.h"
+#include "cpp/cuda/kernels/sm90/pipeline.h"
+#include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/kv_rows.h"
 
 namespace te_jax::cuda::decode {
@@ -247,7 +247,7 @@ struct DecodeKernel {
       if (tma && tid == 0 && tiles > 0) {  // (no K/V rows: no maps)
         sm90::PrefetchTensorMap(&a.k_map);
         sm90::PrefetchTensorMap(&a.v_map);
-        for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(sm.Full(stage), 1);
+        for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(sm.Full(stage), 2);  // k's and v's copies
         sm90::FenceMbarrierInit();  // before any copy names a barrier; the pass's first barrier publishes the inits
       }
     }
@@ -284,19 +284,12 @@ struct DecodeKernel {
       if constexpr (kTmaStages) {
         if (tma) {
           if (tid == 0) {
-            const uint32_t full = sm.Full(stage);
+            // The stage tiles seen as the sm90 family's (the same layout), copied by its loader box by box.
             const int key0 = (tile_begin + i) * kBlockN;
-            sm90::MbarrierArriveExpectBytes(full, kStageBytes);
-#pragma unroll
-            for (int c = 0; c < kDP / 64; ++c) {
-              sm90::TmaLoad4d(SmemAddress(sm.K(stage).data) + c * KTile::kBlockBytes, &a.k_map, full, 64 * c,
-                              rb.kv_head, key0, rb.b);
-            }
-#pragma unroll
-            for (int c = 0; c < kDvP / 64; ++c) {
-              sm90::TmaLoad4d(SmemAddress(sm.V(stage).data) + c * VTile::kBlockBytes, &a.v_map, full, 64 * c,
-                              rb.kv_head, key0, rb.b);
-            }
+            sm90::LoadTile<kBlockN>(sm90::SwizzledTile<kBlockN, kDP>{SmemAddress(sm.K(stage).data)}, &a.k_map,
+                                    sm.Full(stage), rb.kv_head, key0, rb.b);
+            sm90::LoadTile<kBlockN>(sm90::SwizzledTile<kBlockN, kDvP>{SmemAddress(sm.V(stage).data)}, &a.v_map,
+                                    sm.Full(stage), rb.kv_head, key0, rb.b);
           }
           return;
         }
