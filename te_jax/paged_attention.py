@@ -36,7 +36,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
 
   Args:
     q: [B, Sq, H, D], the newest Sq tokens of each sequence (Sq = 1 when decoding).
-    k_pages, v_pages: [num_pages, page_size, Hkv, D] / [..., Dv], the page pool; page_size a multiple of 8 up to 256.
+    k_pages, v_pages: [num_pages, page_size, Hkv, D] / [..., Dv], the page pool (num_pages >= 1); page_size a multiple
+      of 8 up to 256.
     page_table: int32 [B, max_pages_per_seq]: row b lists the pages of sequence b in order; entries past the
       sequence's last page are never read (any value).
     kv_lengths: int32 [B], the tokens in each sequence's cache (its queries included), 0 .. max_pages * page_size.
@@ -70,6 +71,9 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   num_pages, page_size = k_pages.shape[:2]
   if page_size % 8 or not 8 <= page_size <= 256:
     raise ValueError(f"the page size (k_pages.shape[1]) must be a multiple of 8 from 8 to 256, got {page_size}")
+  if num_pages == 0:
+    raise ValueError("k_pages and v_pages hold no pages (num_pages = k_pages.shape[0] = 0): a paged KV cache needs a "
+                     "pool of at least one page")
   batch = q.shape[0]
   page_table = _index_operand(page_table, "page_table", ndim=2)
   kv_lengths = _index_operand(kv_lengths, "kv_lengths", ndim=1)

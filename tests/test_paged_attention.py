@@ -429,6 +429,8 @@ def test_context_parallelism_refuses_paging():
     (dict(k_pages=np.zeros((6, 12, 2, 8), np.float32), v_pages=np.zeros((6, 12, 2, 8), np.float32)), ValueError,
      "page size .* multiple of 8"),
     (dict(v_pages=np.zeros((5, 8, 2, 8), np.float32)), ValueError, "must agree on"),
+    (dict(k_pages=np.zeros((0, 8, 2, 8), np.float32), v_pages=np.zeros((0, 8, 2, 8), np.float32)), ValueError,
+     r"hold no pages \(num_pages = k_pages.shape\[0\] = 0\)"),
     (dict(page_table=np.zeros((2, 3), np.float32)), TypeError, "page_table must be an integer array"),
     (dict(page_table=np.zeros((3, 3), np.int32)), ValueError, "B = 2"),
     (dict(kv_lengths=np.asarray([4, 30], np.int32)), ValueError, r"kv_lengths must lie in \[0, 24\]"),

@@ -201,14 +201,19 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                     p.num_pages,
                     {},
                     {}};
-  // TMA copies a contiguous call's K and V stages where the arch has it and the stages are swizzled tiles
-  // (kernels/decode/attention_decode.cuh kTmaStages, the same conditions).
+  // TMA copies the K and V stages where the arch has it and the stages are swizzled tiles (kernels/decode/
+  // attention_decode.cuh kTmaStages, the same conditions): a contiguous call's [B, Skv] rows a stage as one 64-row box,
+  // a paged call's pool as one sequence of num_pages x page_size rows (32-bit coordinates: `rows` above) in boxes
+  // within a page (PagedBoxRows). Without K/V rows (no keys, an empty pool) the kernels read none: no maps.
   const int dp = sm80::PadHeadDim(static_cast<int>(p.head_dim)), dvp = sm80::PadHeadDim(static_cast<int>(p.head_dim_v));
-  if (module->tma && p.page_size == 0 && p.seqlen_kv > 0 && decode::SwizzledStage(dp) && decode::SwizzledStage(dvp)) {
-    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, p.head_dim,
-                                                decode::kBlockN, &decode.k_map));
-    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads,
-                                                p.head_dim_v, decode::kBlockN, &decode.v_map));
+  if (module->tma && rows > 0 && decode::SwizzledStage(dp) && decode::SwizzledStage(dvp)) {
+    const bool paged = p.page_size > 0;
+    const int64_t batch = paged ? 1 : p.batch, seqlen = paged ? rows : p.seqlen_kv;
+    const int box_rows = paged ? decode::PagedBoxRows(p.page_size) : decode::kBlockN;
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.k, batch, seqlen, p.num_kv_heads, p.head_dim,
+                                                box_rows, &decode.k_map));
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.v, batch, seqlen, p.num_kv_heads, p.head_dim_v,
+                                                box_rows, &decode.v_map));
   }
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[g.kernel], "attention decode", static_cast<unsigned>(g.splits),
                                 static_cast<unsigned>(p.num_kv_heads * g.row_blocks), static_cast<unsigned>(p.batch),

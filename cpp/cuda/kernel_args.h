@@ -114,9 +114,10 @@ struct DecodeArgs {
   const int32_t* page_table;
   int64_t page_size;
   int64_t num_pages;
-  // A contiguous call on sm_90 on where the K and V stages are swizzled tiles (attention_decode.cuh kTmaStages): k and
-  // v as tensor maps of 64-row boxes (tensor_maps.h), whose copies fill the stages. The parameter is __grid_constant__,
-  // so TMA reads the maps in place.
+  // On sm_90 on where the K and V stages are swizzled tiles (attention_decode.cuh kTmaStages): k and v as tensor maps
+  // (tensor_maps.h) whose copies fill the stages, of 64-row boxes of [B, Skv] rows, or (paged) of the pool's rows in
+  // boxes within a page (decode/tile_size.h PagedBoxRows). The parameter is __grid_constant__, so TMA reads the maps in
+  // place.
   TensorMap k_map;
   TensorMap v_map;
 };

@@ -1,5 +1,5 @@
 // Decode attention (few query positions, long key sequences): mma.sync m16n8k16, ldmatrix and a ring of stages that
-// cp.async fills (TMA a contiguous call's on sm_90 on), so it runs on every arch from sm_80. Bound by reading K and V,
+// cp.async fills (TMA on sm_90 on), so it runs on every arch from sm_80. Bound by reading K and V,
 // not by the tensor cores, so the design is about bytes:
 //   - GQA packing: a CTA's tile rows are query heads of one K/V head x query positions (kernel_args.h DecodeArgs), so
 //     each K/V byte is read once per group, not once per query head;
@@ -28,7 +28,7 @@
 namespace te_jax::cuda::decode {
 
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
-// paged call's tile of kRows keys into a tile; row_of(r) is key r's row in the pool (cpp/kv_rows.h), -1 for a key past
+// paged call's tile of kRows keys into a tile (builds without TMA stages); row_of(r) is key r's row in the pool (cpp/kv_rows.h), -1 for a key past
 // the length (zero-filled, as are columns past cols). A contiguous call's rows are consecutive: its tiles' AsyncLoad
 // (sm80/async_load_rows.h) copies them, and a paged call gives its bits.
 template <int kThreads, typename Tile, typename RowOf>
@@ -119,8 +119,8 @@ __device__ __forceinline__ RowBlock RowBlockOfCta(const DecodeArgs& a) {
   return rb;
 }
 
-// Whether this build copies a contiguous call's K and V stages with TMA (sm_90 on): one thread issues a tile's copies
-// where cp.async took 16 per thread, the tensor map's 128-byte swizzle writing XorSwizzledTile's layout.
+// Whether this build copies the K and V stages with TMA (sm_90 on): one thread issues a tile's copies where cp.async
+// took 16 per thread, the tensor map's 128-byte swizzle writing XorSwizzledTile's layout.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 inline constexpr bool kArchHasTma = true;
 #else
@@ -140,7 +140,7 @@ struct DecodeKernel {
   using KTile = typename StageTileOf<kBlockN, kDP>::Type;
   using VTile = typename StageTileOf<kBlockN, kDvP>::Type;
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
-  // TMA for the stages of this build's contiguous calls: stage tiles in XorSwizzledTile's layout.
+  // TMA for the stages of this build's calls, contiguous and paged: stage tiles in XorSwizzledTile's layout.
   static constexpr bool kTmaStages = kArchHasTma && SwizzledStage(kDP) && SwizzledStage(kDvP);
   // From a 1024-byte-aligned base (tile_size.h SmemBytes), the ring first, so its tiles start on the swizzle's atoms.
   static constexpr int kRingOffset = 0;
@@ -176,7 +176,7 @@ struct DecodeKernel {
     __device__ __forceinline__ int* KeyRows(int i) const {
       return reinterpret_cast<int*>(base + kKeyRowsOffset) + i % kKeyRowSlots * kBlockN;
     }
-    // The stage's TMA copies complete on its barrier (a contiguous call's, kTmaStages).
+    // The stage's TMA copies complete on its barrier (kTmaStages).
     __device__ __forceinline__ uint32_t Full(int stage) const {
       return SmemAddress(base + kBarriersOffset) + stage * 8;
     }
@@ -224,7 +224,9 @@ struct DecodeKernel {
     const KeySpan span = KeysOfRows(mask, rb.pos0, rb.positions);
     const int tile_begin = max(span.FirstTile(kBlockN), rb.split * a.tiles_per_split);
     const int tile_end = min(span.EndTile(kBlockN), (rb.split + 1) * a.tiles_per_split);
-    const int tiles = tile_end > tile_begin ? tile_end - tile_begin : 0;
+    // An empty page pool has no rows to read: every page a sequence uses is outside it (the page check below says so).
+    const bool empty_pool = a.page_size > 0 && a.num_pages == 0;
+    const int tiles = tile_end > tile_begin && !empty_pool ? tile_end - tile_begin : 0;
     // Tiles [full_begin, full_end) are visible to every row: no per-element mask there.
     const int full_begin = span.all_rows_valid ? (span.full_begin + kBlockN - 1) / kBlockN : tile_end;
     const int full_end = span.all_rows_valid ? span.full_end / kBlockN : tile_end;
@@ -237,14 +239,14 @@ struct DecodeKernel {
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
     const bool paged = key_rows.paged();
-    // A contiguous call of a build with TMA stages (the host encoded the maps: attention_cuda.cc): thread 0 copies each
-    // stage, which completes on the stage's barrier; else every thread's cp.async copies, which it waits for by group.
-    // TMA copies whole 64-row boxes, so a stage also holds the rows of the batch's K/V past its length up to the tile's
-    // end (cp.async zero-fills them): no row sees those keys, and a non-finite value there (a cache never written) is
-    // the careful pass's, like one in any key a row does not see.
-    const bool tma = kTmaStages && !paged;
+    // A build with TMA stages (the host encoded the maps: attention_cuda.cc): warp 0 copies each stage, which completes
+    // on the stage's barrier; else every thread's cp.async copies, which it waits for by group. A contiguous call's
+    // stage is one box of 64 rows, so it also holds the rows of the batch entry's K/V past its length up to the tile's
+    // end (cp.async zero-fills them): no row sees those keys, and a non-finite value there (a cache never written) is the careful
+    // pass's, like one in any key a row does not see. A paged call's boxes are runs of rows within a page (tile_size.h
+    // PagedBoxRows) from the key-row table, so the same holds up to a box's end; a box past the length gets zeros.
     if constexpr (kTmaStages) {
-      if (tma && tid == 0 && tiles > 0) {  // (no K/V rows: no maps)
+      if (tid == 0 && tiles > 0) {  // (no K/V rows: no maps)
         sm90::PrefetchTensorMap(&a.k_map);
         sm90::PrefetchTensorMap(&a.v_map);
         for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(sm.Full(stage), 2);  // k's and v's copies
@@ -282,19 +284,28 @@ struct DecodeKernel {
     auto load = [&](int i) {
       const int stage = i % kStages;
       if constexpr (kTmaStages) {
-        if (tma) {
-          if (tid == 0) {
-            // The stage tiles seen as the sm90 family's (the same layout), copied by its loader box by box.
-            const int key0 = (tile_begin + i) * kBlockN;
-            sm90::LoadTile<kBlockN>(sm90::SwizzledTile<kBlockN, kDP>{SmemAddress(sm.K(stage).data)}, &a.k_map,
-                                    sm.Full(stage), rb.kv_head, key0, rb.b);
-            sm90::LoadTile<kBlockN>(sm90::SwizzledTile<kBlockN, kDvP>{SmemAddress(sm.V(stage).data)}, &a.v_map,
-                                    sm.Full(stage), rb.kv_head, key0, rb.b);
+        // Warp 0's lanes copy the stage box by box (the stage tiles seen as the sm90 family's: the same layout), lane r
+        // box r from its first key's row: a contiguous call's one 64-row box from the tile's first key in its batch
+        // entry, a paged call's boxes within a page from the key-row table (a key past the length: a row past the
+        // pool, zeros).
+        if (warp == 0) {
+          // lane through an empty asm, the entry from blockIdx: what follows is computed here, not kept live through
+          // the main loop (which spilled at d 128 with four row tiles).
+          int box_lane = lane;
+          asm volatile("" : "+r"(box_lane));
+          const int box_rows = paged ? PagedBoxRows(a.page_size) : kBlockN;
+          int row = (tile_begin + i) * kBlockN, b = static_cast<int>(blockIdx.z);
+          if (paged) {
+            row = sm.KeyRows(i)[min(box_lane * box_rows, kBlockN - 1)];
+            if (row < 0) row = static_cast<int>(a.num_pages * a.page_size);
+            b = 0;
           }
-          return;
+          sm90::LoadTileBoxes(sm90::SwizzledTile<kBlockN, kDP>{SmemAddress(sm.K(stage).data)}, &a.k_map, sm.Full(stage),
+                              rb.kv_head, row, b, box_rows, box_lane);
+          sm90::LoadTileBoxes(sm90::SwizzledTile<kBlockN, kDvP>{SmemAddress(sm.V(stage).data)}, &a.v_map,
+                              sm.Full(stage), rb.kv_head, row, b, box_rows, box_lane);
         }
-      }
-      if (kTmaStages || paged) {
+      } else if (paged) {
         const int* table = sm.KeyRows(i);
         const auto row_of = [table](int r) { return table[r]; };
         AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kD, kD, tid);
@@ -344,10 +355,8 @@ struct DecodeKernel {
       for (int i = 0; i < tiles; ++i) {
         const int stage = i % kStages;
         if constexpr (kTmaStages) {
-          if (tma) {
-            sm90::MbarrierWait(sm.Full(stage), phases >> stage & 1u);
-            phases ^= 1u << stage;
-          }
+          sm90::MbarrierWait(sm.Full(stage), phases >> stage & 1u);
+          phases ^= 1u << stage;
         }
         sm80::CpAsyncWait<kStages - 2>();  // (with TMA: the q tile's group)
         __syncthreads();  // tile i landed for everyone, and everyone is done with the stage the next load overwrites

@@ -33,6 +33,13 @@ TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
   return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : TileBytes(kBlockN, PadHeadDim(d));
 }
 
+// A paged call's TMA boxes (sm_90 on): the largest power of two that divides the page size, up to a stage's keys, so
+// a box never crosses a page and a stage is whole boxes (page sizes are multiples of 8 from 8 to 256).
+TE_JAX_HOST_DEVICE constexpr int PagedBoxRows(int64_t page_size) {
+  const int low_bit = static_cast<int>(page_size & -page_size);
+  return low_bit < kBlockN ? low_bit : kBlockN;
+}
+
 // Stages of the ring. The deep ring: three for head dims up to 128 (~103 KB at d = 128 with the 16-row tile:
 // two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~70 KB at d = 128: three
 // CTAs per SM), serves the four-row-tile kernel (below) and a one-row-tile call whose CTAs fit in one wave of its

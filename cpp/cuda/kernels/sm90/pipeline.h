@@ -36,6 +36,28 @@ __device__ __forceinline__ void LoadTile(Tile tile, const void* map, uint32_t fu
   }
 }
 
+// Copies a whole tile in boxes of `box_rows` rows (the tensor map's; a multiple of 8 that divides the tile's rows, so
+// at most 32 boxes) from rows anywhere in batch entry b of a 4-D map (a gather: the pages of a KV cache): lane r of
+// the calling warp copies box r from row `row` (its own; a row past the tensor's end gives zeros, read from nothing),
+// after lane 0 has armed `full` with the tile's bytes (one arrival, as LoadTile's). (One thread issuing a paged tile's
+// boxes in a loop held its registers through the decode kernel's main loop, which then spilled at d 128.)
+template <typename Tile>
+__device__ __forceinline__ void LoadTileBoxes(Tile tile, const void* map, uint32_t full, int head, int row, int b,
+                                              int box_rows, int lane) {
+  if (lane == 0) {
+    StressDelay();
+    MbarrierArriveExpectBytes(full, Tile::kBytes);
+  }
+  __syncwarp();
+  const int r = lane * box_rows;
+  if (r < Tile::kTileRows) {
+#pragma unroll
+    for (int c = 0; c < Tile::kBytes / Tile::kBlockBytes; ++c) {
+      TmaLoad4d(tile.base + c * Tile::kBlockBytes + r * 128, map, full, 64 * c, head, row, b);
+    }
+  }
+}
+
 // Brings the tile LoadTile would copy into L2 (TmaPrefetch4d), box by box.
 template <int kBoxRows, typename Tile>
 __device__ __forceinline__ void PrefetchTileToL2(const void* map, int head, int row, int b) {
