@@ -1,6 +1,6 @@
 // Decode attention (few query positions, long key sequences): mma.sync m16n8k16, ldmatrix and a ring of stages that
-// cp.async fills (TMA on sm_90 on), so it runs on every arch from sm_80. Bound by reading K and V,
-// not by the tensor cores, so the design is about bytes:
+// cp.async fills (TMA on sm_90 on), so it runs on every arch from sm_80. Bound by reading K and V, not by the tensor
+// cores, so the design is about bytes:
 //   - GQA packing: a CTA's tile rows are query heads of one K/V head x query positions (kernel_args.h DecodeArgs), so
 //     each K/V byte is read once per group, not once per query head;
 //   - split-KV: the key tiles of a (batch, K/V head) are split across CTAs (blockIdx.x) so that small batches still
@@ -28,9 +28,9 @@
 namespace te_jax::cuda::decode {
 
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
-// paged call's tile of kRows keys into a tile (builds without TMA stages); row_of(r) is key r's row in the pool (cpp/kv_rows.h), -1 for a key past
-// the length (zero-filled, as are columns past cols). A contiguous call's rows are consecutive: its tiles' AsyncLoad
-// (sm80/async_load_rows.h) copies them, and a paged call gives its bits.
+// paged call's tile of kRows keys into a tile (builds without TMA stages); row_of(r) is key r's row in the pool
+// (cpp/kv_rows.h), -1 for a key past the length (zero-filled, as are columns past cols). A contiguous call's rows are
+// consecutive: its tiles' AsyncLoad (sm80/async_load_rows.h) copies them, and a paged call gives its bits.
 template <int kThreads, typename Tile, typename RowOf>
 __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, RowOf row_of, int64_t row_stride,
                                               int head_offset, int cols, int tid) {
@@ -119,8 +119,8 @@ __device__ __forceinline__ RowBlock RowBlockOfCta(const DecodeArgs& a) {
   return rb;
 }
 
-// Whether this build copies the K and V stages with TMA (sm_90 on): one thread issues a tile's copies where cp.async
-// took 16 per thread, the tensor map's 128-byte swizzle writing XorSwizzledTile's layout.
+// Whether this build copies the K and V stages with TMA (sm_90 on): a few lanes of one warp issue a tile's boxes where
+// cp.async took 16 copies a thread, the tensor map's 128-byte swizzle writing XorSwizzledTile's layout.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 inline constexpr bool kArchHasTma = true;
 #else
@@ -242,9 +242,10 @@ struct DecodeKernel {
     // A build with TMA stages (the host encoded the maps: attention_cuda.cc): warp 0 copies each stage, which completes
     // on the stage's barrier; else every thread's cp.async copies, which it waits for by group. A contiguous call's
     // stage is one box of 64 rows, so it also holds the rows of the batch entry's K/V past its length up to the tile's
-    // end (cp.async zero-fills them): no row sees those keys, and a non-finite value there (a cache never written) is the careful
-    // pass's, like one in any key a row does not see. A paged call's boxes are runs of rows within a page (tile_size.h
-    // PagedBoxRows) from the key-row table, so the same holds up to a box's end; a box past the length gets zeros.
+    // end (cp.async zero-fills them): no row sees those keys, and a non-finite value there (a cache never written) is
+    // the careful pass's, like one in any key a row does not see. A paged call's boxes are runs of rows within a page
+    // (tile_size.h PagedBoxRows) from the key-row table, so the same holds up to a box's end; a box past the length
+    // gets zeros.
     if constexpr (kTmaStages) {
       if (tid == 0 && tiles > 0) {  // (no K/V rows: no maps)
         sm90::PrefetchTensorMap(&a.k_map);
