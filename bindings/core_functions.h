@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "bindings/params_from_python.h"
-#include "cpp/validate.h"
-#include "cpp/visible_keys.h"
+#include "cpp/core/validate.h"
+#include "cpp/core/visible_keys.h"
 #include "legacy/descriptor.h"
 #include "legacy/legacy_failure.h"
 
@@ -46,7 +46,7 @@ inline void DefineCoreFunctions(nb::module_& m) {
     return DictFromParams(params);
   });
   m.def("take_legacy_failures", &legacy::TakeLegacyFailures);
-  // The index mask both ways the kernels read it (cpp/visible_keys.h): each row's visible keys and each key's seeing
+  // The index mask both ways the kernels read it (cpp/core/visible_keys.h): each row's visible keys and each key's seeing
   // rows, as [begin, end) pairs, for the tests to hold against the reference's mask.
   m.def(
       "mask_ranges",

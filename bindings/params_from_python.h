@@ -8,9 +8,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "cpp/attention_params.h"
-#include "cpp/status.h"
-#include "cpp/validate.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
+#include "cpp/core/validate.h"
 
 namespace te_jax::bindings {
 
@@ -38,6 +38,15 @@ T Field(const nb::dict& d, const char* key) {
     throw nb::value_error((std::string("attention parameter '") + key + "' is missing or out of range for its C++ type").c_str());
   }
   return value;
+}
+
+// A core dtype code (cpp/core/dtype.h) from Python, or a ValueError naming the field.
+inline DType DTypeFromInt(int code, const char* name) {
+  if (code < 0 || code >= kNumDTypes) {
+    throw nb::value_error(
+        (std::string(name) + " must be a core dtype code: float32 (0), bfloat16 (1) or float16 (2)").c_str());
+  }
+  return static_cast<DType>(code);
 }
 
 // "forward" -> true, "backward" -> false, anything else a ValueError.

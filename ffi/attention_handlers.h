@@ -3,8 +3,8 @@
 // (thread pool or stream) and `kRun`, so the two cannot decode a call differently.
 #pragma once
 
-#include "cpp/attention_params.h"
-#include "cpp/status.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 #include "ffi/ffi_params.h"
 #include "ffi/ffi_status.h"
 #include "xla/ffi/api/ffi.h"

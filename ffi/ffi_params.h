@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 
-#include "cpp/attention_params.h"
-#include "cpp/bias.h"
-#include "cpp/status.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/bias.h"
+#include "cpp/core/status.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace te_jax::ffi_handlers {
@@ -21,14 +21,14 @@ struct AttentionAttrs {
   float scale;
   float softcap;
   bool has_alibi;
-  bool has_sinks;  // the forward merges the sinks operand into its rows (cpp/sink.h)
+  bool has_sinks;  // the forward merges the sinks operand into its rows (cpp/core/sink.h)
   bool deterministic;
-  int64_t engine;  // cpp/engine.h code, resolved at lowering
+  int64_t engine;  // cpp/core/engine.h code, resolved at lowering
   bool has_segment_ids;
   bool has_positions;
   bool has_bias;
-  int64_t dropout_threshold;  // cpp/attention_params.h; 0: no dropout
-  int64_t page_size;          // cpp/attention_params.h; 0: k and v contiguous, the page table a placeholder
+  int64_t dropout_threshold;  // cpp/core/attention_params.h; 0: no dropout
+  int64_t page_size;          // cpp/core/attention_params.h; 0: k and v contiguous, the page table a placeholder
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -50,7 +50,7 @@ inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype, const char* wh
   return Status::InvalidArgument(std::string(what) + " must be float32, bfloat16 or float16");
 }
 
-// bias's dtype and broadcast bits (cpp/bias.h) from its buffer: rank 4, each dim 1 or the full [B, H, Sq, Skv] one.
+// bias's dtype and broadcast bits (cpp/core/bias.h) from its buffer: rank 4, each dim 1 or the full [B, H, Sq, Skv] one.
 inline Status BiasFromFfi(const xla::ffi::AnyBuffer& bias, AttentionParams* p) {
   const auto dims = bias.dimensions();
   const int64_t full[4] = {p->batch, p->num_heads, p->seqlen_q, p->seqlen_kv};
@@ -98,7 +98,7 @@ inline Status ExpectDbiasLikeBias(const xla::ffi::AnyBuffer& bias, const xla::ff
   return Status::Ok();
 }
 
-// The keys' layout from k and the page table (cpp/attention_params.h): without paging k is [B, Skv, Hkv, D] and the
+// The keys' layout from k and the page table (cpp/core/attention_params.h): without paging k is [B, Skv, Hkv, D] and the
 // page table an int32 [1, 1] placeholder; with page_size > 0 k is the pool [num_pages, page_size, Hkv, D] and the
 // page table int32 [B, max_pages_per_seq], which gives the capacity seqlen_kv = max_pages_per_seq * page_size.
 inline Status KeyLayoutFromFfi(const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& page_table, int64_t page_size,

@@ -1,7 +1,7 @@
 // Maps the core's Status onto an XLA FFI error; XLA then raises it in Python as JaxRuntimeError with the same text.
 #pragma once
 
-#include "cpp/status.h"
+#include "cpp/core/status.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace te_jax::ffi_handlers {

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpp/bias.h"
+#include "cpp/core/bias.h"
 
 namespace te_jax::legacy {
 namespace {

@@ -9,19 +9,19 @@
 //   u32 FNV-1a checksum of every byte before it
 // flags: bit 0 deterministic, bit 1 has_segment_ids, bit 2 has_positions, bit 3 has_bias, bit 4 has_sinks; the other
 // bits must be 0.
-// Version 2 turned version 1's reserved zero byte into flags; version 3 added the engine (cpp/engine.h); version 4 the
+// Version 2 turned version 1's reserved zero byte into flags; version 3 added the engine (cpp/core/engine.h); version 4 the
 // flag bits 1 and 2 and, with them, the four packed-sequence operands of every call (legacy/legacy_buffers.h);
-// version 5 the bias (flag bit 3, its dtype and broadcast bits, cpp/bias.h), its operand and the backward's dbias;
-// version 6 the dropout threshold (cpp/attention_params.h) and the dropout operand (key and offsets) of every call;
-// version 7 the paged KV cache's page_size and num_pages (cpp/attention_params.h) and the page_table operand of every
+// version 5 the bias (flag bit 3, its dtype and broadcast bits, cpp/core/bias.h), its operand and the backward's dbias;
+// version 6 the dropout threshold (cpp/core/attention_params.h) and the dropout operand (key and offsets) of every call;
+// version 7 the paged KV cache's page_size and num_pages (cpp/core/attention_params.h) and the page_table operand of every
 // call (legacy/legacy_buffers.h); version 8 flag bit 4 (attention sinks) and the sinks operand of every call.
 #pragma once
 
 #include <cstddef>
 #include <string>
 
-#include "cpp/attention_params.h"
-#include "cpp/status.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::legacy {
 

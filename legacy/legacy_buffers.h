@@ -5,9 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpp/attention_params.h"
-#include "cpp/bias.h"
-#include "cpp/dtype.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/bias.h"
+#include "cpp/core/dtype.h"
 
 namespace te_jax::legacy {
 

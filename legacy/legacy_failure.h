@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "cpp/status.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::legacy {
 

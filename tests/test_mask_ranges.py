@@ -1,4 +1,4 @@
-"""The core's index mask (cpp/visible_keys.h) read both ways against the reference's mask: each row's range of visible
+"""The core's index mask (cpp/core/visible_keys.h) read both ways against the reference's mask: each row's range of visible
 keys (RowMask::Keys: the forward kernels and the CPU backend) and each key's range of seeing rows (RowMask::Rows: the
 backward kernels' masked steps), element for element, over every mask type, lengths (empty ones included) and
 windows on either side."""

@@ -5,7 +5,7 @@
 // scheduling; with params.deterministic one item per (batch, KV head, chunk of KV tiles) and one buffer per chunk, so
 // the order is a function of the problem alone (see Backward).
 //
-// K and V rows are read through KvRows (cpp/kv_rows.h): contiguous [B, Skv, Hkv, D] or, in the forward, the pool of
+// K and V rows are read through KvRows (cpp/core/kv_rows.h): contiguous [B, Skv, Hkv, D] or, in the forward, the pool of
 // a paged KV cache read in place through the page table; as float32 rows where they lie or from a compact copy, as
 // suits the tile's products (key_rows.h). Score tiles are key-major (scores[key][row]) so query rows are vector lanes
 // (see online_softmax.h), in log2 units (tile_logits.h).
@@ -15,6 +15,8 @@
 #include <numeric>
 #include <vector>
 
+#include "cpp/core/validate.h"
+#include "cpp/core/variants.h"
 #include "cpp/cpu/attention_cpu.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
@@ -34,8 +36,6 @@
 #include "cpp/cpu/tile_token_bounds.h"
 #include "cpp/cpu/work_items.h"
 #include "cpp/cpu/worker_loop.h"
-#include "cpp/validate.h"
-#include "cpp/variants.h"
 
 namespace te_jax::cpu {
 namespace {

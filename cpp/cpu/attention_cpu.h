@@ -3,9 +3,9 @@
 // paths accept and refuse the same calls.
 #pragma once
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 #include "cpp/cpu/parallel_for.h"
-#include "cpp/status.h"
 
 namespace te_jax::cpu {
 

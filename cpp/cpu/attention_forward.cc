@@ -2,7 +2,7 @@
 // its rows can see; for decode shapes (few query positions, GQA) one per (batch, K/V head, packed tile), whose rows
 // are the query heads of the group times the positions, so each K/V tile is read once per group (see PacksHeads).
 //
-// K and V rows are read through KvRows (cpp/kv_rows.h): contiguous [B, Skv, Hkv, D] or, in the forward, the pool of
+// K and V rows are read through KvRows (cpp/core/kv_rows.h): contiguous [B, Skv, Hkv, D] or, in the forward, the pool of
 // a paged KV cache read in place through the page table; as float32 rows where they lie or from a compact copy, as
 // suits the tile's products (key_rows.h). Score tiles are key-major (scores[key][row]) so query rows are vector lanes
 // (see online_softmax.h), in log2 units (tile_logits.h).
@@ -12,6 +12,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpp/core/kv_rows.h"
+#include "cpp/core/sink.h"
+#include "cpp/core/validate.h"
+#include "cpp/core/variants.h"
 #include "cpp/cpu/attention_cpu.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
@@ -32,10 +36,6 @@
 #include "cpp/cpu/tile_token_bounds.h"
 #include "cpp/cpu/work_items.h"
 #include "cpp/cpu/worker_loop.h"
-#include "cpp/kv_rows.h"
-#include "cpp/sink.h"
-#include "cpp/validate.h"
-#include "cpp/variants.h"
 
 namespace te_jax::cpu {
 namespace {
@@ -68,7 +68,7 @@ template <typename T>
 struct ForwardArgs : OperandArgs<T> {
   T* out;
   float* lse;
-  const float* sinks;  // [B, H], merged into each finished row (cpp/sink.h); null without sinks
+  const float* sinks;  // [B, H], merged into each finished row (cpp/core/sink.h); null without sinks
 };
 
 struct ForwardScratch {
@@ -192,7 +192,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
   }
 }
 
-// Decode shapes (issue 17): when a head's queries leave lanes of its Q tile empty (Sq < kTileQ), the forward packs
+// Decode shapes: when a head's queries leave lanes of its Q tile empty (Sq < kTileQ), the forward packs
 // the query heads of a K/V group times the positions into the rows of shared tiles, like the CUDA decode kernels: the
 // empty lanes cost as much as full ones, and each head of the group would read (convert, gather from pages) the same
 // K/V tiles again. Measured on 2 cores (h 32 / kv 8, D 128, 4096 keys, bottom-right causal; fp32 and bf16 alike):

@@ -1,4 +1,4 @@
-// The additive logit bias on the CPU (cpp/bias.h): added to a key-major score tile after the variant's logit and
+// The additive logit bias on the CPU (cpp/core/bias.h): added to a key-major score tile after the variant's logit and
 // before the mask, and its gradient gathered from the tile's dS in the backward.
 //
 // dbias sums dS over the bias's broadcast dims, and several backward work items (batch, KV head, run of KV tiles) add
@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpp/bias.h"
+#include "cpp/core/bias.h"
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/parallel_for.h"
 

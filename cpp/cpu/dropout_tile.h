@@ -1,12 +1,12 @@
 // Attention dropout on a key-major tile (tile[key][row], like the score tiles): each probability is kept by the rule
-// of cpp/philox.h and scaled by 1 / (1 - rate), or zeroed. The forward applies it to P before P.V; the backward to dP
+// of cpp/core/philox.h and scaled by 1 / (1 - rate), or zeroed. The forward applies it to P before P.V; the backward to dP
 // (dS = P * (keep * dP / (1 - rate) - delta)) and to P before dV = P^T.dO.
 #pragma once
 
 #include <cstdint>
 
-#include "cpp/attention_params.h"
-#include "cpp/philox.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/philox.h"
 
 namespace te_jax::cpu {
 
@@ -24,7 +24,7 @@ inline DropoutOperand MakeDropoutOperand(const AttentionParams& p, const uint32_
 }
 
 // tile[c * row_stride + r] of rows first_row + r < first_row + rows and keys key0 + c of (b, h), in place. Rows i and
-// i + 8 of a 16-row block share their calls (cpp/philox.h), so a row whose partner is in the tile is done with it; a
+// i + 8 of a 16-row block share their calls (cpp/core/philox.h), so a row whose partner is in the tile is done with it; a
 // 16-key block's four calls are drawn once per row (pair).
 inline void ApplyDropout(const DropoutOperand& d, int64_t b, int64_t h, int64_t first_row, int64_t rows, int64_t key0,
                          int64_t keys, int64_t row_stride, float* tile) {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpp/dtype.h"
+#include "cpp/core/dtype.h"
 
 namespace te_jax::cpu {
 

@@ -1,7 +1,7 @@
 // S = Q K^T for a tile of few query rows (a decode step's packed tile) with the keys in the vector lanes. TileGemm
 // puts a tile's query rows in the lanes and broadcasts K element by element: with a one-query decode tile's 4 rows
-// (h 32 / kv 8) an FMA fills 4 of its 8 lanes, and a broadcast and an FMA per K element bounded the CPU's decode
-// (docs/BENCHMARKS.md). Here the tile's K rows are first transposed in registers (keys along the lanes)
+// (h 32 / kv 8) an FMA fills 4 of its 8 lanes, and a broadcast and an FMA per K element bounded the CPU's decode.
+// Here the tile's K rows are first transposed in registers (keys along the lanes)
 // and TileGemm runs with q as the broadcast operand, so each FMA serves a vector of keys. Every score is the same
 // chain of FMAs over d, in the same order, as TileGemm over the K rows gives it: the same bits.
 #pragma once

@@ -1,17 +1,17 @@
 // A K/V tile's rows as the CPU kernels' tile products take them: float32 rows, read where they lie or from a compact
-// copy, contiguous K/V or the pages of a paged KV cache alike (cpp/kv_rows.h).
+// copy, contiguous K/V or the pages of a paged KV cache alike (cpp/core/kv_rows.h).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
+#include "cpp/core/kv_rows.h"
+#include "cpp/core/limits.h"
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/isa_dispatch.h"
 #include "cpp/cpu/row_as_float.h"
 #include "cpp/cpu/tile_gemm.h"
-#include "cpp/kv_rows.h"
-#include "cpp/validate.h"
 
 namespace te_jax::cpu {
 
@@ -26,7 +26,7 @@ void CopyRowsAsFloat(const T* first, int64_t stride, int64_t rows, int64_t dim, 
 // stream on every pass) ran 2-10% faster from a copy when read several times (8 KB apart; 4 KB a wash); rows that
 // share pages ran 7-16% faster in place, where the copy is pure cost; a tile read once, 1.3-1.4x faster in place.
 // AVX-512's products read each row fewer times (8 x 32 blocks) and ran faster in place at every stride measured, 4-8
-// KB apart 1.02-1.11x, so there the copy is never made (2-core x86; docs/BENCHMARKS.md).
+// KB apart 1.02-1.11x, so there the copy is never made (2-core x86).
 inline constexpr int64_t kPageBytes = 4096;
 inline bool ReadInPlace(int64_t row_bytes, int64_t reads) {
   return reads == 1 || CpuIsa() == Isa::kAvx512 || row_bytes < kPageBytes;
@@ -89,7 +89,7 @@ KeyRuns<kMaxKeys> KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b,
 // Asks the caches for keys key0 .. key0 + keys - 1 of k or v (batch b, kv head h) ahead of their use. A head's rows lie
 // Hkv * dim elements apart, from 4 KB on each in its own page, and the hardware prefetchers follow no stream across a
 // page: without this, a decode tile (its rows read once, a few products each) waits on memory for every row (rows
-// requested one tile ahead: contiguous decode 1.3x, rows 4 KB apart 1.05x; docs/BENCHMARKS.md).
+// requested one tile ahead: contiguous decode 1.3x, rows 4 KB apart 1.05x; 2-core x86).
 template <typename T>
 void PrefetchKeyRows(const T* tensor, const KvRows& rows, int64_t b, int64_t h, int64_t key0, int64_t keys) {
   constexpr int64_t kCacheLine = 64;

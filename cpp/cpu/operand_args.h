@@ -4,13 +4,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/kv_rows.h"
+#include "cpp/core/validate.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
 #include "cpp/cpu/dropout_tile.h"
 #include "cpp/cpu/tile_token_bounds.h"
-#include "cpp/kv_rows.h"
-#include "cpp/validate.h"
 
 namespace te_jax::cpu {
 

@@ -6,11 +6,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/limits.h"
 #include "cpp/cpu/query_rows.h"
 #include "cpp/cpu/row_as_float.h"
 #include "cpp/cpu/tile_shape.h"
-#include "cpp/validate.h"
 
 namespace te_jax::cpu {
 

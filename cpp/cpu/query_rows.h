@@ -1,6 +1,6 @@
 // The query rows of one tile of the CPU kernels: row r is query position[r] of head head[r] of one batch entry, and
 // every row's head shares one K/V head, so the rows share their K/V tiles. The usual tile holds consecutive positions
-// of one head. A packed tile (decode shapes, issue 17) holds the heads of one K/V group times a few positions, like
+// of one head. A packed tile (decode shapes) holds the heads of one K/V group times a few positions, like
 // the CUDA decode kernels' tiles (cpp/cuda/kernels/decode/attention_decode.cuh): a K/V tile is then read (and, for
 // 16-bit or paged inputs, converted or gathered) once for the whole group instead of once per query head.
 #pragma once

@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpp/core/token_mask.h"
+#include "cpp/core/visible_keys.h"
 #include "cpp/cpu/simd_f32x8.h"
 #include "cpp/cpu/tile_token_bounds.h"
-#include "cpp/token_mask.h"
-#include "cpp/visible_keys.h"
 
 namespace te_jax::cpu {
 

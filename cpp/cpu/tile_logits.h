@@ -4,11 +4,11 @@
 
 #include <cstdint>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/token_mask.h"
+#include "cpp/core/visible_keys.h"
 #include "cpp/cpu/query_rows.h"
 #include "cpp/cpu/tile_shape.h"
-#include "cpp/token_mask.h"
-#include "cpp/visible_keys.h"
 
 namespace te_jax::cpu {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/tile_key_ranges.h"
 #include "cpp/cpu/tile_shape.h"

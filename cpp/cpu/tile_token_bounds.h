@@ -1,4 +1,4 @@
-// Bounds on the segment ids and positions of a tile of keys or of query rows (cpp/token_mask.h), so a (query tile,
+// Bounds on the segment ids and positions of a tile of keys or of query rows (cpp/core/token_mask.h), so a (query tile,
 // key tile) pair can be classified without touching its elements: no pair visible (skip the tile, never load it),
 // every pair visible (the unmasked path) or some (the per-element mask). Packed rows hold sorted ids, so a tile's
 // [min, max] id range is tight and only tiles at document edges straddle; unsorted ids or positions only make the
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "cpp/token_mask.h"
+#include "cpp/core/token_mask.h"
 
 namespace te_jax::cpu {
 

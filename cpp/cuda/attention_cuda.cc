@@ -4,19 +4,20 @@
 #include <cstdint>
 #include <string>
 
-#include "cpp/bias.h"
+#include "cpp/core/bias.h"
+#include "cpp/core/philox.h"
+#include "cpp/core/validate.h"
 #include "cpp/cuda/cudnn/cudnn_attention.h"
 #include "cpp/cuda/decode_geometry.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernel_registry.h"
+#include "cpp/cuda/kernels/common/tile_size.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/tensor_maps.h"
 #include "cpp/cuda/token_workspace.h"
-#include "cpp/philox.h"
-#include "cpp/validate.h"
 
 namespace te_jax::cuda {
 namespace {
@@ -48,7 +49,8 @@ struct CallModule {
 Status Module(const AttentionParams& params, Direction direction, CallModule* call) {
   std::string arch;
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&call->device, &arch));
-  const KernelConfig config = ConfigFor(params, direction, arch);
+  KernelConfig config;
+  TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
   call->family = config.Family();
   if (direction == Direction::kForward && call->family == KernelFamily::kSm90) {
     TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &call->sm90_forward));
@@ -58,7 +60,7 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
 }
 
 // `dependent`: launched with programmatic stream serialization, so it may start during the previous kernel's tail
-// (the kernel waits for that kernel's results: kernels/common/dependent_launch.h).
+// (the kernel waits for that kernel's results: kernels/primitives/dependent_launch.h).
 template <typename Args>
 Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsigned gx, unsigned gy, unsigned gz,
               unsigned threads, unsigned smem, CUstream stream, Args* args, bool dependent = false) {
@@ -139,7 +141,8 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   CUdevice device = 0;
   std::string arch;
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
-  const KernelConfig config = ConfigFor(params, direction, arch);
+  KernelConfig config;
+  TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
   if (direction == Direction::kForward && config.Family() == KernelFamily::kSm90) {
     Sm90ForwardKernel kernel;  // TE_JAX_SM90_PERSISTENT's value checked at jit time too
     TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &kernel));
@@ -205,7 +208,7 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
   // attention_decode.cuh kTmaStages, the same conditions): a contiguous call's [B, Skv] rows a stage as one 64-row box,
   // a paged call's pool as one sequence of num_pages x page_size rows (32-bit coordinates: `rows` above) in boxes
   // within a page (PagedBoxRows). Without K/V rows (no keys, an empty pool) the kernels read none: no maps.
-  const int dp = sm80::PadHeadDim(static_cast<int>(p.head_dim)), dvp = sm80::PadHeadDim(static_cast<int>(p.head_dim_v));
+  const int dp = PadHeadDim(static_cast<int>(p.head_dim)), dvp = PadHeadDim(static_cast<int>(p.head_dim_v));
   if (module->tma && rows > 0 && decode::SwizzledStage(dp) && decode::SwizzledStage(dvp)) {
     const bool paged = p.page_size > 0;
     const int64_t batch = paged ? 1 : p.batch, seqlen = paged ? rows : p.seqlen_kv;
@@ -221,7 +224,7 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
   if (g.splits == 1) return Status::Ok();
   const int rows_per_block = decode::kCombineThreads / 32;
   // Launched as a dependent of the decode kernel where the arch has it: its launch and start overlap the decode
-  // kernel's epilogues, which allow it (kernels/common/dependent_launch.h).
+  // kernel's epilogues, which allow it (kernels/primitives/dependent_launch.h).
   return Launch(driver, module->kernels[decode::kCombineKernel], "attention decode combine",
                 CeilDiv(p.batch * p.seqlen_q * p.num_heads, rows_per_block), 1, 1, decode::kCombineThreads, 0, stream,
                 &decode, module->dependent_launch);
@@ -310,7 +313,7 @@ namespace {
 // otherwise.
 bool AccumulatesDq(const AttentionParams& p) {
   return !p.deterministic &&
-         sm80::BackwardAccumulatesDq(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+         BackwardAccumulatesDq(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
 }
 
 // The sm90 backward's four tensor maps (64-row boxes, kernels/sm90/attention_bwd.cuh). A side with no rows has no
@@ -345,16 +348,16 @@ Status LaunchBiasGradConversion(const DriverApi* driver, const LoadedModule* mod
                                 CUstream stream) {
   if (!needed) return Status::Ok();
   // A grid-stride loop: enough blocks to fill the GPU, not one per 256 elements of a large bias.
-  const unsigned blocks = CeilDiv(std::min<int64_t>(args.bias.elements, int64_t{1} << 22), sm80::kRowKernelThreads);
+  const unsigned blocks = CeilDiv(std::min<int64_t>(args.bias.elements, int64_t{1} << 22), kRowKernelThreads);
   return Launch(driver, module->kernels[3], "attention backward dbias conversion", blocks, 1, 1,
-                sm80::kRowKernelThreads, 0, stream, &args);
+                kRowKernelThreads, 0, stream, &args);
 }
 
 // The float dq accumulator's bytes (0 when the call does not accumulate dq).
 int64_t DqAccumBytes(const AttentionParams& p) {
   if (!AccumulatesDq(p)) return 0;
-  const sm80::DqAccumLayout l =
-      sm80::BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
+  const DqAccumLayout l =
+      BackwardDqAccumLayout(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v));
   const int64_t rows = (p.seqlen_q + l.row_block - 1) / l.row_block * l.row_block;
   return p.batch * p.num_heads * l.slices * rows * l.cols * static_cast<int64_t>(sizeof(float));
 }
@@ -437,9 +440,9 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   }
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, module, p, stream, &args));
-  const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, sm80::kRowKernelThreads / 32);
+  const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, kRowKernelThreads / 32);
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess", row_blocks, 1, 1,
-                                sm80::kRowKernelThreads, module->smem_bytes[0], stream, &args));
+                                kRowKernelThreads, module->smem_bytes[0], stream, &args));
   if (call.family == KernelFamily::kSm90) {
     if (p.batch == 0) return Status::Ok();
     TmaBackwardArgs tma{args, {}, {}, {}, {}, {}};
@@ -455,7 +458,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                   &tma));
     if (accumulate_dq) {
       TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
-                                    sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args));
+                                    kRowKernelThreads, module->smem_bytes[2], stream, &args));
     } else {
       TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, owned),
                                     static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch),
@@ -470,7 +473,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                 32 * dkdv.warps, module->smem_bytes[1], stream, &args));
   if (accumulate_dq) {
     TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
-                                  sm80::kRowKernelThreads, module->smem_bytes[2], stream, &args));
+                                  kRowKernelThreads, module->smem_bytes[2], stream, &args));
   } else {
     const sm80::TileSize dq = sm80::BackwardDqTileSize(d, dv, p.has_bias);
     TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, dq.block_m),

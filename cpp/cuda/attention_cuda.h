@@ -6,9 +6,9 @@
 
 #include <cuda.h>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 #include "cpp/cuda/kernel_registry.h"
-#include "cpp/status.h"
 
 namespace te_jax::cuda {
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cpp/core/limits.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
 
 namespace te_jax::cuda {
@@ -17,7 +18,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Packed sequences (segment ids, positions), dropout and a bias run on the families that have them; the decode kernels
 // have none of them.
 bool UsesDecodeKernels(const AttentionParams& p) {
-  return p.seqlen_q >= 1 && p.seqlen_q <= decode::kMaxSeqlenQ && !p.has_segment_ids && !p.has_positions &&
+  return p.seqlen_q >= 1 && p.seqlen_q <= kMaxDecodeSeqlenQ && !p.has_segment_ids && !p.has_positions &&
          p.dropout_threshold == 0 && !p.has_bias;
 }
 

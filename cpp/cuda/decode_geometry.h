@@ -5,11 +5,11 @@
 
 #include <cstdint>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
 
 namespace te_jax::cuda {
 
-// Whether te_jax's CUDA forward of these params takes the decode kernels (few query positions: kMaxSeqlenQ).
+// Whether te_jax's CUDA forward of these params takes the decode kernels (few query positions: kMaxDecodeSeqlenQ, cpp/core/limits.h).
 bool UsesDecodeKernels(const AttentionParams& p);
 
 struct DecodeGeometry {

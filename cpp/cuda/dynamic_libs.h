@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "cpp/status.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::cuda {
 

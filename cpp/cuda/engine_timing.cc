@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "cpp/bias.h"
+#include "cpp/core/bias.h"
 #include "cpp/cuda/attention_cuda.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_registry.h"

@@ -3,9 +3,9 @@
 // time per call is returned. The data is a finite constant: neither engine's speed depends on values.
 #pragma once
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 #include "cpp/cuda/kernel_config.h"
-#include "cpp/status.h"
 
 namespace te_jax::cuda {
 

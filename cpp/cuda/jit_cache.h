@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "cpp/status.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::cuda {
 

@@ -2,28 +2,28 @@
 // NVRTC (the kernels read them), so both sides see one layout: only pointers, 32/64-bit integers and floats.
 #pragma once
 
-#include "cpp/host_device.h"
+#include "cpp/core/host_device.h"
 #if !defined(__CUDACC_RTC__)
 #include <cstdint>
 #endif
 
 namespace te_jax::cuda {
 
-// Shapes and options shared by every kernel of a call. Layouts as in cpp/attention_params.h.
+// Shapes and options shared by every kernel of a call. Layouts as in cpp/core/attention_params.h.
 struct ShapeArgs {
   int32_t batch;
   int32_t seqlen_q;
   int32_t seqlen_kv;
   int32_t num_heads;
   int32_t num_kv_heads;
-  int32_t mask_type;     // cpp/mask_type.h; masks are run-time data, not template parameters (one kernel for all)
+  int32_t mask_type;     // cpp/core/mask_type.h; masks are run-time data, not template parameters (one kernel for all)
   int32_t window_left;   // -1: unbounded
   int32_t window_right;  // -1: unbounded
   float scale;
   float softcap;
 };
 
-// Packed sequences (issue 11): the segment ids and positions as given (null when absent), the mask they carry, and the
+// Packed sequences: the segment ids and positions as given (null when absent), the mask they carry, and the
 // token tables that the tokens kernels (kernels/common/token_tables.cuh) derive from them into the call's workspace
 // before the attention kernels read them. Tables are int32, per batch entry, one granule = kTokenGranule tokens:
 //   q_rows [B][Sq][4]: id (0: the row sees nothing), the inclusive kv-position bounds lo and hi, the position;
@@ -52,7 +52,7 @@ struct TokenArgs {
   int32_t* kv_span;
 };
 
-// Attention dropout (issue 12; kernels/common/dropout.h): the dropout operand (uint32 [6]: the PRNG key's two words,
+// Attention dropout (kernels/common/dropout.h): the dropout operand (uint32 [6]: the PRNG key's two words,
 // then the global (b, h, i, j) of the call's element [0, 0, 0, 0]), the drop threshold and 1 / the keep probability.
 struct DropoutArgs {
   const uint32_t* operand;
@@ -60,9 +60,9 @@ struct DropoutArgs {
   float keep_scale;
 };
 
-// The additive logit bias (issue 12): the operand as given, [B|1, H|1, Sq|1, Skv|1] in the module's bias element type
+// The additive logit bias: the operand as given, [B|1, H|1, Sq|1, Skv|1] in the module's bias element type
 // (LogitsVariant::Bias), 16-byte aligned; element (b, h, i, j) at b * batch_stride + h * head_stride + i *
-// query_stride + j * key_stride, each stride 0 along a broadcast dim (cpp/bias.h's BiasLayout). Zeros without a bias.
+// query_stride + j * key_stride, each stride 0 along a broadcast dim (cpp/core/bias.h's BiasLayout). Zeros without a bias.
 struct BiasArgs {
   const void* data;
   int64_t batch_stride;
@@ -82,7 +82,7 @@ struct ForwardArgs {
   const float* alibi_slopes;
   void* out;
   float* lse;
-  const float* sinks;  // [B, H], merged into each finished row (cpp/sink.h); null without sinks
+  const float* sinks;  // [B, H], merged into each finished row (cpp/core/sink.h); null without sinks
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
   DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
   BiasArgs bias;     // read only by kernels built with a bias (LogitsVariant::kHasBias)
@@ -110,7 +110,7 @@ struct DecodeArgs {
   int32_t tiles_per_split;
   float* partial_out;  // [splits][B][Sq][H][Dv]
   float* partial_lse;  // [splits][B][H][Sq]
-  // A paged KV cache (page_size > 0; cpp/kv_rows.h): k and v are pools of num_pages pages, read through page_table.
+  // A paged KV cache (page_size > 0; cpp/core/kv_rows.h): k and v are pools of num_pages pages, read through page_table.
   const int32_t* page_table;
   int64_t page_size;
   int64_t num_pages;

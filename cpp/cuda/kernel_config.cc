@@ -2,15 +2,23 @@
 
 #include <cstdlib>
 
-#include "cpp/bias.h"
+#include "cpp/core/bias.h"
+#include "cpp/core/limits.h"
 #include "cpp/cuda/decode_geometry.h"
-#include "cpp/cuda/token_workspace.h"
+#include "cpp/cuda/kernels/common/tile_size.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
+#include "cpp/cuda/token_workspace.h"
 
 namespace te_jax::cuda {
 namespace {
+
+// TE_JAX_PIPELINE_STRESS=1: the stress builds of kernel_config.h's pipeline_stress.
+bool PipelineStress() {
+  const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
+  return stress != nullptr && std::string(stress) == "1";
+}
 
 int ArchNumber(const std::string& arch) {
   int number = 0;  // "sm_90a" -> 90, "sm_100a" -> 100
@@ -18,86 +26,17 @@ int ArchNumber(const std::string& arch) {
   return number;
 }
 
-const char* const kForwardEntries[] = {"te_jax_attention_forward", "te_jax_token_tables", "te_jax_token_spans"};
-const char* const kPersistentForwardEntries[] = {"te_jax_attention_forward", "te_jax_attention_forward_persistent"};
-const char* const kBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
-                                        "te_jax_attention_backward_dq_convert", "te_jax_token_tables",
-                                        "te_jax_token_spans"};
-const char* const kDeterministicBackwardEntries[] = {"te_jax_attention_backward_preprocess",
-                                                     "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq",
-                                                     "te_jax_token_tables", "te_jax_token_spans"};
-const char* const kBiasBackwardEntries[] = {"te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv_dq",
-                                            "te_jax_attention_backward_dq_convert", "te_jax_bias_grad_convert",
-                                            "te_jax_token_tables", "te_jax_token_spans"};
-const char* const kBiasDeterministicBackwardEntries[] = {
-    "te_jax_attention_backward_preprocess", "te_jax_attention_backward_dkdv", "te_jax_attention_backward_dq",
-    "te_jax_bias_grad_convert", "te_jax_token_tables", "te_jax_token_spans"};
-
-// In the order of decode/tile_size.h's kernel indices.
-const char* const kDecodeEntries[] = {"te_jax_attention_decode_rows16", "te_jax_attention_decode_rows64",
-                                      "te_jax_attention_decode_combine", "te_jax_attention_decode_rows16_shallow"};
-
-const char* const kLengthGuardEntries[] = {"te_jax_guard_lengths", "te_jax_enforce_length_contract"};
-
-// The token tables and spans kernels (kernels/common/token_tables.cuh) for a module whose kernels take `args`.
-std::string TokenKernelsSource(const std::string& args) {
-  return "#include \"cpp/cuda/kernels/common/token_tables.cuh\"\n"
-         "extern \"C\" __global__ void __launch_bounds__(te_jax::cuda::kTokenTableThreads)\n"
-         "te_jax_token_tables(const " + args + " args) { te_jax::cuda::TokenTablesKernel<" + args + ">::Run(args); }\n"
-         "extern \"C\" __global__ void __launch_bounds__(te_jax::cuda::kTokenTableThreads)\n"
-         "te_jax_token_spans(const " + args + " args) { te_jax::cuda::TokenSpansKernel<" + args + ">::Run(args); }\n";
-}
-
 const char* VariantName(bool softcap, bool alibi) {
   if (softcap) return alibi ? "softcap_alibi" : "softcap";
   return alibi ? "alibi" : "scaled";
 }
 
-// The bias's element type in module names and in the rendered source.
+// The bias's element type in module names.
 const char* BiasName(DType dtype) {
   return dtype == DType::kFloat32 ? "_bias_f32" : dtype == DType::kBFloat16 ? "_bias_bf16" : "_bias_fp16";
 }
-const char* BiasElement(DType dtype) {
-  return dtype == DType::kFloat32    ? "te_jax::cuda::Float32"
-         : dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16"
-                                     : "te_jax::cuda::Float16";
-}
-
-// The dbias accumulator's conversion (kernels/sm80/attention_bwd.cuh), the entry after a backward's attention kernels.
-std::string BiasGradConvertSource(DType bias_dtype, const char* entry) {
-  return std::string("using BiasGradConvert = te_jax::cuda::sm80::BiasGradConvertKernel<") + BiasElement(bias_dtype) +
-         ">;\n"
-         "extern \"C\" __global__ void __launch_bounds__(BiasGradConvert::kThreads)\n" + entry +
-         "(const te_jax::cuda::BackwardArgs args) { BiasGradConvert::Run(args); }\n";
-}
 
 }  // namespace
-
-const char* const* KernelConfig::EntryPoints(int* count) const {
-  if (kind == ModuleKind::kLengthGuard) {
-    *count = 2;
-    return kLengthGuardEntries;
-  }
-  if (decode) {  // the shallow ring's kernel where it is shallower than the deep one
-    *count = decode::kShallowStages < decode::DeepStages(head_dim, head_dim_v) ? 4 : 3;
-    return kDecodeEntries;
-  }
-  const int token_kernels = tokens ? 2 : 0;
-  if (HasPersistentForward()) {
-    *count = 2;
-    return kPersistentForwardEntries;
-  }
-  if (direction == Direction::kForward) {
-    *count = 1 + token_kernels;
-    return kForwardEntries;
-  }
-  if (bias) {
-    *count = 4 + token_kernels;
-    return deterministic ? kBiasDeterministicBackwardEntries : kBiasBackwardEntries;
-  }
-  *count = 3 + token_kernels;
-  return deterministic ? kDeterministicBackwardEntries : kBackwardEntries;
-}
 
 KernelFamily KernelConfig::Family() const {
   if (decode) return KernelFamily::kDecode;
@@ -147,131 +86,76 @@ std::string KernelConfig::BaseName() const {
   return name + "_sm80_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
 }
 
-std::string KernelConfig::RenderSource() const {
-  if (kind == ModuleKind::kLengthGuard) {
-    return "// te_jax JIT translation unit: " + Name() + "\n#include \"cpp/cuda/kernels/common/length_guard.cuh\"\n"
-           "extern \"C\" __global__ void te_jax_guard_lengths(const te_jax::cuda::LengthGuardArgs args) {\n"
-           "  te_jax::cuda::GuardLengths(args);\n}\n"
-           "extern \"C\" __global__ void te_jax_enforce_length_contract(const te_jax::cuda::LengthGuardArgs args) {\n"
-           "  te_jax::cuda::EnforceLengthContract(args);\n}\n";
+Status ConfigFor(const ModuleRequest& r, KernelConfig* config) {
+  if (r.dtype != DType::kBFloat16 && r.dtype != DType::kFloat16) {
+    return Status::InvalidArgument("CUDA kernels are compiled for bfloat16 (1) or float16 (2)");
   }
-  const std::string element = dtype == DType::kBFloat16 ? "te_jax::cuda::BFloat16" : "te_jax::cuda::Float16";
-  const std::string variant = std::string("te_jax::LogitsVariant<") + (softcap ? "true" : "false") + ", " +
-                              (alibi ? "true" : "false") + ", " + (tokens ? "true" : "false") + ", " +
-                              (dropout ? "true" : "false") + (bias ? std::string(", ") + BiasElement(bias_dtype) : "") + ">";
-  const std::string dims = std::to_string(head_dim) + ", " + std::to_string(head_dim_v);
-  std::string src = "// te_jax JIT translation unit: " + Name() + "\n" +
-                    (pipeline_stress ? "#define TE_JAX_PIPELINE_STRESS 1\n" : "") + "#include \"cpp/variants.h\"\n";
-  if (decode) {
-    const std::string decode_kernel = "te_jax::cuda::decode::DecodeKernel<" + element + ", " + dims + ", " + variant;
-    const auto stages = [&](int index) { return std::to_string(decode::StagesOfKernel(head_dim, head_dim_v, index)); };
-    src += "#include \"cpp/cuda/kernels/decode/attention_decode.cuh\"\n"
-           "#include \"cpp/cuda/kernels/decode/combine.cuh\"\n"
-           "using Rows16 = " + decode_kernel + ", 1, " + stages(0) + ">;\n"
-           "using Rows64 = " + decode_kernel + ", 4, " + stages(1) + ">;\n"
-           "using Combine = te_jax::cuda::decode::CombineKernel<" + element + ", " + std::to_string(head_dim_v) + ">;\n"
-           "using Rows16Shallow = " + decode_kernel + ", 1, " + stages(decode::kShallowKernel) + ">;\n";
-    int count = 0;
-    const char* const* entries = EntryPoints(&count);
-    const std::string kernels[] = {"Rows16", "Rows64", "Combine", "Rows16Shallow"};
-    for (int i = 0; i < count; ++i) {
-      src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
-             "(const __grid_constant__ te_jax::cuda::DecodeArgs args) { " + kernels[i] + "::Run(args); }\n";
+  for (int hd : {r.head_dim, r.head_dim_v}) {
+    if (hd <= 0 || hd % 8 != 0 || hd > kMaxHeadDim) {
+      return Status::InvalidArgument("head dims must be multiples of 8 in [8, 256]");
     }
-  } else if (direction == Direction::kForward && Family() == KernelFamily::kSm90) {
-    // The tensor maps are read by the TMA unit straight from parameter space: the parameter must stay constant.
-    src += "#include \"cpp/cuda/kernels/sm90/attention_fwd.cuh\"\n";
-    const auto kernel = [&](const char* entry, int consumers, bool persistent = false) {
-      const std::string fwd = "te_jax::cuda::sm90::ForwardKernel<" + element + ", " + dims + ", " + variant + ", " +
-                              std::to_string(consumers) + (persistent ? ", true>" : ">");
-      return "extern \"C\" __global__ void __launch_bounds__(" + fwd + "::kThreads, 1)\n" + entry +
-             "(const __grid_constant__ te_jax::cuda::TmaForwardArgs args) { " + fwd + "::Run(args); }\n";
-    };
-    src += kernel(kForwardEntries[0], HasThreeConsumerForward() ? 3 : 2);
-    if (HasPersistentForward()) src += kernel(kPersistentForwardEntries[1], 2, true);
-    // The token kernels take the plain arguments, which TmaForwardArgs embeds (the launcher passes those).
-    if (tokens) src += TokenKernelsSource("te_jax::cuda::ForwardArgs");
-  } else if (direction == Direction::kForward) {
-    src += "#include \"cpp/cuda/kernels/sm80/attention_fwd.cuh\"\n"
-           "using Fwd = te_jax::cuda::sm80::ForwardKernel<" + element + ", " + dims + ", " + variant + ">;\n"
-           "extern \"C\" __global__ void __launch_bounds__(Fwd::kThreads)\n"
-           "te_jax_attention_forward(const te_jax::cuda::ForwardArgs args) { Fwd::Run(args); }\n";
-    if (tokens) src += TokenKernelsSource("te_jax::cuda::ForwardArgs");
-  } else if (Family() == KernelFamily::kSm90) {
-    // The row kernels (delta', and the dq accumulator's conversion) come from the sm80 family (plain loads, any arch).
-    int count = 0;
-    const char* const* entries = EntryPoints(&count);
-    src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
-           "#include \"cpp/cuda/kernels/sm90/attention_bwd.cuh\"\n"
-           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims +
-           (bias ? ", true" : "") + ">;\n"
-           "using DkDv = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", true, " +
-           (deterministic ? "false" : "true") + ">;\n" +
-           (deterministic
-                ? "using Dq = te_jax::cuda::sm90::BackwardKernel<" + element + ", " + dims + ", " + variant + ", false>;\n"
-                : "using DqConvert = te_jax::cuda::sm80::BackwardDqConvertKernel<" + element + ", " + dims + ">;\n") +
-           "extern \"C\" __global__ void __launch_bounds__(Pre::kThreads)\n" + entries[0] +
-           "(const te_jax::cuda::BackwardArgs args) { Pre::Run(args); }\n"
-           "extern \"C\" __global__ void __launch_bounds__(DkDv::kThreads, 1)\n" + entries[1] +
-           "(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { DkDv::Run(args); }\n";
-    src += deterministic ? std::string("extern \"C\" __global__ void __launch_bounds__(Dq::kThreads, 1)\n") + entries[2] +
-                               "(const __grid_constant__ te_jax::cuda::TmaBackwardArgs args) { Dq::Run(args); }\n"
-                         : std::string("extern \"C\" __global__ void __launch_bounds__(DqConvert::kThreads)\n") +
-                               entries[2] + "(const te_jax::cuda::BackwardArgs args) { DqConvert::Run(args); }\n";
-    if (bias) src += BiasGradConvertSource(bias_dtype, entries[3]);
-    // The token kernels take the plain arguments, which TmaBackwardArgs embeds (the launcher passes those).
-    if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
-  } else {
-    const std::string dq_kernel = deterministic ? "Dq" : "DqConvert";
-    src += "#include \"cpp/cuda/kernels/sm80/attention_bwd.cuh\"\n"
-           "using Pre = te_jax::cuda::sm80::BackwardPreprocessKernel<" + element + ", " + dims +
-           (bias ? ", true" : "") + ">;\n"
-           "using DkDv = te_jax::cuda::sm80::BackwardDkDvKernel<" + element + ", " + dims + ", " + variant + ", " +
-           (deterministic ? "false" : "true") + ">;\n";
-    src += deterministic
-               ? "using Dq = te_jax::cuda::sm80::BackwardDqKernel<" + element + ", " + dims + ", " + variant + ">;\n"
-               : "using DqConvert = te_jax::cuda::sm80::BackwardDqConvertKernel<" + element + ", " + dims + ">;\n";
-    int count = 0;
-    const char* const* entries = EntryPoints(&count);
-    const std::string kernels[] = {"Pre", "DkDv", dq_kernel};
-    for (int i = 0; i < 3; ++i) {
-      src += "extern \"C\" __global__ void __launch_bounds__(" + kernels[i] + "::kThreads)\n" + entries[i] +
-             "(const te_jax::cuda::BackwardArgs args) { " + kernels[i] + "::Run(args); }\n";
-    }
-    if (bias) src += BiasGradConvertSource(bias_dtype, entries[3]);
-    if (tokens) src += TokenKernelsSource("te_jax::cuda::BackwardArgs");
   }
-  return src;
+  if (r.deterministic && r.direction != Direction::kBackward) {
+    return Status::InvalidArgument("deterministic applies to the backward direction only");
+  }
+  if (r.decode && r.direction != Direction::kForward) {
+    return Status::InvalidArgument("decode applies to the forward direction only");
+  }
+  if (r.decode && r.dropout) return Status::InvalidArgument("the decode kernels apply no dropout");
+  if (r.decode && r.tokens) {
+    return Status::InvalidArgument("the decode kernels take no tokens (segment ids, positions)");
+  }
+  if (r.decode && r.bias) return Status::InvalidArgument("the decode kernels take no bias");
+  if (r.bias_fits_tma && !r.bias) return Status::InvalidArgument("bias_fits_tma applies to a bias (bias_dtype) only");
+  KernelConfig c;
+  c.direction = r.direction;
+  c.dtype = r.dtype;
+  c.head_dim = r.head_dim;
+  c.head_dim_v = r.head_dim_v;
+  c.softcap = r.softcap;
+  c.alibi = r.alibi;
+  c.deterministic = r.direction == Direction::kBackward &&
+                    (r.deterministic || !BackwardAccumulatesDq(r.head_dim, r.head_dim_v));
+  c.decode = r.decode;
+  c.tokens = r.tokens;
+  c.dropout = r.dropout;
+  c.bias = r.bias;
+  c.bias_dtype = r.bias ? r.bias_dtype : DType::kFloat32;
+  c.bias_fits_tma = r.bias_fits_tma;
+  c.arch = r.arch;
+  c.pipeline_stress = PipelineStress();
+  *config = c;
+  return Status::Ok();
 }
 
-KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch) {
-  KernelConfig c;
-  c.direction = direction;
-  c.dtype = params.dtype;
-  c.head_dim = static_cast<int>(params.head_dim);
-  c.head_dim_v = static_cast<int>(params.head_dim_v);
-  c.softcap = params.softcap > 0.0f;
-  c.alibi = params.has_alibi;
-  c.deterministic = direction == Direction::kBackward &&
-                    (params.deterministic || !sm80::BackwardAccumulatesDq(c.head_dim, c.head_dim_v));
-  c.tokens = UsesTokens(params);
-  c.dropout = params.dropout_threshold > 0;
-  c.bias = params.has_bias;
-  c.bias_dtype = params.has_bias ? params.bias_dtype : DType::kFloat32;
-  c.bias_fits_tma = BiasFitsTma(params);
-  c.decode = direction == Direction::kForward && UsesDecodeKernels(params);
-  c.arch = arch;
-  const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
-  c.pipeline_stress = stress != nullptr && std::string(stress) == "1";
-  return c;
+ModuleRequest RequestFor(const AttentionParams& params, Direction direction, const std::string& arch) {
+  ModuleRequest r;
+  r.direction = direction;
+  r.dtype = params.dtype;
+  r.head_dim = static_cast<int>(params.head_dim);
+  r.head_dim_v = static_cast<int>(params.head_dim_v);
+  r.softcap = params.softcap > 0.0f;
+  r.alibi = params.has_alibi;
+  r.deterministic = direction == Direction::kBackward && params.deterministic;
+  r.decode = direction == Direction::kForward && UsesDecodeKernels(params);
+  r.tokens = UsesTokens(params);
+  r.dropout = params.dropout_threshold > 0;
+  r.bias = params.has_bias;
+  r.bias_dtype = params.bias_dtype;
+  r.bias_fits_tma = BiasFitsTma(params);
+  r.arch = arch;
+  return r;
+}
+
+Status ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch, KernelConfig* config) {
+  return ConfigFor(RequestFor(params, direction, arch), config);
 }
 
 KernelConfig LengthGuardConfig(const std::string& arch) {
   KernelConfig c;
   c.kind = ModuleKind::kLengthGuard;
   c.arch = arch;
-  const char* stress = std::getenv("TE_JAX_PIPELINE_STRESS");
-  c.pipeline_stress = stress != nullptr && std::string(stress) == "1";
+  c.pipeline_stress = PipelineStress();
   return c;
 }
 

@@ -1,14 +1,14 @@
-// One JIT configuration: what a compiled kernel module is specialised on. Masks, windows, lengths, scale and softcap
-// value are run-time arguments, so the set of modules is small: direction (forward, backward, deterministic backward)
-// x dtype x (D, Dv) x variant x arch.
-// A configuration renders to a readable name (e.g. "fwd_bf16_d128_dv128_softcap_sm90a") and to a small translation
-// unit that instantiates the sm80-family templates.
+// One JIT configuration: what a compiled kernel module is specialised on, and the one decision of which module a call
+// or a named request takes (ConfigFor). Masks, windows, lengths, scale and softcap value are run-time arguments, so
+// the set of modules is small: direction (forward, decode, backward, deterministic backward) x dtype x (D, Dv) x
+// variant x arch. A configuration has a readable name (e.g. "fwd_bf16_d128_dv128_softcap_sm_90a_sm90_128x128");
+// its kernels and translation unit are kernel_module.h's.
 #pragma once
 
 #include <string>
 
-#include "cpp/attention_params.h"
-#include "cpp/status.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::cuda {
 
@@ -37,13 +37,13 @@ struct KernelConfig {
   bool deterministic = false;
   // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
   bool decode = false;
-  // Segment ids or positions (packed sequences, issue 11): the kernels built with the variant's token mask, and the
+  // Segment ids or positions (packed sequences): the kernels built with the variant's token mask, and the
   // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. Both families serve them.
   bool tokens = false;
-  // Attention dropout (issue 12): the kernels built with the variant's dropout (kernels/common/dropout.h); both
+  // Attention dropout: the kernels built with the variant's dropout (kernels/common/dropout.h); both
   // families serve it.
   bool dropout = false;
-  // An additive logit bias (issue 12) of element type bias_dtype: the kernels built with the variant's bias, and in
+  // An additive logit bias of element type bias_dtype: the kernels built with the variant's bias, and in
   // the backward the dbias conversion kernel as the entry after the attention kernels. The sm80 family serves it on
   // every arch; on sm_90a the sm90 family serves a bias whose rows TMA copies (bias_fits_tma: BiasFitsTma) where its
   // ring fits (sm90/tile_size.h).
@@ -52,7 +52,7 @@ struct KernelConfig {
   bool bias_fits_tma = false;
   int BiasBytes() const { return bias ? DTypeSize(bias_dtype) : 0; }  // the bias's element size, 0 without one
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
-  // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/sm90/pipeline.h): set by
+  // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/primitives/pipeline.h): set by
   // TE_JAX_PIPELINE_STRESS=1 in the environment; its modules carry "_stress" in their names.
   bool pipeline_stress = false;
 
@@ -64,18 +64,41 @@ struct KernelConfig {
   bool PlainSm90Forward() const;  // an sm90 forward without soft-cap, ALiBi, tokens, dropout or a bias
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
-  std::string RenderSource() const;
-  // Entry points of the module (forward: 1, or 2 with HasPersistentForward; decode: the 16-row and 64-row
-  // kernels, the combine; backward: preprocess, dk/dv + dq, dq conversion; deterministic backward: preprocess, dk/dv,
-  // dq), then in a backward with a bias the dbias conversion, then with tokens the token tables and spans kernels,
-  // which run first.
-  const char* const* EntryPoints(int* count) const;
 };
 
-KernelConfig ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch);
+// What a module is asked for: the options of a call that decide its kernels (RequestFor), or those of a configuration
+// that the AOT sets and the tests name (te_jax/aot.py, through the extension's compile and kernel_name).
+struct ModuleRequest {
+  Direction direction = Direction::kForward;
+  DType dtype = DType::kBFloat16;
+  int head_dim = 0;
+  int head_dim_v = 0;
+  bool softcap = false;
+  bool alibi = false;
+  bool deterministic = false;  // the backward of fused_attn(deterministic=True)
+  bool decode = false;         // the forward of few query positions (decode_geometry.h: UsesDecodeKernels)
+  bool tokens = false;         // segment ids or positions
+  bool dropout = false;
+  bool bias = false;  // an additive bias of element type bias_dtype
+  DType bias_dtype = DType::kFloat32;
+  bool bias_fits_tma = false;  // its rows are ones TMA copies (BiasFitsTma)
+  std::string arch;
+};
+
+// The one decision of which module serves a request: the deterministic backward for fused_attn(deterministic=True)
+// and wherever the default backward does not accumulate dq (kernels/common/tile_size.h), the family that follows from
+// the rest (KernelConfig::Family). A request no module serves is an InvalidArgument naming what is wrong.
+Status ConfigFor(const ModuleRequest& request, KernelConfig* config);
+
+// The request of a validated call's params.
+ModuleRequest RequestFor(const AttentionParams& params, Direction direction, const std::string& arch);
+
+// The module of a validated call: ConfigFor(RequestFor(...)).
+Status ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch, KernelConfig* config);
+
 KernelConfig LengthGuardConfig(const std::string& arch);
 
-// The kernel of an sm90 forward module that a call takes: its index in EntryPoints, its consumer warpgroups, and
+// The kernel of an sm90 forward module that a call takes: its index in the module's entries, its consumer warpgroups, and
 // whether it is the persistent one. TE_JAX_SM90_PERSISTENT picks the persistent kernel wherever the module has one
 // ("1"), never ("0"), or by the call's shape ("auto", the default; sm90/tile_size.h); another value is an error.
 struct Sm90ForwardKernel {
@@ -93,7 +116,7 @@ bool BiasFitsTma(const AttentionParams& params);
 std::string ArchForComputeCapability(int major, int minor);
 
 // Whether kernels built for `arch` wait for the previous kernel when launched as dependents (sm_90 and newer:
-// kernels/common/dependent_launch.h), so the host may launch them so.
+// kernels/primitives/dependent_launch.h), so the host may launch them so.
 bool DependentLaunch(const std::string& arch);
 
 // Whether kernels built for `arch` have the TMA unit (sm_90 and newer), so the host encodes tensor maps for the kernels

@@ -8,9 +8,7 @@
 
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/jit_cache.h"
-#include "cpp/cuda/kernels/decode/tile_size.h"
-#include "cpp/cuda/kernels/sm80/tile_size.h"
-#include "cpp/cuda/kernels/sm90/tile_size.h"
+#include "cpp/cuda/kernel_module.h"
 #include "cpp/cuda/nvrtc_compiler.h"
 #include "cpp/cuda/sha256.h"
 
@@ -61,7 +59,7 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
   std::string nvrtc_version;
   // Without NVRTC the key cannot be formed; the cubin can then only come from a compile, which needs NVRTC anyway.
   TE_JAX_RETURN_IF_ERROR(NvrtcVersionString(&nvrtc_version));
-  const std::string source = config.RenderSource();
+  const std::string source = RenderSource(config);
   std::string key_text = report->name + '\0' + source + '\0' + sources->digest + '\0' + config.arch + '\0' + nvrtc_version;
   for (const std::string& option : NvrtcOptions(config.arch)) key_text += '\0' + option;
   const std::string key = Sha256Hex(key_text);
@@ -80,40 +78,6 @@ Status EnsureCubinLocked(const KernelConfig& config, Entry* entry, JitReport* re
   report->origin = "compiled";
   report->seconds = SecondsSince(start);
   return Status::Ok();
-}
-
-int SmemBytes(const KernelConfig& c, int index) {
-  if (c.kind == ModuleKind::kLengthGuard) return 0;
-  if (c.decode) return decode::KernelSmemBytes(c.head_dim, c.head_dim_v, index);
-  const int bias_bytes = c.BiasBytes();
-  if (c.Family() == KernelFamily::kSm90) {
-    if (c.direction == Direction::kForward) {
-      // The first kernel (of three consumer warpgroups where the module has them), then the persistent one (two) or
-      // the token kernels (none).
-      if (index == 0) {
-        return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, c.HasThreeConsumerForward() ? 3 : 2,
-                                      bias_bytes);
-      }
-      if (!c.HasPersistentForward()) return 0;
-      return sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2, /*bias_bytes=*/0,
-                                    /*persistent=*/true);
-    }
-    // preprocess; dk/dv (adding to the dq accumulator unless deterministic); dq (deterministic) or the conversion
-    using Kind = sm90::BackwardKernelKind;
-    const auto smem = [&](Kind kind) {
-      return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, kind, c.tokens, c.dropout, bias_bytes);
-    };
-    if (index == 1) return smem(c.deterministic ? Kind::kDkDv : Kind::kDkDvAccumulatingDq);
-    if (index == 2 && c.deterministic) return smem(Kind::kDq);
-    return 0;
-  }
-  // The token-table kernels (the last two entries with tokens) and the dbias conversion take no dynamic shared memory.
-  if (c.direction == Direction::kForward) {
-    return index == 0 ? sm80::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, bias_bytes) : 0;
-  }
-  if (index == 1) return sm80::BackwardDkDvSmemBytes(c.head_dim, c.head_dim_v, !c.deterministic, c.tokens, bias_bytes);
-  if (index == 2 && c.deterministic) return sm80::BackwardDqSmemBytes(c.head_dim, c.head_dim_v, c.tokens, bias_bytes);
-  return 0;
 }
 
 }  // namespace
@@ -136,7 +100,7 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
       // A cubin that passed the checksum but does not load (e.g. written by a broken build): rebuild it once.
       entry->cubin.clear();
       std::string cubin;
-      TE_JAX_RETURN_IF_ERROR(CompileToCubin(config.Name(), config.RenderSource(), config.arch, &cubin));
+      TE_JAX_RETURN_IF_ERROR(CompileToCubin(config.Name(), RenderSource(config), config.arch, &cubin));
       (void)WriteCacheEntry(entry->path, cubin);
       entry->cubin = std::move(cubin);
       report->origin = "compiled";
@@ -146,15 +110,19 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
       entry->library = nullptr;
       return Status::Internal("cannot load te_jax kernel " + config.Name() + ": " + driver->ErrorString(r));
     }
-    int count = 0;
-    const char* const* names = config.EntryPoints(&count);
+    const KernelModule module = ModuleFor(config);
+    if (module.entries.size() > LoadedModule::kMaxKernels) {
+      return Status::Internal("te_jax kernel " + config.Name() + " has more entry points than LoadedModule holds");
+    }
+    const int count = static_cast<int>(module.entries.size());
     for (int i = 0; i < count; ++i) {
-      r = driver->cuLibraryGetKernel(&entry->module.kernels[i], entry->library, names[i]);
+      const ModuleEntry& e = module.entries[i];
+      r = driver->cuLibraryGetKernel(&entry->module.kernels[i], entry->library, e.name.c_str());
       if (r != CUDA_SUCCESS) {
-        return Status::Internal("te_jax kernel " + config.Name() + " has no entry point " + names[i] + ": " +
+        return Status::Internal("te_jax kernel " + config.Name() + " has no entry point " + e.name + ": " +
                                 driver->ErrorString(r));
       }
-      entry->module.smem_bytes[i] = SmemBytes(config, i);
+      entry->module.smem_bytes[i] = e.smem_bytes;
     }
     entry->module.count = count;
     entry->module.dependent_launch = DependentLaunch(config.arch);

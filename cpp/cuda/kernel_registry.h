@@ -10,8 +10,8 @@
 
 #include <string>
 
+#include "cpp/core/status.h"
 #include "cpp/cuda/kernel_config.h"
-#include "cpp/status.h"
 
 namespace te_jax::cuda {
 
@@ -26,7 +26,8 @@ struct JitReport {
 Status EnsureCubin(const KernelConfig& config, JitReport* report);
 
 struct LoadedModule {
-  // KernelConfig::EntryPoints: at most 4 (decode), or 3, the dbias conversion and the 2 token-table kernels.
+  // The module's entries (kernel_module.h): at most 4 (decode), or 3, the dbias conversion and the 2 token-table
+  // kernels.
   static constexpr int kMaxKernels = 6;
   CUkernel kernels[kMaxKernels] = {};
   int count = 0;

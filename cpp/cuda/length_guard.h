@@ -4,8 +4,8 @@
 
 #include <cuda.h>
 
-#include "cpp/attention_params.h"
-#include "cpp/status.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::cuda {
 

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpp/status.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::cuda {
 
@@ -15,7 +15,7 @@ namespace te_jax::cuda {
 void SetKernelRoot(const std::string& root);
 
 struct KernelSources {
-  std::vector<std::pair<std::string, std::string>> headers;  // include name ("cpp/variants.h") -> text, sorted
+  std::vector<std::pair<std::string, std::string>> headers;  // include name ("cpp/core/variants.h") -> text, sorted
   std::string digest;                                        // sha256 over every name and text
 };
 Status GetKernelSources(const KernelSources** sources);

@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "cpp/bias.h"
+#include "cpp/core/bias.h"
 
 namespace te_jax::cuda {
 

@@ -1,16 +1,16 @@
 // TMA tensor maps of the attention operands for the sm90 family: q, k, v and out are [B][S][H][D] with D contiguous,
 // described as 4-D tensors (D, H, S, B innermost first) whose box is 64 columns x `rows` rows of one (batch, head),
-// with the 128-byte swizzle the wgmma descriptors expect (kernels/sm90/swizzled_tile.h). An additive bias is described
+// with the 128-byte swizzle the wgmma descriptors expect (kernels/primitives/swizzled_tile.h). An additive bias is described
 // as a 3-D tensor of its own dims (kernels/sm90/bias_tile.h).
 #pragma once
 
 #include <cstdint>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/dtype.h"
+#include "cpp/core/status.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/dtype.h"
-#include "cpp/status.h"
 
 namespace te_jax::cuda {
 

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
 #include "cpp/cuda/kernel_args.h"
 
 namespace te_jax::cuda {

@@ -21,13 +21,13 @@
 #include <shared_mutex>
 #include <tuple>
 
+#include "cpp/core/validate.h"
 #include "cpp/cuda/cudnn/cudnn_contract.h"
 #include "cpp/cuda/cudnn/cudnn_library.h"
 #include "cpp/cuda/cudnn/cudnn_mask.h"
 #include "cpp/cuda/cudnn/cudnn_sdpa_graph.h"
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/length_guard.h"
-#include "cpp/validate.h"
 
 namespace te_jax::cuda::cudnn {
 namespace {

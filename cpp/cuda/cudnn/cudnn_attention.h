@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 #include "cpp/cuda/kernel_config.h"
-#include "cpp/status.h"
 
 namespace te_jax::cuda::cudnn {
 

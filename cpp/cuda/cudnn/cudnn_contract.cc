@@ -21,20 +21,20 @@ Status CheckCudnnContract(const AttentionParams& p) {
                                    "mask); te_jax takes arbitrary alibi_slopes per (batch, head)");
   }
   if (p.dropout_threshold > 0) {
-    // cuDNN draws its own mask: te_jax's dropout is the one mask its key defines on every backend (cpp/philox.h).
+    // cuDNN draws its own mask: te_jax's dropout is the one mask its key defines on every backend (cpp/core/philox.h).
     return Status::InvalidArgument("the cuDNN engine does not apply te_jax's dropout (its keep-mask differs)");
   }
   if (p.has_segment_ids || p.has_positions) {
     // cuDNN has no per-token ids or positions for a padded (non-ragged) layout; ragged offsets would need te_jax to
-    // repack the rows, which is not done yet (issue 11).
-    return Status::InvalidArgument("the cuDNN engine does not take segment ids or positions (issue 11)");
+    // repack the rows, which is not done yet.
+    return Status::InvalidArgument("the cuDNN engine does not take segment ids or positions (te_jax's kernels do)");
   }
   if (p.page_size > 0) {
     return Status::InvalidArgument("the cuDNN engine does not read a paged KV cache (te_jax's decode kernels do)");
   }
   if (p.has_bias) {
     // cuDNN's SDPA takes a bias (and gives dbias for some broadcast shapes), not wired up yet; te_jax's kernels serve it.
-    return Status::InvalidArgument("the cuDNN engine does not take a bias yet (issue 12; te_jax's kernels do)");
+    return Status::InvalidArgument("the cuDNN engine does not take a bias (te_jax's kernels do)");
   }
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_kv == 0) {
     return Status::InvalidArgument("cuDNN's graphs need non-empty tensors (batch, seqlen_q and seqlen_kv >= 1)");

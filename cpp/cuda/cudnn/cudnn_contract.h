@@ -4,8 +4,8 @@
 // cuDNN's own reason (cudnn_sdpa_graph.h).
 #pragma once
 
-#include "cpp/attention_params.h"
-#include "cpp/status.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 
 namespace te_jax::cuda::cudnn {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cpp/status.h"
+#include "cpp/core/status.h"
 
 struct cudnnContext;  // cudnn.h: typedef struct cudnnContext* cudnnHandle_t
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "cpp/mask_type.h"
+#include "cpp/core/mask_type.h"
 
 namespace te_jax::cuda::cudnn {
 

@@ -7,7 +7,7 @@
 //   right_bound R (>= 0): j is kept iff p + R >= j              ("masks columns beyond row_idx + right_bound")
 //   left_bound  L (> 0):  j is kept iff j + L > p, i.e. j >= p - L + 1   ("masks columns at or before row - L")
 //   padding mask:         rows i >= s_q[b] and keys j >= s_kv[b] are masked.
-// te_jax's (cpp/visible_keys.h): with p_i = i (+ skv_b - sq_b for the bottom-right masks), key j is visible iff
+// te_jax's (cpp/core/visible_keys.h): with p_i = i (+ skv_b - sq_b for the bottom-right masks), key j is visible iff
 // j < skv_b, j <= p_i for the causal masks, and p_i - window_left <= j <= p_i + window_right. Both use the per-batch
 // lengths for the bottom-right shift when there is a padding mask and the full lengths otherwise, so the mapping is
 // exact: R = 0 for the causal masks (a right window cannot widen a causal row, and min(0, right) = 0), R = right for
@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
 
 namespace te_jax::cuda::cudnn {
 

@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <memory>
 
-#include "cpp/attention_params.h"
+#include "cpp/core/attention_params.h"
+#include "cpp/core/status.h"
 #include "cpp/cuda/kernel_config.h"
-#include "cpp/status.h"
 
 namespace cudnn_frontend::graph {
 class Graph;

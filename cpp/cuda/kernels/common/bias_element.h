@@ -1,4 +1,4 @@
-// The additive logit bias's element types in the CUDA kernels (issue 12): 16-bit types (BFloat16, Float16) stored as
+// The additive logit bias's element types in the CUDA kernels: 16-bit types (BFloat16, Float16) stored as
 // uint16_t, Float32 as float, with the loads and stores the bias tiles of both families (sm80/bias_tile.h,
 // sm90/bias_tile.h) and the dbias writes need.
 // The tiles are read through 32-bit shared-window addresses by volatile asm: staged per stage and indexed at run time,
@@ -8,7 +8,7 @@
 // (volatile asm with a memory clobber) that say a tile has landed.
 #pragma once
 
-#include "cpp/cuda/kernels/common/element.h"
+#include "cpp/cuda/kernels/primitives/element.h"
 
 namespace te_jax::cuda {
 

@@ -1,11 +1,11 @@
-// Which tiles a CTA visits. Every mask leaves each query row a contiguous key range (cpp/visible_keys.h) whose ends
+// Which tiles a CTA visits. Every mask leaves each query row a contiguous key range (cpp/core/visible_keys.h) whose ends
 // never decrease with the row, so the keys any row of a query tile sees form one range, and so do the queries that see
 // any key of a key tile. Tiles outside are skipped entirely (causal and window masks); tiles inside every row's range
 // need no per-element mask; only tiles that straddle a range edge are masked element by element.
 #pragma once
 
+#include "cpp/core/visible_keys.h"
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/visible_keys.h"
 
 namespace te_jax::cuda {
 

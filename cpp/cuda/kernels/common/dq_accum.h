@@ -1,18 +1,18 @@
-// The default backward's float dq accumulator (the call's workspace), shared by both kernel families: the sm80
-// preprocess zeroes it, a dk/dv kernel (sm80's, or sm90's for head dims up to 128) adds each step's ds k to it, and the
-// sm80 conversion kernel turns it into dq. Its layout is the sm80 dk/dv tile's (sm80/tile_size.h:
-// BackwardDqAccumLayout), whose row blocks are a multiple of both families' query steps.
+// The default backward's float dq accumulator (the call's workspace), shared by both kernel families: the preprocess
+// (backward_row_kernels.cuh) zeroes it, a dk/dv kernel (sm80's, or sm90's for head dims up to 128) adds each step's
+// ds k to it, and the conversion kernel turns it into dq. Its layout (common/tile_size.h: BackwardDqAccumLayout) has
+// row blocks that are a multiple of both families' query steps.
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/cuda/kernels/common/tile_size.h"
 
 namespace te_jax::cuda {
 
 // The accumulator of (kD, kDv) calls.
 template <int kD, int kDv>
 struct DqAccum {
-  static constexpr sm80::DqAccumLayout kLayout = sm80::BackwardDqAccumLayout(kD, kDv);
+  static constexpr DqAccumLayout kLayout = BackwardDqAccumLayout(kD, kDv);
   static constexpr int kSwizzle = kLayout.swizzle;
 
   // Where column col of row i is stored within its row (the layout's swizzle).

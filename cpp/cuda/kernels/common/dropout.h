@@ -1,11 +1,11 @@
-// Attention dropout in the CUDA kernels (issue 12): the keep rule of cpp/philox.h, so a key gives the same mask as on
+// Attention dropout in the CUDA kernels: the keep rule of cpp/core/philox.h, so a key gives the same mask as on
 // the CPU (cpu/dropout_tile.h) and in te_jax.dropout_keep_mask: an element is kept, and scaled by 1 / (1 - rate), when
 // its 16-bit Philox4x32-10 number reaches the threshold. The forward multiplies P by the factor before P.V; the
 // backward uses P times the factor for dV and dS = P * (factor * dP - delta') (probability_grad.h).
 #pragma once
 
+#include "cpp/core/philox.h"
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/philox.h"
 
 namespace te_jax::cuda {
 
@@ -40,7 +40,7 @@ struct KernelDropout {
   // The keep bits of the 2 x kN8 x 2 elements a thread holds of an m16n8 accumulator tile: bit 2 (r kN8 + j) + c is
   // element (row0 + 8 r, col0 + 8 j + c), with row0 = (a multiple of 16) + lane / 4 and col0 = (a multiple of 16) +
   // 2 (lane % 4). A Philox call draws rows i, i + 8 of a 16-row block by keys 2t, 2t + 1, 8 + 2t, 9 + 2t of a 16-key
-  // block (cpp/philox.h), so when the call's offsets keep those blocks aligned (always, but for context-parallel
+  // block (cpp/core/philox.h), so when the call's offsets keep those blocks aligned (always, but for context-parallel
   // shards that start mid-block; every lane of the warp must call this):
   //   queries along the rows (forward, dq): the lane's own call per 16 keys gives all eight of its numbers there;
   //   keys along the rows (the dk/dv kernel's transposed tile): the call of (keys g, g + 8 of a lane; queries 2t + c,

@@ -1,19 +1,23 @@
 // te_jax's contract for run-time lengths around an engine that trusts them (cuDNN reads seq_len_q / seq_len_kv as
-// they come and leaves the rows they cut to its own conventions). Before the engine, GuardLengths clamps the lengths
-// into [0, S], so nothing is read out of bounds. After it, EnforceLengthContract writes what te_jax promises on every
+// they come and leaves the rows they cut to its own conventions). Before the engine, GuardLengthsKernel clamps the lengths
+// into [0, S], so nothing is read out of bounds. After it, EnforceLengthContractKernel writes what te_jax promises on every
 // row and key the lengths decide about: a query row with no visible key (past q_len, or cut off by kv_len, the
 // bottom-right diagonal or a window) gets out = 0, lse = -inf, dq = 0; a key at or past kv_len gets dk = dv = 0; every
 // output of a batch entry whose lengths were out of range is NaN (as the sm80 kernels do in-kernel,
 // kernels/common/block_range.h). Rows and keys the lengths do not touch are left as the engine wrote them.
 #pragma once
 
+#include "cpp/core/visible_keys.h"
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/visible_keys.h"
 
 namespace te_jax::cuda {
 
 // One thread per batch entry (any grid that covers the batch).
-__device__ __forceinline__ void GuardLengths(const LengthGuardArgs& a) {
+struct GuardLengthsKernel {
+  static __device__ __forceinline__ void Run(const LengthGuardArgs& a);
+};
+
+__device__ __forceinline__ void GuardLengthsKernel::Run(const LengthGuardArgs& a) {
   const ShapeArgs& s = a.shape;
   for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < s.batch; b += gridDim.x * blockDim.x) {
     const int q = a.q_seqlens[b];
@@ -31,7 +35,11 @@ __device__ __forceinline__ void FillRow(uint16_t* row, int count, uint32_t bits)
 
 // Grid (x: blocks of kLengthGuardRowsPerBlock rows or keys, y: batch); the decisions are uniform per row, and a block
 // whose rows and keys all see their keys writes nothing.
-__device__ __forceinline__ void EnforceLengthContract(const LengthGuardArgs& a) {
+struct EnforceLengthContractKernel {
+  static __device__ __forceinline__ void Run(const LengthGuardArgs& a);
+};
+
+__device__ __forceinline__ void EnforceLengthContractKernel::Run(const LengthGuardArgs& a) {
   const ShapeArgs& s = a.shape;
   const int b = blockIdx.y;
   const bool invalid = a.guarded[2 * s.batch + b] != 0;

@@ -6,8 +6,8 @@
 // max = -inf; they contribute p = 0 and end with l = 0, which Finish turns into out = 0, lse = -inf.
 #pragma once
 
-#include "cpp/host_device.h"
-#include "cpp/sink.h"
+#include "cpp/core/host_device.h"
+#include "cpp/core/sink.h"
 
 namespace te_jax::cuda {
 
@@ -101,7 +101,7 @@ struct OnlineSoftmax {
   }
 };
 
-// Attention sinks (cpp/sink.h): a call with sinks ([B, H], null without) merges its head's sink into the two finished
+// Attention sinks (cpp/core/sink.h): a call with sinks ([B, H], null without) merges its head's sink into the two finished
 // rows of a thread, `head_at` = b * num_heads + head. A run-time test: the sink costs no kernel variant.
 __device__ __forceinline__ void MergeRowSinks(const float* sinks, int64_t head_at, float (&inv_sum)[2],
                                               float (&lse)[2]) {

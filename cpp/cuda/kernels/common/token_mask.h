@@ -1,12 +1,12 @@
-// The packed-sequence mask in the attention kernels (issue 11), from the token tables of TokenArgs
+// The packed-sequence mask in the attention kernels, from the token tables of TokenArgs
 // (cpp/cuda/kernel_args.h, written by kernels/common/token_tables.cuh). Per element, a row sees a key when their ids
 // match and the key's position lies in the row's bounds (ANDed with the index-based range of visible_keys.h). Per
 // tile, a granule summary (ids and bounds as ranges) says whether no pair can meet (the tile is never loaded when it
 // lies outside the block's span) or every pair meets (the tile skips the per-element test).
 #pragma once
 
+#include "cpp/core/host_device.h"
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/host_device.h"
 
 namespace te_jax::cuda {
 

@@ -1,4 +1,4 @@
-// The token tables of a packed-sequence call (issue 11; layout in cpp/cuda/kernel_args.h's TokenArgs), built before
+// The token tables of a packed-sequence call (layout in cpp/cuda/kernel_args.h's TokenArgs), built before
 // the attention kernels of either direction run, by two small kernels on the same stream:
 //   TokenTablesKernel: a warp per granule of either side writes its tokens' entries (ids, position bounds; the
 //     lengths folded in as id 0) and the granule's summary;

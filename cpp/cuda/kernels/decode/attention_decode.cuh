@@ -12,25 +12,25 @@
 // whose straddling tiles may have put NaN where no row sees it runs again with the careful product.
 #pragma once
 
+#include "cpp/core/kv_rows.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
-#include "cpp/cuda/kernels/common/dependent_launch.h"
+#include "cpp/cuda/kernels/common/nonfinite_tile.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
-#include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
-#include "cpp/cuda/kernels/sm80/smem_tile.h"
-#include "cpp/cuda/kernels/sm80/xor_swizzled_tile.h"
-#include "cpp/cuda/kernels/sm80/warp_gemm.h"
-#include "cpp/cuda/kernels/sm90/pipeline.h"
-#include "cpp/cuda/kernels/sm90/swizzled_tile.h"
-#include "cpp/kv_rows.h"
+#include "cpp/cuda/kernels/primitives/dependent_launch.h"
+#include "cpp/cuda/kernels/primitives/padded_tile.h"
+#include "cpp/cuda/kernels/primitives/pipeline.h"
+#include "cpp/cuda/kernels/primitives/swizzled_tile.h"
+#include "cpp/cuda/kernels/primitives/warp_gemm.h"
+#include "cpp/cuda/kernels/primitives/xor_swizzled_tile.h"
 
 namespace te_jax::cuda::decode {
 
 // Asynchronously copies the rows of one K/V head (`head_offset` elements into each row of `row_stride` elements) of a
 // paged call's tile of kRows keys into a tile (builds without TMA stages); row_of(r) is key r's row in the pool
-// (cpp/kv_rows.h), -1 for a key past the length (zero-filled, as are columns past cols). A contiguous call's rows are
-// consecutive: its tiles' AsyncLoad (sm80/async_load_rows.h) copies them, and a paged call gives its bits.
+// (cpp/core/kv_rows.h), -1 for a key past the length (zero-filled, as are columns past cols). A contiguous call's rows are
+// consecutive: its tiles' AsyncLoad (primitives/async_load_rows.h) copies them, and a paged call gives its bits.
 template <int kThreads, typename Tile, typename RowOf>
 __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* base, RowOf row_of, int64_t row_stride,
                                               int head_offset, int cols, int tid) {
@@ -71,20 +71,20 @@ __device__ __forceinline__ void AsyncLoadKeys(const Tile& tile, const uint16_t* 
       if (!exists(i0 + j)) break;
       const int r = row_of_chunk(i0 + j), col = col_of_chunk(i0 + j);
       const bool valid = rows[j] >= 0 && col < cols;
-      sm80::CpAsync16(tile.Address(r, col), valid ? base + rows[j] * row_stride + head_offset + col : base, valid);
+      CpAsync16(tile.Address(r, col), valid ? base + rows[j] * row_stride + head_offset + col : base, valid);
     }
   }
 }
 
 // The K and V stages' tiles: XorSwizzledTile where rows are whole 128-byte groups (its copies ask the L2 for each
-// sector once), else SmemTile's padded rows (tile_size.h StageTileBytes).
+// sector once), else PaddedTile's padded rows (tile_size.h StageTileBytes).
 template <int kRows, int kCols, bool kSwizzled = SwizzledStage(kCols)>
 struct StageTileOf {
-  using Type = sm80::XorSwizzledTile<kRows, kCols>;
+  using Type = XorSwizzledTile<kRows, kCols>;
 };
 template <int kRows, int kCols>
 struct StageTileOf<kRows, kCols, false> {
-  using Type = sm80::SmemTile<kRows, kCols>;
+  using Type = PaddedTile<kRows, kCols>;
 };
 
 // The query rows of a CTA: heads [head0, head0 + heads) of its K/V head's group at positions [pos0, pos0 + positions),
@@ -136,7 +136,7 @@ struct DecodeKernel {
   static constexpr int kSliceN = kBlockN / kKeySlices;  // keys per warp per stage
   static constexpr int kDP = PadHeadDim(kD);
   static constexpr int kDvP = PadHeadDim(kDv);
-  using QTile = sm80::SmemTile<kRows, kDP>;
+  using QTile = PaddedTile<kRows, kDP>;
   using KTile = typename StageTileOf<kBlockN, kDP>::Type;
   using VTile = typename StageTileOf<kBlockN, kDvP>::Type;
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
@@ -210,9 +210,9 @@ struct DecodeKernel {
       const int r = c / (kDP / 8), col = c % (kDP / 8) * 8;
       const bool valid = rb.Valid(r) && col < kD;
       const int64_t row = (static_cast<int64_t>(rb.b) * s.seqlen_q + rb.Position(r)) * s.num_heads + rb.Head(r);
-      sm80::CpAsync16(sm.Q().Address(r, col), valid ? q + row * kD + col : q, valid);
+      CpAsync16(sm.Q().Address(r, col), valid ? q + row * kD + col : q, valid);
     }
-    sm80::CpAsyncCommit();
+    CpAsyncCommit();
     for (int r = tid; r < kRows; r += kThreads) {
       const KeyRange keys = rb.Valid(r) ? mask.Keys(rb.Position(r)) : KeyRange{0, 0};
       sm.Ranges()[r] = make_int2(static_cast<int>(keys.begin), static_cast<int>(keys.end));
@@ -248,10 +248,10 @@ struct DecodeKernel {
     // gets zeros.
     if constexpr (kTmaStages) {
       if (tid == 0 && tiles > 0) {  // (no K/V rows: no maps)
-        sm90::PrefetchTensorMap(&a.k_map);
-        sm90::PrefetchTensorMap(&a.v_map);
-        for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(sm.Full(stage), 2);  // k's and v's copies
-        sm90::FenceMbarrierInit();  // before any copy names a barrier; the pass's first barrier publishes the inits
+        PrefetchTensorMap(&a.k_map);
+        PrefetchTensorMap(&a.v_map);
+        for (int stage = 0; stage < kStages; ++stage) MbarrierInit(sm.Full(stage), 2);  // k's and v's copies
+        FenceMbarrierInit();  // before any copy names a barrier; the pass's first barrier publishes the inits
       }
     }
     // Bit `stage` of `phases`: the parity of the phase of the stage's barrier that its next tile completes.
@@ -301,9 +301,9 @@ struct DecodeKernel {
             if (row < 0) row = static_cast<int>(a.num_pages * a.page_size);
             b = 0;
           }
-          sm90::LoadTileBoxes(sm90::SwizzledTile<kBlockN, kDP>{SmemAddress(sm.K(stage).data)}, &a.k_map, sm.Full(stage),
+          LoadTileBoxes(SwizzledTile<kBlockN, kDP>{SmemAddress(sm.K(stage).data)}, &a.k_map, sm.Full(stage),
                               rb.kv_head, row, b, box_rows, box_lane);
-          sm90::LoadTileBoxes(sm90::SwizzledTile<kBlockN, kDvP>{SmemAddress(sm.V(stage).data)}, &a.v_map,
+          LoadTileBoxes(SwizzledTile<kBlockN, kDvP>{SmemAddress(sm.V(stage).data)}, &a.v_map,
                               sm.Full(stage), rb.kv_head, row, b, box_rows, box_lane);
         }
       } else if (paged) {
@@ -341,7 +341,7 @@ struct DecodeKernel {
     auto pass = [&](auto careful) {
       constexpr bool kCareful = decltype(careful)::kValue;
       softmax.Reset();
-      sm80::ZeroFragments(o);
+      ZeroFragments(o);
       if (paged) {
         for (int c = tid; c < kRowsLead * kBlockN; c += kThreads) {
           if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
@@ -351,27 +351,27 @@ struct DecodeKernel {
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < tiles) load(i);
-        sm80::CpAsyncCommit();
+        CpAsyncCommit();
       }
       for (int i = 0; i < tiles; ++i) {
         const int stage = i % kStages;
         if constexpr (kTmaStages) {
-          sm90::MbarrierWait(sm.Full(stage), phases >> stage & 1u);
+          MbarrierWait(sm.Full(stage), phases >> stage & 1u);
           phases ^= 1u << stage;
         }
-        sm80::CpAsyncWait<kStages - 2>();  // (with TMA: the q tile's group)
+        CpAsyncWait<kStages - 2>();  // (with TMA: the q tile's group)
         __syncthreads();  // tile i landed for everyone, and everyone is done with the stage the next load overwrites
         if (i + kStages - 1 < tiles) load(i + kStages - 1);
-        sm80::CpAsyncCommit();
+        CpAsyncCommit();
         if (paged && tid < kBlockN && i + kRowsLead < tiles) look_up_rows(i + kRowsLead, tid);
         const int tile = tile_begin + i, n0 = tile * kBlockN, key0 = n0 + slice * kSliceN;
         const bool interior = tile >= full_begin && tile < full_end;
         if constexpr (kCareful) {
-          if (!interior && __syncthreads_or(sm80::ThreadSeesNonFinite<Element, kThreads>(sm.V(stage), tid))) {
-            sm80::PoisonColumnsOfNonFiniteValues<Element>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t,
+          if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(sm.V(stage), tid))) {
+            PoisonColumnsOfNonFiniteValues<Element>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t,
                                                           [](int, int) { return true; });
             __syncthreads();  // every warp has read the values before they are zeroed
-            sm80::ZeroNonFinite<Element, kThreads>(sm.V(stage), tid);
+            ZeroNonFinite<Element, kThreads>(sm.V(stage), tid);
             FenceSharedForAsyncProxy();  // the zeroes before a later TMA copy overwrites the stage
             __syncthreads();
           }
@@ -380,8 +380,8 @@ struct DecodeKernel {
         const VTile v_slice{sm.V(stage).data + slice * kSliceN * VTile::kPitch};
 
         float sc[1][kSliceN / 8][4];
-        sm80::ZeroFragments(sc);
-        sm80::WarpGemmABt<Element, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, k_slice, lane);
+        ZeroFragments(sc);
+        WarpGemmABt<Element, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, k_slice, lane);
         if (!kRawScores || !interior) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -413,10 +413,10 @@ struct DecodeKernel {
         for (int kk = 0; kk < kSliceN / 16; ++kk) {
           uint32_t p[1][4];
           PackAFragment<Element>(sc[0], kk, p[0]);
-          sm80::WarpMmaRegA<Element, 1, kDvP>(o, p, v_slice, kk * 16, 0, kDvP, lane);
+          WarpMmaRegA<Element, 1, kDvP>(o, p, v_slice, kk * 16, 0, kDvP, lane);
         }
       }
-      sm80::CpAsyncWait<0>();
+      CpAsyncWait<0>();
     };
 
     pass(BoolConstant<false>{});

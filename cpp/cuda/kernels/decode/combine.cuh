@@ -5,10 +5,10 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
-#include "cpp/cuda/kernels/common/dependent_launch.h"
-#include "cpp/cuda/kernels/common/element.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
+#include "cpp/cuda/kernels/primitives/dependent_launch.h"
+#include "cpp/cuda/kernels/primitives/element.h"
 
 namespace te_jax::cuda::decode {
 

@@ -5,32 +5,27 @@
 // splits' partial results by their log-sum-exp.
 #pragma once
 
-#include "cpp/cuda/kernels/sm80/tile_size.h"
+#include "cpp/core/host_device.h"
+#include "cpp/cuda/kernels/primitives/padded_tile_size.h"
+
+#if !defined(__CUDACC_RTC__)
+#include <cstdint>
+#endif
 
 namespace te_jax::cuda::decode {
-
-// Up to this many query positions a call takes the decode kernels. H200, bf16, b 8, h 32 / kv 8, d 128, 8k keys:
-// 16 positions take 167-207 us here against 252 us for 17 positions on the sm90 forward (which reads each K/V head
-// once per query head) and 256 us for 32; 32 positions here would be two 64-row tiles per K/V head, each reading the
-// K/V again (~330 us). docs/BENCHMARKS.md, run 19.
-inline constexpr int kMaxSeqlenQ = 16;
 
 inline constexpr int kWarps = 4;
 inline constexpr int kThreads = 32 * kWarps;
 inline constexpr int kBlockN = 64;  // keys per pipeline stage
 
-// Tiles as in the sm80 family (head dims padded to the mma k extent, rows padded by 16 bytes).
-using sm80::PadHeadDim;
-using sm80::TileBytes;
-
 // The K and V stages' tiles (attention_decode.cuh StageTileOf): for head dims of whole 128-byte rows an unpadded
 // tile whose 16-byte chunks are swizzled by row, so a 32-byte global sector fills one 32-byte shared sector; padded
 // rows (the sm80 family's tiles) put every other row's sectors across two, and cp.async then reads each such sector
-// twice (H200, b 8 x 32k: 1.5x the ideal L2 sectors, the L2 at 91% of its throughput; docs/BENCHMARKS.md, run 62a).
+// twice (H200, b 8 x 32k: 1.5x the ideal L2 sectors, the L2 at 91% of its throughput).
 TE_JAX_HOST_DEVICE constexpr bool SwizzledStage(int padded_cols) { return padded_cols % 64 == 0; }
 
 TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d) {
-  return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : TileBytes(kBlockN, PadHeadDim(d));
+  return SwizzledStage(PadHeadDim(d)) ? kBlockN * PadHeadDim(d) * 2 : PaddedTileBytes(kBlockN, PadHeadDim(d));
 }
 
 // A paged call's TMA boxes (sm_90 on): the largest power of two that divides the page size, up to a stage's keys, so
@@ -44,16 +39,16 @@ TE_JAX_HOST_DEVICE constexpr int PagedBoxRows(int64_t page_size) {
 // two CTAs per SM on an H200), two above (~138 KB at d = 256). The shallow ring, two stages (~70 KB at d = 128: three
 // CTAs per SM), serves the four-row-tile kernel (below) and a one-row-tile call whose CTAs fit in one wave of its
 // slots (decode_geometry.cc): H200, b 8 x 32k, its kernel took 245 us against the deep ring's 251 (DRAM 91% against
-// 89% busy), while b 64 x 4k's 512 CTAs took 1.29 waves of it: 326 us against 254 (docs/BENCHMARKS.md, run 63e).
+// 89% busy), while b 64 x 4k's 512 CTAs took 1.29 waves of it: 326 us against 254.
 TE_JAX_HOST_DEVICE constexpr int DeepStages(int d, int dv) {
   return PadHeadDim(d) <= 128 && PadHeadDim(dv) <= 128 ? 3 : 2;
 }
 inline constexpr int kShallowStages = 2;
 
-// A paged call's rows of each tile's keys (cpp/kv_rows.h; a contiguous call's follow from the key) are looked up once,
+// A paged call's rows of each tile's keys (cpp/core/kv_rows.h; a contiguous call's follow from the key) are looked up once,
 // by one thread per key, into a ring of tables in shared memory an iteration before the tile's copies are issued, so
 // no copy waits on a page-table read (that wait made paged calls 1.7x slower than contiguous ones on an H200; with the
-// tables they are within 2%, docs/BENCHMARKS.md). (Asking the L2 for tiles beyond the ring with prefetch.global.L2
+// tables they are within 2%, H200). (Asking the L2 for tiles beyond the ring with prefetch.global.L2
 // measured 10-25% slower there, and fetching 256-byte L2 blocks per copy ~8% slower.)
 TE_JAX_HOST_DEVICE constexpr int KeyRowSlots(int stages) { return stages + 1; }
 
@@ -67,7 +62,7 @@ TE_JAX_HOST_DEVICE constexpr int RowsOfTile(int row_tiles) { return 16 * row_til
 // reuses the rings for the warps' float partial outputs and each row's max and sum per warp.
 TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles, int stages) {
   const int rows = RowsOfTile(row_tiles);
-  return 1024 + stages * (StageTileBytes(d) + StageTileBytes(dv)) + TileBytes(rows, PadHeadDim(d)) +
+  return 1024 + stages * (StageTileBytes(d) + StageTileBytes(dv)) + PaddedTileBytes(rows, PadHeadDim(d)) +
          rows * (8 + 4 + 4) + KeyRowSlots(stages) * kBlockN * 4 + stages * 8;
 }
 
@@ -85,7 +80,7 @@ inline constexpr int kCombineThreads = 128;
 // the combine; 3 one row tile, shallow ring. The four-row-tile kernel does four times the one-row-tile kernel's
 // products per byte, with four warps a CTA; its deep ring (~118 KB at d = 128) ran one CTA an SM, whose warps waited
 // on their own products; on the shallow ring (~84 KB) two CTAs share an SM (H100, b 8 x 16 queries x 8k: paged 64
-// 126 -> 120-122 us, paged 16 145 -> 122-128; docs/BENCHMARKS.md, run 67).
+// 126 -> 120-122 us, paged 16 145 -> 122-128).
 inline constexpr int kCombineKernel = 2;
 inline constexpr int kShallowKernel = 3;
 TE_JAX_HOST_DEVICE constexpr int RowTilesOfKernel(int index) { return index == 1 ? 4 : 1; }

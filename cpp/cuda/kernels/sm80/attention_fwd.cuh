@@ -1,7 +1,7 @@
 // Forward flash attention, sm80 family (mma.sync m16n8k16, ldmatrix, cp.async double buffering); runs on sm_80+.
 // A CTA owns 16 * kWarps * kMT query rows of one (batch, head); each warp 16 * kMT of them. The q tile stays in shared memory, the
 // k/v tiles of the visible key range stream through two stages: tile t+1 is in flight while tile t is multiplied.
-// The logits come from the Variant (cpp/variants.h), so every variant shares this body; masks are run-time key ranges,
+// The logits come from the Variant (cpp/core/variants.h), so every variant shares this body; masks are run-time key ranges,
 // and with the variant's tokens (packed sequences) also per-element id/position tests (kernels/common/token_mask.h).
 // With the variant's bias, a bias tile (kernels/sm80/bias_tile.h) streams through two stages beside k/v and is added
 // to each logit.
@@ -10,14 +10,14 @@
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/common/dropout.h"
-#include "cpp/cuda/kernels/sm80/nonfinite_tile.h"
+#include "cpp/cuda/kernels/common/nonfinite_tile.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
+#include "cpp/cuda/kernels/primitives/padded_tile.h"
+#include "cpp/cuda/kernels/primitives/warp_gemm.h"
 #include "cpp/cuda/kernels/sm80/bias_tile.h"
 #include "cpp/cuda/kernels/sm80/key_token_stage.h"
-#include "cpp/cuda/kernels/sm80/smem_tile.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
-#include "cpp/cuda/kernels/sm80/warp_gemm.h"
 
 namespace te_jax::cuda::sm80 {
 
@@ -32,9 +32,9 @@ struct ForwardKernel {
   static constexpr int kMT = kTile.m_tiles;  // 16-row m tiles per warp
   static constexpr int kDP = PadHeadDim(kD);
   static constexpr int kDvP = PadHeadDim(kDv);
-  using QTile = SmemTile<kBlockM, kDP>;
-  using KTile = SmemTile<kBlockN, kDP>;
-  using VTile = SmemTile<kBlockN, kDvP>;
+  using QTile = PaddedTile<kBlockM, kDP>;
+  using KTile = PaddedTile<kBlockN, kDP>;
+  using VTile = PaddedTile<kBlockN, kDvP>;
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr bool kDropout = Variant::kHasDropout;
   // After the key ranges: the rows' token entries, each stage's keys' entries, the rows' "sees a key" flags.
@@ -260,8 +260,8 @@ struct ForwardKernel {
         softmax[mt].Update(sc[mt], log2_scale, rescale);
         // Once the row maxima settle, most tiles move none of the warp's (rescale is exactly 2^0 = 1): skipping that
         // multiply is bitwise identical. Measured on an H200 it pays only for the 2-m-tile dv = 128 kernel (forward
-        // +3.5-5%, and ptxas stops spilling); at d = 64 (-5-7%) and d = 256 (-8%) the vote and branch cost more
-        // (docs/BENCHMARKS.md run 9).
+        // +3.5-5%, and ptxas stops spilling); at d = 64 (-5-7%) and d = 256 (-8%) the vote and branch cost
+        // more.
         if (!kSkipSteadyRescale || __any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
 #pragma unroll
           for (int j = 0; j < kDvP / 8; ++j) {

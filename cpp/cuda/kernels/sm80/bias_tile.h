@@ -1,4 +1,4 @@
-// The additive logit bias in the sm80 family (issue 12): its tiles in shared memory, and the dk/dv kernel's tile of dS
+// The additive logit bias in the sm80 family: its tiles in shared memory, and the dk/dv kernel's tile of dS
 // that becomes dbias.
 //
 // A bias tile holds rows [row0, row0 + kRows) (query positions) x columns [col0, col0 + kCols) (key positions) of one
@@ -13,7 +13,8 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/bias_element.h"
-#include "cpp/cuda/kernels/sm80/cp_async.h"
+#include "cpp/cuda/kernels/common/bias_grad.h"
+#include "cpp/cuda/kernels/primitives/cp_async.h"
 #include "cpp/cuda/kernels/sm80/tile_size.h"
 
 namespace te_jax::cuda::sm80 {
@@ -89,37 +90,6 @@ struct BiasTile {
   static __device__ __forceinline__ float Value(uint32_t row, int c) { return Element::LoadShared(row + c * kSize); }
 };
 
-// Where the dk/dv kernel's dS goes for dbias (BackwardArgs): the bias's strides from one (batch, head), and either the
-// float accumulator (some dim of dbias is summed) or dbias itself (each element one (b, h, i, j), written once).
-template <typename Bias>
-struct BiasGradTarget {
-  using Element = BiasElementOf<Bias>;
-  void* dbias;
-  float* accum;
-  int64_t offset;
-  int32_t query_stride;
-  int32_t key_stride;
-
-  static __device__ __forceinline__ BiasGradTarget Of(const BackwardArgs& a, int b, int h) {
-    return {a.dbias, a.dbias_accum, b * a.bias.batch_stride + h * a.bias.head_stride, a.bias.query_stride,
-            a.bias.key_stride};
-  }
-
-  __device__ __forceinline__ int64_t At(int i, int j) const {
-    return offset + static_cast<int64_t>(i) * query_stride + static_cast<int64_t>(j) * key_stride;
-  }
-
-  // Adds x to element `at` (a batch with invalid lengths adds NaN, as its other gradients are NaN).
-  __device__ __forceinline__ void Add(int64_t at, float x, bool invalid) const {
-    if (invalid) x = __int_as_float(0x7fffffff);
-    if (accum != nullptr) {
-      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(accum + at), "f"(x) : "memory");
-    } else {
-      Element::StoreGlobal(static_cast<typename Element::Storage*>(dbias) + at, x);
-    }
-  }
-};
-
 // One dk/dv step's dS before the logit's derivative (the gradient of each logit, so of the bias) for its kQueries x
 // kKeys pairs, stored per element by the fragment loop and added to dbias by the whole CTA after a barrier: reduced
 // first along the bias's broadcast dims (in shared memory and registers), then written with coalesced stores or float
@@ -174,22 +144,5 @@ struct BiasGradTile {
     }
   }
 };
-
-// Writing dbias directly, the dk/dv CTA also writes the zeros of the pairs its steps never visit: for its keys, the
-// query rows of each head outside the rows [visited_begin, visited_end) its steps visit. Each element of dbias is then
-// written once, by the CTA that owns its key.
-template <typename Bias, int kKeys, int kThreads>
-__device__ __forceinline__ void ZeroUnvisitedBiasGrad(const BiasGradTarget<Bias>& target, int visited_begin,
-                                                      int visited_end, int n0, int seqlen_q, int seqlen_kv,
-                                                      bool invalid, int tid) {
-  constexpr int kRowStep = kThreads / kKeys;
-  const int key = tid % kKeys;
-  if (n0 + key >= seqlen_kv) return;
-  auto zero_rows = [&](int begin, int end) {
-    for (int i = begin + tid / kKeys; i < end; i += kRowStep) target.Add(target.At(i, n0 + key), 0.0f, invalid);
-  };
-  zero_rows(0, min(visited_begin, seqlen_q));
-  zero_rows(visited_end, seqlen_q);
-}
 
 }  // namespace te_jax::cuda::sm80

@@ -2,8 +2,8 @@
 // over key tiles (the forward and the dq kernel), copied with cp.async beside the tile's k and v.
 #pragma once
 
-#include "cpp/cuda/kernels/common/shared_memory.h"
-#include "cpp/cuda/kernels/sm80/cp_async.h"
+#include "cpp/cuda/kernels/primitives/cp_async.h"
+#include "cpp/cuda/kernels/primitives/shared_memory.h"
 
 namespace te_jax::cuda::sm80 {
 

@@ -1,51 +1,26 @@
-// Backward flash attention, sm90 family (sm_90a). It follows the sm80 family's schemes (kernels/sm80/attention_bwd.cuh):
-// the sm80 preprocess writes delta' = rowsum(dout * out) - dlse per query row into a scratch that aliases dq, then
-//   dk/dv: a CTA owns 128 keys of one kv head (64 at head dims above 128) and steps over the query tiles (64 rows, 128
-//     at head dims up to 64: tile_size.h), of every head of its GQA group, that see them: s^T = k q^T, dp^T = v dout^T,
-//     p^T and ds^T elementwise, then dv += p^T dout and dk += ds^T q; by default (kAccumulateDq) it also computes each
-//     step's dq block, ds k (ds^T through shared memory; each consumer warpgroup half of dq's columns, or with 128-row
-//     steps half of its rows), and hands it to the copy engine as one bulk float addition into the dq accumulator
-//     (common/dq_accum.h), which the sm80 conversion kernel turns into dq. The additions land in any order, so dq's
-//     last bits vary between runs;
-//   dq (deterministic=True, and head dims above 128): a CTA owns 128 queries (64 above 128) and steps over their key
-//     tiles: s = q k^T, dp = dout v^T, ds, then dq += ds k, every row written once in a fixed order. It recomputes its
-//     rows' delta' (the scratch is dq's memory, which other CTAs are writing) and s and dp (7 products per tile pair,
-//     against 5 with kAccumulateDq).
-// Both have the forward's machinery (attention_fwd.cuh): a producer warpgroup whose one thread issues the TMA copies
-// (the owned tiles once, then each step's two tiles into a two-stage ring) and two consumer warpgroups on wgmma. Each
-// step is one q k^T-shaped pair of products (owned rows against the step's rows), the elementwise algebra
-// (common/probability_grad.h), and one or two products into the accumulators, whose A operands (p^T, ds^T or ds) are
-// the elementwise results. Up to 128 columns per accumulator each warpgroup owns 64 rows and takes its A operands
-// from registers; above, the warpgroups split columns (tile_size.h): each computes the step's scores for half its
-// rows, writes its half of the A operands to shared memory, and multiplies all of them into half of each
-// accumulator's columns.
-// Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family: a CTA steps only over the
-// tiles of its owned rows' token span; the producer copies the owned rows' token entries and granule summaries with
-// the owned tiles and each step's with its tiles; the consumers skip the per-element test on steps the index range and
-// the tokens say are fully seen, and test ids and positions per element elsewhere; ALiBi sees positions.
-// Dropout (Variant::kHasDropout; kernels/common/dropout.h): a step's keep bits are drawn while its products run and
-// enter the algebra as each element's factor.
-// An additive bias (Variant::kHasBias; sm90/bias_tile.h): each step's block of it, [queries][keys] of the step's query
-// head, lands in the stage with the step's tiles and adds to each recomputed logit; the dk/dv kernel adds each logit's
-// gradient to dbias as it computes it (kernels/sm80/bias_tile.h's BiasGradTarget: straight into dbias where no dim of
-// it is summed, else with float atomics into the accumulator; a query-broadcast bias's first summed over the thread's
-// and its quad's queries), and writes the zeros of the query rows its steps never visit.
+// Backward flash attention, sm90 family (sm_90a), after the row kernels' preprocess (common/backward_row_kernels.cuh).
+// One template, two kernels: dk/dv (kOwnsKeys) owns a block of keys of a kv head and steps over the query tiles of its
+// GQA group that see them, by default also adding each step's dq block to the float accumulator (kAccumulateDq, one
+// bulk reduction a step: dq's last bits vary between runs); dq (deterministic) owns a block of queries and steps over
+// their key tiles, writing each row once. The forward's machinery: a producer thread's TMA copies into a two-stage
+// ring, two consumer warpgroups on wgmma, which split rows up to 128 columns and columns above (tile_size.h). Packed
+// sequences, dropout and the bias (its gradient through common/bias_grad.h): docs/ARCHITECTURE.md, "The sm90 backward".
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
+#include "cpp/cuda/kernels/common/bias_grad.h"
 #include "cpp/cuda/kernels/common/block_range.h"
-#include "cpp/cuda/kernels/common/bulk_reduce.h"
 #include "cpp/cuda/kernels/common/dq_accum.h"
 #include "cpp/cuda/kernels/common/dropout.h"
-#include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/probability_grad.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
-#include "cpp/cuda/kernels/sm80/bias_tile.h"
+#include "cpp/cuda/kernels/primitives/bulk_reduce.h"
+#include "cpp/cuda/kernels/primitives/fragment.h"
+#include "cpp/cuda/kernels/primitives/pipeline.h"
+#include "cpp/cuda/kernels/primitives/swizzled_tile.h"
+#include "cpp/cuda/kernels/primitives/wgmma.h"
 #include "cpp/cuda/kernels/sm90/bias_tile.h"
-#include "cpp/cuda/kernels/sm90/pipeline.h"
-#include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
-#include "cpp/cuda/kernels/sm90/wgmma.h"
 
 namespace te_jax::cuda::sm90 {
 
@@ -458,7 +433,7 @@ struct BackwardKernel {
     // one query).
     [[maybe_unused]] const bool bias_one_row = kBias && args.bias.query_stride == 0;
     [[maybe_unused]] const bool dbias_sums_queries = bias_one_row && args.dbias_accum != nullptr;
-    using BiasGrad = sm80::BiasGradTarget<typename Variant::Bias>;
+    using BiasGrad = BiasGradTarget<typename Variant::Bias>;
     float sc[kScoreCols / 8][4], dp[kScoreCols / 8][4];
     uint32_t pa[kScoreCols / 16][4], da[kScoreCols / 16][4];
     float dq[kAccumulateDq ? kDqN / 2 : 1];  // kAccumulateDq: the step's dq block, this warpgroup's columns
@@ -693,7 +668,7 @@ struct BackwardKernel {
       // Written straight, dbias gets the zeros of the query rows no step visited, for the owned keys of each head.
       if (args.dbias_accum == nullptr) {
         for (int h = 0; h < w.group; ++h) {
-          sm80::ZeroUnvisitedBiasGrad<typename Variant::Bias, kOwned, 256>(
+          ZeroUnvisitedBiasGrad<typename Variant::Bias, kOwned, 256>(
               BiasGrad::Of(args, w.b, w.owned_head * w.group + h), w.tile_begin * kStep,
               (w.tile_begin + w.tiles) * kStep, w.owned0, s.seqlen_q, s.seqlen_kv, w.len.invalid,
               128 * wg + 32 * warp_in_wg + lane);

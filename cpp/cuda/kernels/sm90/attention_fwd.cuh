@@ -1,47 +1,23 @@
-// Forward flash attention, sm90 family (sm_90a): wgmma products, TMA copies into mbarrier-guarded rings, and warp
-// specialisation. A CTA owns 64 query rows of one (batch, head) per consumer warpgroup (two, or three for the plain
-// product where both head dims pad to 64: tile_size.h) and has a warpgroup more:
-//   - the producer: one thread issues the TMA copies of q (once) and of each k and v tile into two-stage rings; the
-//     warpgroup gives most of its registers to the others (setmaxnreg);
-//   - the consumers, of 64 rows each: s = q k^T with q and k from shared memory, the mask and variant on s, the online
-//     softmax, and o += p v with p from registers. Each iteration issues the next tile's q k^T before this tile's p v
-//     and runs the softmax while both products run, so the tensor cores rarely wait for the softmax.
-// k and v have separate rings: a k stage goes back to the producer as soon as its q k^T is done, so the next tiles' k
-// is in flight a whole iteration ahead. Masks, variants and non-finite values follow the sm80 family
-// (kernels/sm80/attention_fwd.cuh): tiles outside every row's key range are never loaded, tiles inside it skip the
-// per-element mask, and a CTA whose tiles straddle a range edge and whose result holds NaN runs its pass again with
-// the careful product below.
-// Packed sequences (Variant::kHasTokens; kernels/common/token_mask.h) follow the sm80 family too: a CTA walks only the
-// key tiles of its rows' token span; the producer copies the rows' token entries with q and each tile's key entries and
-// granule summaries with its k; the consumers skip the per-element test where the index range and the tokens say every
-// row sees every key of the tile, and test ids and positions per element elsewhere; ALiBi sees positions.
-// Dropout (Variant::kHasDropout; kernels/common/dropout.h) draws a tile's keep bits while its q k^T runs and scales p
-// after the online softmax has taken the row sums (lse is dropout's not), before p v.
-// The persistent kernel (kPersistent; sm90/tile_size.h says which modules have one and which calls take it): one CTA
-// per multiprocessor takes query blocks in turn (ForEachWork), the next from a counter of the blocks taken. q has two
-// buffers: once the producer has copied this block's last k and v tiles it copies the next block's q into the other
-// buffer (once the consumers have released the block's before: the q empty barriers) and its first k and v tiles into
-// L2, then goes on to copy them into the rings. No thread waits for another at a block's end: a block whose pass met a
-// non-finite value it must not see asks for its careful pass as a later item of the CTA, whose results overwrite the
-// first's (PrefetchWork).
-// Both sides count ring positions on from item to item, and the consumers' turns carry over (an item's last hand-over
-// is the next item's first turn).
-// An additive bias (Variant::kHasBias; sm90/bias_tile.h) has a ring of its own: the producer copies each tile's block
-// of it after the tile's k, and the consumers add it to the logits after the variant's (so the logits are in natural
-// units, not raw products) and hand the stage back once added.
+// Forward flash attention, sm90 family (sm_90a): wgmma products, TMA copies into mbarrier-guarded rings and warp
+// specialisation. A CTA has a producer warpgroup, one thread of which copies q and each k and v tile into separate
+// rings, and two consumer warpgroups of 64 query rows (three where both head dims pad to 64: tile_size.h) that issue
+// the next tile's q k^T with this tile's p v and run the softmax while both run, taking turns (ping-pong). The
+// persistent kernel (kPersistent) runs one CTA per multiprocessor that takes query blocks in turn (ForEachWork,
+// PrefetchWork). Masks, variants, packed sequences, dropout, the bias ring and the careful pass for non-finite values:
+// docs/ARCHITECTURE.md, "The sm90 forward" and "NaN and inf".
 #pragma once
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/common/dropout.h"
-#include "cpp/cuda/kernels/common/fragment.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
+#include "cpp/cuda/kernels/primitives/fragment.h"
+#include "cpp/cuda/kernels/primitives/pipeline.h"
+#include "cpp/cuda/kernels/primitives/swizzled_tile.h"
+#include "cpp/cuda/kernels/primitives/wgmma.h"
 #include "cpp/cuda/kernels/sm90/bias_tile.h"
-#include "cpp/cuda/kernels/sm90/pipeline.h"
-#include "cpp/cuda/kernels/sm90/swizzled_tile.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
-#include "cpp/cuda/kernels/sm90/wgmma.h"
 
 namespace te_jax::cuda::sm90 {
 
@@ -168,8 +144,8 @@ struct ForwardKernel {
   };
 
   // The position of the i-th tile a CTA consumes (counted over both passes) in the rings.
-  static __device__ __forceinline__ int StageOf(int i) { return sm90::StageOf<kStages>(i); }
-  static __device__ __forceinline__ uint32_t ParityOf(int i) { return sm90::ParityOf<kStages>(i); }
+  static __device__ __forceinline__ int StageOf(int i) { return cuda::StageOf<kStages>(i); }
+  static __device__ __forceinline__ uint32_t ParityOf(int i) { return cuda::ParityOf<kStages>(i); }
   static __device__ __forceinline__ int TokenStageOf(int i) { return i % kTokenStages; }
 
   // The producer thread's copies. q into a buffer; with tokens, the query rows' entries and granule summaries come
@@ -475,7 +451,7 @@ struct ForwardKernel {
     // The ring positions are the same in every thread, but the persistent kernel's sum of earlier works' positions
     // (reruns included) is not one the compiler can prove so; read from one lane, it is, and the stages' addresses
     // and parities stay in uniform registers, where the wgmma descriptors need them (computed per thread and moved
-    // over, they cost the loop a sixth of its speed: H200, d 128, docs/BENCHMARKS.md run 55).
+    // over, they cost the loop a sixth of its speed: H200, d 128).
     if constexpr (kPersistent) first = __shfl_sync(0xffffffffu, first, 0);
     const ShapeArgs& s = args.shape;
     const QueryBlockOfCta& cta = w.cta;

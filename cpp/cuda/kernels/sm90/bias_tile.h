@@ -1,4 +1,4 @@
-// The additive logit bias in the sm90 family (issue 12): a tile's block of the bias, rows [m0, m0 + kRows) (query
+// The additive logit bias in the sm90 family: a tile's block of the bias, rows [m0, m0 + kRows) (query
 // positions) x columns [n0, n0 + kCols) (keys) of one (batch, head), copied by TMA into a ring stage beside the tile's
 // k and v (the forward) or the step's tiles (the backward: the step's queries x the owned keys in the dk/dv kernel, the
 // owned queries x the step's keys in the dq kernel), and read by the consumers element by element.
@@ -14,7 +14,7 @@
 
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/bias_element.h"
-#include "cpp/cuda/kernels/sm90/pipeline.h"
+#include "cpp/cuda/kernels/primitives/pipeline.h"
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 
 namespace te_jax::cuda::sm90 {

@@ -3,8 +3,8 @@
 // shared memory (the TMA copy zero-fills the padding); the products skip the k16 steps past the head dim.
 #pragma once
 
+#include "cpp/core/host_device.h"
 #include "cpp/cuda/kernel_args.h"
-#include "cpp/host_device.h"
 
 namespace te_jax::cuda::sm90 {
 
@@ -86,8 +86,8 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = f
 
 // Where both head dims pad to 64 a tile's products are short against its softmax, and with two warpgroups the tensor
 // cores wait for it: a forward module there also has a kernel of three consumer warpgroups, whose softmax runs under
-// the two others' products (H200, d 64, b s = 16k: 0.84-0.92x cuDNN -> 0.94-1.11x at s >= 2k, docs/BENCHMARKS.md run
-// 41). Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits) or tokens, the
+// the two others' products (H200, d 64, b s = 16k: 0.84-0.92x cuDNN -> 0.94-1.11x at s >= 2k).
+// Only for the plain product: with soft-cap or ALiBi (positions per element), dropout (keep bits) or tokens, the
 // 160 registers per consumer thread spill in the loop; a bias keeps two consumer warpgroups too (a three-consumer
 // kernel with a bias was never built or measured).
 TE_JAX_HOST_DEVICE constexpr bool ForwardHasThreeConsumerKernel(int d, int dv, bool plain) {
@@ -103,8 +103,8 @@ TE_JAX_HOST_DEVICE constexpr bool ForwardHasPersistentKernel(int d, int dv, bool
   return plain && PadTo64(d) <= 128 && PadTo64(dv) <= 128;
 }
 
-// Which calls take it (H200, bf16, b s = 16k, te / cuDNN forward, one CTA per block -> persistent, docs/BENCHMARKS.md
-// runs 56 and 60): beside a first kernel of two consumer warpgroups (d 128), every call (s 512: 0.80 -> 0.86, 2k: 0.90
+// Which calls take it (H200, bf16, b s = 16k, te / cuDNN forward, one CTA per block -> persistent):
+// beside a first kernel of two consumer warpgroups (d 128), every call (s 512: 0.80 -> 0.86, 2k: 0.90
 // -> 0.95, causal 0.93 -> 1.01; at 16k causal, now that the CTAs take blocks from a counter, 1.06 -> 1.11). Where the
 // first kernel has three (d 64), those run long blocks faster than the persistent kernel's two: it takes non-causal
 // calls of at most 8 key tiles and causal ones of at most 16 (s 512: 0.73 -> 0.81, causal 0.61 -> 0.76; 1k: 0.84 ->
@@ -143,7 +143,7 @@ TE_JAX_HOST_DEVICE constexpr int BackwardOwnedRows(int d, int dv) { return Backw
 
 // Rows per step: 128 where both head dims pad to 64, 64 elsewhere. At d = 64 a 64-row step gives each warpgroup
 // 64 x 64 x 64 products, short against the elementwise work and the barriers between them: on an H200, forward +
-// backward 0.79-0.90x cuDNN with 64-row steps, 0.85-0.98x with 128 (docs/BENCHMARKS.md run 33); above d = 64 the step's
+// backward 0.79-0.90x cuDNN with 64-row steps, 0.85-0.98x with 128; above d = 64 the step's
 // scores and their gradients (2 x 64 floats per thread at 128 rows) no longer fit beside the accumulators. Tokens keep
 // 64 (a step is one granule of the token summaries), as do dropout (32 keep bits per thread and step) and a bias
 // (whose 128 x 128 ring stages do not fit beside the d = 64 tiles).

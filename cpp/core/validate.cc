@@ -1,0 +1,203 @@
+#include "cpp/core/validate.h"
+
+#include <cmath>
+#include <string>
+
+#include "cpp/core/bias.h"
+#include "cpp/core/kv_rows.h"
+#include "cpp/core/philox.h"
+
+namespace te_jax {
+namespace {
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+Status CheckHeadDim(const char* name, int64_t d) {
+  if (d <= 0 || d % 8 != 0 || d > kMaxHeadDim) {
+    return Status::InvalidArgument(std::string(name) + " must be a multiple of 8 in [8, " + Str(kMaxHeadDim) +
+                                   "], got " + Str(d));
+  }
+  return Status::Ok();
+}
+
+const char* MaskName(MaskType m) {
+  static const char* const kNames[kNumMaskTypes] = {"no_mask", "causal", "causal_bottom_right", "padding",
+                                                    "padding_causal", "padding_causal_bottom_right"};
+  return kNames[static_cast<int>(m)];
+}
+
+// A paged KV cache (page_size > 0) serves decoding and chunked prefill over a cache: queries at the end of their
+// sequence over its first kv_seqlens[b] keys, nothing that indexes keys by their position in k (ids, positions, bias)
+// or that needs the backward (dropout).
+Status CheckPaging(const AttentionParams& p, Backend backend) {
+  if (p.page_size == 0) {
+    if (p.num_pages != 0) {
+      return Status::InvalidArgument("num_pages must be 0 without a paged KV cache (page_size 0), got " +
+                                     Str(p.num_pages));
+    }
+    return Status::Ok();
+  }
+  if (p.page_size < 0 || p.page_size % kPageSizeMultiple != 0 || p.page_size > kMaxPageSize) {
+    return Status::InvalidArgument("page_size must be 0 (contiguous k and v) or a multiple of " +
+                                   Str(kPageSizeMultiple) + " in [" + Str(kPageSizeMultiple) + ", " +
+                                   Str(kMaxPageSize) + "], got " + Str(p.page_size));
+  }
+  // KvRows divides keys by the page size in 32 bits, so the capacity is bounded like a window.
+  if (p.num_pages < 0 || p.seqlen_kv % p.page_size != 0 || p.seqlen_kv > kMaxWindow) {
+    return Status::InvalidArgument("a paged KV cache needs num_pages >= 0 and seqlen_kv (max_pages_per_seq x "
+                                   "page_size) a multiple of page_size " + Str(p.page_size) + " up to " +
+                                   Str(kMaxWindow) + ", got num_pages=" + Str(p.num_pages) + " seqlen_kv=" +
+                                   Str(p.seqlen_kv));
+  }
+  if (p.mask_type != MaskType::kPadding && p.mask_type != MaskType::kPaddingCausalBottomRight) {
+    return Status::InvalidArgument(std::string("a paged KV cache (page_size > 0) goes with mask_type padding or "
+                                               "padding_causal_bottom_right (queries at the end of their sequence), "
+                                               "got ") + MaskName(p.mask_type));
+  }
+  if (p.has_segment_ids || p.has_positions) {
+    return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no segment ids or positions "
+                                   "(has_segment_ids and has_positions must be false)");
+  }
+  if (p.has_bias) {
+    return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no bias (has_bias must be false)");
+  }
+  if (p.dropout_threshold > 0) {
+    return Status::InvalidArgument("a paged KV cache (page_size > 0) takes no dropout (dropout_threshold must be 0)");
+  }
+  if (!BackendServesPagesInPlace(backend, p.seqlen_q)) {
+    return Status::InvalidArgument("the CUDA backend reads a paged KV cache in place for at most " +
+                                   Str(kMaxDecodeSeqlenQ) + " query positions (its decode kernels), got "
+                                   "seqlen_q=" + Str(p.seqlen_q) + "; te_jax.paged_attention gathers the pages into "
+                                   "contiguous k and v for longer queries");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_kv < 0) {
+    return Status::InvalidArgument("batch and sequence lengths must be non-negative, got batch=" + Str(p.batch) +
+                                   " seqlen_q=" + Str(p.seqlen_q) + " seqlen_kv=" + Str(p.seqlen_kv));
+  }
+  if (p.num_heads <= 0 || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
+    return Status::InvalidArgument("num_heads (" + Str(p.num_heads) + ") must be a positive multiple of num_kv_heads (" +
+                                   Str(p.num_kv_heads) + ")");
+  }
+  TE_JAX_RETURN_IF_ERROR(CheckHeadDim("head_dim", p.head_dim));
+  TE_JAX_RETURN_IF_ERROR(CheckHeadDim("head_dim_v", p.head_dim_v));
+  if (static_cast<int>(p.dtype) >= kNumDTypes) {
+    return Status::InvalidArgument("dtype must be one of float32, bfloat16, float16, got code " +
+                                   Str(static_cast<int>(p.dtype)));
+  }
+  if (backend == Backend::kCuda && p.dtype == DType::kFloat32) {
+    return Status::InvalidArgument("the CUDA backend computes in bfloat16 or float16; got float32 inputs");
+  }
+  if (static_cast<int>(p.mask_type) >= kNumMaskTypes) {
+    return Status::InvalidArgument("mask_type must be one of no_mask, causal, causal_bottom_right, padding, "
+                                   "padding_causal, padding_causal_bottom_right, got code " +
+                                   Str(static_cast<int>(p.mask_type)));
+  }
+  if (p.window_left < -1 || p.window_right < -1 || p.window_left > kMaxWindow || p.window_right > kMaxWindow) {
+    return Status::InvalidArgument("window_size entries must be -1 (unbounded) or in [0, " + Str(kMaxWindow) +
+                                   "], got (" + Str(p.window_left) + ", " + Str(p.window_right) + ")");
+  }
+  if (!(std::isfinite(p.scale) && p.scale > 0.0f)) {
+    return Status::InvalidArgument("scale must be a finite positive number, got " + std::to_string(p.scale));
+  }
+  if (!(std::isfinite(p.softcap) && p.softcap >= 0.0f)) {
+    return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
+  }
+  TE_JAX_RETURN_IF_ERROR(CheckPaging(p, backend));
+  const bool packed = p.has_segment_ids || p.has_positions;
+  if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
+    return Status::InvalidArgument(
+        "segment ids and positions go with mask_type no_mask or causal only: for padding use segment id 0, for a "
+        "bottom-right diagonal pass positions (e.g. q_positions = kv_len - q_len + i)");
+  }
+  if (p.bias_broadcast > kBroadcastAll || static_cast<int>(p.bias_dtype) >= kNumDTypes) {
+    return Status::InvalidArgument("bias must be a float32, bfloat16 or float16 array with each dim full or 1, got "
+                                   "broadcast bits " + Str(p.bias_broadcast) + " and dtype code " +
+                                   Str(static_cast<int>(p.bias_dtype)));
+  }
+  if (!p.has_bias && (p.bias_broadcast != kBroadcastAll || p.bias_dtype != DType::kFloat32)) {
+    return Status::InvalidArgument("without a bias its operand must be the float32 [1, 1, 1, 1] placeholder");
+  }
+  if (p.dropout_threshold >= kDropoutThresholdLimit) {
+    return Status::InvalidArgument("dropout_threshold must be below 2^16 (round(dropout_rate * 2^16)), got " +
+                                   Str(p.dropout_threshold));
+  }
+  if (static_cast<int>(p.engine) >= kNumEngines) {
+    return Status::InvalidArgument("engine must be te (0) or cudnn (1), got code " + Str(static_cast<int>(p.engine)));
+  }
+  if (backend == Backend::kCpu && p.engine != Engine::kTe) {
+    return Status::InvalidArgument("the CPU backend runs te_jax's own kernels only (engine te); cuDNN needs a GPU");
+  }
+  if (p.has_sinks && p.engine != Engine::kTe) {
+    return Status::InvalidArgument("has_sinks goes with engine te only: te_jax's lowering merges the sinks into "
+                                   "cuDNN's out and lse itself");
+  }
+  if (backend == Backend::kCuda) {
+    constexpr int64_t kMaxCudaLength = kMaxWindow;  // the kernels index rows and keys with 32-bit integers
+    if (p.seqlen_q > kMaxCudaLength || p.seqlen_kv > kMaxCudaLength || p.batch > kMaxCudaGridDim ||
+        p.num_heads > kMaxCudaGridDim) {
+      return Status::InvalidArgument("the CUDA backend needs batch and num_heads <= " + Str(kMaxCudaGridDim) +
+                                     " and sequence lengths <= " + Str(kMaxCudaLength) + ", got batch=" +
+                                     Str(p.batch) + " num_heads=" + Str(p.num_heads) + " seqlen_q=" +
+                                     Str(p.seqlen_q) + " seqlen_kv=" + Str(p.seqlen_kv));
+    }
+  }
+  return Status::Ok();
+}
+
+Status ValidateBackwardParams(const AttentionParams& p, Backend backend) {
+  if (p.page_size != 0) {
+    return Status::InvalidArgument("the backward takes no paged KV cache (page_size must be 0, got " +
+                                   Str(p.page_size) + "): te_jax.paged_attention differentiates through the gathered "
+                                   "pages");
+  }
+  if (backend == Backend::kCuda && p.has_bias && p.deterministic && BiasGradientSums(p)) {
+    const BiasLayout layout = MakeBiasLayout(p);
+    return Status::InvalidArgument(
+        "deterministic=True with a broadcast bias (shape [" + Str(layout.dims[0]) + ", " + Str(layout.dims[1]) + ", " +
+        Str(layout.dims[2]) + ", " + Str(layout.dims[3]) + "] for [B, H, Sq, Skv] = [" + Str(p.batch) + ", " +
+        Str(p.num_heads) + ", " + Str(p.seqlen_q) + ", " + Str(p.seqlen_kv) + "]) on the GPU: its gradient sums over "
+        "the broadcast dims with float atomics, in an order that varies between runs; pass the bias in full shape "
+        "(jnp.broadcast_to) or deterministic=False");
+  }
+  return Status::Ok();
+}
+
+Status ValidateSeqlens(const AttentionParams& p, const int32_t* q_seqlens, const int32_t* kv_seqlens) {
+  if (!IsPadding(p.mask_type)) return Status::Ok();  // the lengths are placeholders: Sq and Skv
+  q_seqlens = QuerySeqlensRead(p, q_seqlens);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (q_seqlens != nullptr && (q_seqlens[b] < 0 || q_seqlens[b] > p.seqlen_q)) {
+      return Status::InvalidArgument("q_seqlens[" + Str(b) + "] = " + Str(q_seqlens[b]) + " is outside [0, " +
+                                     Str(p.seqlen_q) + "]");
+    }
+    if (kv_seqlens[b] < 0 || kv_seqlens[b] > p.seqlen_kv) {
+      return Status::InvalidArgument("kv_seqlens[" + Str(b) + "] = " + Str(kv_seqlens[b]) + " is outside [0, " +
+                                     Str(p.seqlen_kv) + "]");
+    }
+  }
+  return Status::Ok();
+}
+
+Status ValidatePageTable(const AttentionParams& p, const int32_t* page_table, const int32_t* kv_seqlens) {
+  if (p.page_size == 0) return Status::Ok();
+  const KvRows rows = MakeKvRows(p, page_table, p.head_dim);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t j = 0; j < rows.PagesOf(kv_seqlens[b]); ++j) {
+      if (!rows.PageInPool(b, j)) {
+        const int32_t page = page_table[b * rows.pages_per_seq + j];
+        return Status::InvalidArgument("page_table[" + Str(b) + ", " + Str(j) + "] = " + Str(page) +
+                                       " is not a page of the pool [0, " + Str(p.num_pages) + "), and sequence " +
+                                       Str(b) + " (kv_seqlens[" + Str(b) + "] = " + Str(kv_seqlens[b]) + ") uses it");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace te_jax

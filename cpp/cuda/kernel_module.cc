@@ -1,0 +1,37 @@
+#include "cpp/cuda/kernel_module.h"
+
+#include "cpp/cuda/modules/family_modules.h"
+
+namespace te_jax::cuda {
+
+KernelModule ModuleFor(const KernelConfig& config) {
+  if (config.kind == ModuleKind::kLengthGuard) return LengthGuardModule();
+  switch (config.Family()) {
+    case KernelFamily::kDecode:
+      return DecodeModule(config);
+    case KernelFamily::kSm90:
+      return Sm90Module(config);
+    case KernelFamily::kSm80:
+      break;
+  }
+  return Sm80Module(config);
+}
+
+std::string RenderSource(const KernelConfig& config) {
+  const KernelModule module = ModuleFor(config);
+  std::string src = "// te_jax JIT translation unit: " + config.Name() + "\n";
+  if (config.pipeline_stress) src += "#define TE_JAX_PIPELINE_STRESS 1\n";
+  for (const std::string& header : module.includes) src += "#include \"" + header + "\"\n";
+  for (size_t i = 0; i < module.entries.size(); ++i) {
+    const ModuleEntry& e = module.entries[i];
+    const std::string kernel = "Kernel" + std::to_string(i);
+    src += "using " + kernel + " = " + e.kernel + ";\n";
+    src += "extern \"C\" __global__ void ";
+    if (e.launch_bounds) src += "__launch_bounds__(" + kernel + "::kThreads" + (e.one_block_per_sm ? ", 1" : "") + ")\n";
+    src += e.name + "(const " + (e.grid_constant ? "__grid_constant__ " : "") + e.args + " args) { " + kernel +
+           "::Run(args); }\n";
+  }
+  return src;
+}
+
+}  // namespace te_jax::cuda

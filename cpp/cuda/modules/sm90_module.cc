@@ -1,0 +1,70 @@
+// The sm90 family's modules (kernels/sm90/): wgmma, TMA and warp specialisation, on sm_90a. A forward module holds
+// the forward kernel (three consumer warpgroups where that measured faster, else two) and, for the plain product, the
+// persistent one; a backward module the row kernels around the sm90 dk/dv kernel (and the sm90 dq kernel when
+// deterministic). Their kernels take the arguments with tensor maps, which must stay in parameter space
+// (__grid_constant__); the token-table kernels take the plain arguments those embed.
+#include "cpp/cuda/kernels/sm90/tile_size.h"
+#include "cpp/cuda/modules/family_modules.h"
+
+namespace te_jax::cuda {
+namespace {
+
+ModuleEntry TmaEntry(const std::string& name, const std::string& kernel, const std::string& args, int smem_bytes) {
+  return {name, kernel, args, /*one_block_per_sm=*/true, /*grid_constant=*/true, /*launch_bounds=*/true, smem_bytes};
+}
+
+KernelModule Forward(const KernelConfig& c) {
+  const std::string args = KernelTemplateArgs(c);
+  const int consumers = c.HasThreeConsumerForward() ? 3 : 2;
+  KernelModule m;
+  m.includes = {"cpp/core/variants.h", "cpp/cuda/kernels/sm90/attention_fwd.cuh"};
+  m.entries.push_back(TmaEntry(
+      "te_jax_attention_forward",
+      "te_jax::cuda::sm90::ForwardKernel<" + args + ", " + std::to_string(consumers) + ">",
+      "te_jax::cuda::TmaForwardArgs",
+      sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, consumers, c.BiasBytes())));
+  if (c.HasPersistentForward()) {
+    m.entries.push_back(TmaEntry(
+        "te_jax_attention_forward_persistent", "te_jax::cuda::sm90::ForwardKernel<" + args + ", 2, true>",
+        "te_jax::cuda::TmaForwardArgs",
+        sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2, /*bias_bytes=*/0,
+                               /*persistent=*/true)));
+  }
+  AddTokenKernels(c, "te_jax::cuda::ForwardArgs", &m);
+  return m;
+}
+
+KernelModule Backward(const KernelConfig& c) {
+  const std::string args = KernelTemplateArgs(c);
+  using Kind = sm90::BackwardKernelKind;
+  const auto smem = [&](Kind kind) {
+    return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, kind, c.tokens, c.dropout, c.BiasBytes());
+  };
+  const bool accumulate_dq = !c.deterministic;
+  KernelModule m;
+  m.includes = {"cpp/core/variants.h", "cpp/cuda/kernels/common/backward_row_kernels.cuh",
+                "cpp/cuda/kernels/sm90/attention_bwd.cuh"};
+  m.entries.push_back(BackwardPreprocessEntry(c));
+  m.entries.push_back(TmaEntry(
+      accumulate_dq ? "te_jax_attention_backward_dkdv_dq" : "te_jax_attention_backward_dkdv",
+      "te_jax::cuda::sm90::BackwardKernel<" + args + ", true, " + (accumulate_dq ? "true" : "false") + ">",
+      "te_jax::cuda::TmaBackwardArgs", smem(accumulate_dq ? Kind::kDkDvAccumulatingDq : Kind::kDkDv)));
+  if (accumulate_dq) {
+    m.entries.push_back(DqConvertEntry(c));
+  } else {
+    m.entries.push_back(TmaEntry("te_jax_attention_backward_dq",
+                                 "te_jax::cuda::sm90::BackwardKernel<" + args + ", false>",
+                                 "te_jax::cuda::TmaBackwardArgs", smem(Kind::kDq)));
+  }
+  if (c.bias) m.entries.push_back(BiasGradConvertEntry(c));
+  AddTokenKernels(c, "te_jax::cuda::BackwardArgs", &m);
+  return m;
+}
+
+}  // namespace
+
+KernelModule Sm90Module(const KernelConfig& c) {
+  return c.direction == Direction::kForward ? Forward(c) : Backward(c);
+}
+
+}  // namespace te_jax::cuda
