@@ -34,9 +34,11 @@ def _kernel_root() -> str:
   return str(here / "kernels")
 
 
-def _library_candidates(env_var: str, *patterns: str) -> list[str]:
-  """$env_var, then the pip CUDA wheels' copies (nvidia/<pattern>, e.g. nvidia/cu13/lib/libnvrtc.so.13)."""
-  paths = [os.environ[env_var]] if os.environ.get(env_var) else []
+def _wheel_libraries(*patterns: str) -> list[str]:
+  """The pip CUDA wheels' copies of a library (nvidia/<pattern>, e.g. nvidia/cu13/lib/libnvrtc.so.13). The extension
+  tries them after the path an environment variable names (TE_JAX_NVRTC_PATH, TE_JAX_CUDNN_PATH, TE_JAX_CUDART_PATH:
+  when set, that path alone, and an error naming the variable if it does not load)."""
+  paths = []
   try:
     import nvidia  # namespace package of the pip CUDA wheels
     for base in nvidia.__path__:
@@ -48,16 +50,14 @@ def _library_candidates(env_var: str, *patterns: str) -> list[str]:
 
 
 def _nvrtc_candidates() -> list[str]:
-  """$TE_JAX_NVRTC_PATH, then the pip wheel's NVRTC (nvidia-cuda-nvrtc: nvidia/cu13/lib or nvidia/cuda_nvrtc/lib)."""
-  paths = _library_candidates("TE_JAX_NVRTC_PATH", *(f"{sub}/libnvrtc.so.*[0-9]" for sub in
-                                                       ("cu13/lib", "cuda_nvrtc/lib", "cu12/lib")))
+  """The pip wheel's NVRTC (nvidia-cuda-nvrtc: nvidia/cu13/lib or nvidia/cuda_nvrtc/lib)."""
+  paths = _wheel_libraries(*(f"{sub}/libnvrtc.so.*[0-9]" for sub in ("cu13/lib", "cuda_nvrtc/lib", "cu12/lib")))
   return [p for p in paths if "builtins" not in os.path.basename(p) and ".alt." not in os.path.basename(p)]
 
 
 ext.set_kernel_root(_kernel_root())
 ext.set_nvrtc_paths(_nvrtc_candidates())
-ext.set_cudnn_paths(_library_candidates("TE_JAX_CUDNN_PATH", "cudnn/lib/libcudnn.so.9"),
-                    _library_candidates("TE_JAX_CUDART_PATH", "cu13/lib/libcudart.so.13"))
+ext.set_cudnn_paths(_wheel_libraries("cudnn/lib/libcudnn.so.9"), _wheel_libraries("cu13/lib/libcudart.so.13"))
 
 
 def _log_report(report: dict, why: str) -> None:

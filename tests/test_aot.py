@@ -14,7 +14,7 @@ import pytest
 # unimportable, and optionally the CUDA extension too; NVRTC's loaded state is per process, hence a subprocess.
 RUN_HIDING = """
 import runpy, sys
-for name in sys.argv.pop(1).split(","):
+for name in filter(None, sys.argv.pop(1).split(",")):
   sys.modules[name] = None
 runpy.run_module("te_jax.aot", run_name="__main__", alter_sys=True)
 """
@@ -59,17 +59,31 @@ def test_missing_nvrtc_fails_once_with_what_was_searched(tmp_path):
   pytest.importorskip("te_jax._te_jax_cuda", reason="te_jax was built without its CUDA extension")
   if _system_nvrtc():
     pytest.skip(f"the dynamic loader finds {_system_nvrtc()} on this machine, so NVRTC cannot be hidden")
-  missing = str(tmp_path / "no-such-libnvrtc.so.13")
-  result = _aot("--set", "common", "--jobs", "2", env=dict(os.environ, TE_JAX_NVRTC_PATH=missing,
-                                                           TE_JAX_CACHE_DIR=str(tmp_path / "cache")))
+  env = {k: v for k, v in os.environ.items() if k != "TE_JAX_NVRTC_PATH"}
+  result = _aot("--set", "common", "--jobs", "2", env=dict(env, TE_JAX_CACHE_DIR=str(tmp_path / "cache")))
   assert result.returncode == 2, result.stdout + result.stderr
   assert result.stdout == ""  # no per-configuration lines, no summary
   err = result.stderr
   assert "Traceback" not in err and "FAILED" not in err
   assert err.startswith("python -m te_jax.aot: nothing compiled: ")
   assert err.count("could not be loaded") == 1
-  assert f"{missing}: " in err  # what it searched, with the loader's reason
+  assert "libnvrtc.so.13: " in err  # what it searched, with the loader's reason
   assert "pip install" in err and "te_jax[cuda]" in err
+  assert not (tmp_path / "cache").exists()
+
+
+def test_an_nvrtc_path_that_does_not_load_is_an_error_naming_the_variable(tmp_path):
+  # The pip wheel's NVRTC stays importable: a path the user names is never silently replaced by another library.
+  pytest.importorskip("te_jax._te_jax_cuda", reason="te_jax was built without its CUDA extension")
+  missing = str(tmp_path / "no-such-libnvrtc.so.13")
+  result = _aot("--set", "common", "--jobs", "2", hide=(),
+                env=dict(os.environ, TE_JAX_NVRTC_PATH=missing, TE_JAX_CACHE_DIR=str(tmp_path / "cache")))
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert result.stdout == ""
+  err = result.stderr
+  assert "Traceback" not in err
+  assert f"TE_JAX_NVRTC_PATH is set to {missing}, which could not be loaded" in err
+  assert f"{missing}: " in err  # with the loader's reason
   assert not (tmp_path / "cache").exists()
 
 

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <mutex>
 
@@ -84,6 +85,21 @@ Status GetDriver(const DriverApi** api) {
   return status;
 }
 
+std::vector<std::string> LibraryCandidates(const char* env_var, std::vector<std::string> defaults) {
+  const char* value = std::getenv(env_var);
+  if (value != nullptr && *value != '\0') return {value};
+  return defaults;
+}
+
+Status LibraryNotLoaded(const char* env_var, const std::string& what, const std::string& tried) {
+  const char* value = std::getenv(env_var);
+  if (value != nullptr && *value != '\0') {
+    return Status::Unavailable(std::string(env_var) + " is set to " + value + ", which could not be loaded (unset it to "
+                               "search the default places):" + tried);
+  }
+  return Status::Unavailable(what + " Tried:" + tried);
+}
+
 void SetNvrtcSearchPaths(std::vector<std::string> paths) {
   std::lock_guard<std::mutex> lock(NvrtcMutex());
   NvrtcPaths() = std::move(paths);
@@ -95,9 +111,10 @@ Status GetNvrtc(const NvrtcApi** api) {
   std::lock_guard<std::mutex> lock(NvrtcMutex());
   *api = &nvrtc;
   if (loaded) return Status::Ok();
-  std::vector<std::string> candidates = NvrtcPaths();
-  candidates.push_back("libnvrtc.so.13");
-  candidates.push_back("libnvrtc.so.12");
+  std::vector<std::string> defaults = NvrtcPaths();
+  defaults.push_back("libnvrtc.so.13");
+  defaults.push_back("libnvrtc.so.12");
+  const std::vector<std::string> candidates = LibraryCandidates("TE_JAX_NVRTC_PATH", std::move(defaults));
   std::string tried;
   void* lib = nullptr;
   for (const std::string& path : candidates) {
@@ -122,9 +139,11 @@ Status GetNvrtc(const NvrtcApi** api) {
     tried += "\n  " + path + ": " + (err ? err : "not found");
   }
   if (lib == nullptr) {
-    return Status::Unavailable("te_jax's CUDA backend compiles its kernels with NVRTC, which could not be loaded. "
-                               "Install it with `pip install \"te_jax[cuda]\"` (nvidia-cuda-nvrtc) or set "
-                               "TE_JAX_NVRTC_PATH to libnvrtc.so. Tried:" + tried);
+    return LibraryNotLoaded("TE_JAX_NVRTC_PATH",
+                            "te_jax's CUDA backend compiles its kernels with NVRTC, which could not be loaded. "
+                            "Install it with `pip install \"te_jax[cuda]\"` (nvidia-cuda-nvrtc) or set "
+                            "TE_JAX_NVRTC_PATH to libnvrtc.so.",
+                            tried);
   }
   std::string missing;
   Bind(lib, "nvrtcVersion", &nvrtc.nvrtcVersion, &missing);

@@ -78,8 +78,17 @@ struct NvrtcApi {
 Status GetDriver(const DriverApi** api);
 
 // Paths NVRTC is looked for at, in order, before the loader's default search ("libnvrtc.so.13", "libnvrtc.so.12").
-// The Python layer sets them to the pip wheel's copy (nvidia/cu13/lib/libnvrtc.so.13) and $TE_JAX_NVRTC_PATH.
+// The Python layer sets them to the pip wheel's copy (nvidia/cu13/lib/libnvrtc.so.13).
 void SetNvrtcSearchPaths(std::vector<std::string> paths);
+// NVRTC from $TE_JAX_NVRTC_PATH when it is set (LibraryCandidates), else from the search paths.
 Status GetNvrtc(const NvrtcApi** api);
+
+// The libraries to try, in order: the one the environment variable `env_var` names when it is set, alone (a library
+// the user names is never silently replaced by another), else `defaults`.
+std::vector<std::string> LibraryCandidates(const char* env_var, std::vector<std::string> defaults);
+
+// Why none of the candidates loaded: `tried` lists each with the loader's reason. When `env_var` is set, the message
+// names it (the candidate was its value); otherwise it is `what`, followed by the list.
+Status LibraryNotLoaded(const char* env_var, const std::string& what, const std::string& tried);
 
 }  // namespace te_jax::cuda

@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <memory>
 
@@ -61,23 +62,30 @@ std::string ErrorString(cudnnStatus_t status) {
 // The frontend calls a few CUDA runtime functions (error strings, the workspace memsets some plans need before they
 // run) through its own dlopen of "libcudart.so.12" / "libcudart.so.13" by soname. A library already loaded under
 // that soname is what such a dlopen returns, so loading the pip wheel's copy by full path here makes it findable
-// without LD_LIBRARY_PATH. Best effort: a process that already has a CUDA runtime (JAX's plugin) needs none.
-void PreloadCudart(const std::vector<std::string>& paths) {
-  for (const std::string& path : paths) {
-    if (dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL) != nullptr) return;
+// without LD_LIBRARY_PATH. Best effort, unless $TE_JAX_CUDART_PATH names one: a process that already has a CUDA
+// runtime (JAX's plugin) needs none.
+Status PreloadCudart(const std::vector<std::string>& paths) {
+  std::string tried;
+  for (const std::string& path : LibraryCandidates("TE_JAX_CUDART_PATH", paths)) {
+    if (dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL) != nullptr) return Status::Ok();
+    const char* err = dlerror();
+    tried += "\n  " + path + ": " + (err ? err : "not found");
   }
+  const char* named = std::getenv("TE_JAX_CUDART_PATH");
+  return named != nullptr && *named != '\0' ? LibraryNotLoaded("TE_JAX_CUDART_PATH", "", tried) : Status::Ok();
 }
 
 Status LoadLocked() {
   Library& lib = Lib();
-  PreloadCudart(Paths().cudart);
+  TE_JAX_RETURN_IF_ERROR(PreloadCudart(Paths().cudart));
   // cuDNN's runtime-compiled engines dlopen NVRTC by soname; te_jax's own NVRTC (the pip wheel's, loaded by full
   // path) answers that dlopen once loaded. Best effort: without it cuDNN only loses those engines.
   const NvrtcApi* nvrtc = nullptr;
   (void)GetNvrtc(&nvrtc);
 
-  std::vector<std::string> candidates = Paths().cudnn;
-  candidates.push_back("libcudnn.so.9");
+  std::vector<std::string> defaults = Paths().cudnn;
+  defaults.push_back("libcudnn.so.9");
+  const std::vector<std::string> candidates = LibraryCandidates("TE_JAX_CUDNN_PATH", std::move(defaults));
   std::string tried;
   void* handle = nullptr;
   std::string path;
@@ -91,8 +99,10 @@ Status LoadLocked() {
     tried += "\n  " + candidate + ": " + (err ? err : "not found");
   }
   if (handle == nullptr) {
-    return Status::Unavailable("libcudnn.so.9 not found (install nvidia-cudnn-cu13, or set TE_JAX_CUDNN_PATH to "
-                               "libcudnn.so.9); searched:" + tried);
+    return LibraryNotLoaded("TE_JAX_CUDNN_PATH",
+                            "libcudnn.so.9 not found (install nvidia-cudnn-cu13, or set TE_JAX_CUDNN_PATH to "
+                            "libcudnn.so.9).",
+                            tried);
   }
   auto get_version = reinterpret_cast<size_t (*)()>(dlsym(handle, "cudnnGetVersion"));
   lib.create = reinterpret_cast<decltype(lib.create)>(dlsym(handle, "cudnnCreate"));
