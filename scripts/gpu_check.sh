@@ -119,11 +119,11 @@ print(f"fresh process cache hit: prepare fwd {t_fwd*1e3:.1f} ms ({r['origin']}, 
 PY
     ;;
   decode)
-    # Decode against cuDNN and XLA (issue 17's shapes), the forward's crossover in query positions at 8k keys, and the
-    # HBM copy bandwidth the memory-bound shapes are held to.
-    python3 "$REPO/scripts/hbm_bandwidth.py" 2>&1 | tee "$OUT/hbm.log" | grep -v Warning
-    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn,jax-xla \
-      --keep-going --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
+    # Decode against cuDNN and XLA, beside the K/V read alone (kv-read: the bandwidth ceiling of these memory-bound
+    # shapes), then the forward's crossover in query positions at 8k keys.
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode \
+      --backends te_jax-te,te_jax-paged64,jax-cudnn,jax-xla,kv-read --keep-going --json "$OUT/decode.json" 2>&1 \
+      | tee "$OUT/decode.log" | grep -v Warning | tail -30
     timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --backends te_jax-te,jax-cudnn --mode fwd --batch 8 --heads 32 \
       --kv-heads 8 --head-dim 128 --seq 1,4,16,17,32,64 --seq-kv 8192 --causal no --keep-going \
       --json "$OUT/decode_crossover.json" 2>&1 | tee "$OUT/decode_crossover.log" | grep -v Warning | tail -20 ;;

@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   python -m te_jax.bench --preset fa --mode fwd,fwd+bwd --csv fa.csv --plot fa.png --keep-going --isolate
   python -m te_jax.bench --preset llama --backends te_jax-ffi,jax-cudnn,torch-flash
   python -m te_jax.bench --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal --window 1023,0 --mode fwd
+  python -m te_jax.bench --preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn,kv-read
+      decoding against cuDNN, and the K/V read alone: the bandwidth ceiling
   python -m te_jax.bench --backends te_jax-ffi,te_jax-cp --baseline te_jax-ffi --cp-devices 4 --batch 1 --seq 131072 \
       --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd+bwd   context-parallel scaling on 4 GPUs
 """
@@ -51,7 +53,8 @@ def parse_args(argv):
   p.add_argument("--list-backends", action="store_true", help="probe every backend, print available/unavailable "
                  "and why, then exit")
   p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="sweep to run (default: quick)")
-  p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: all")
+  p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: every attention "
+                 "backend (kv-read, which times the K/V read alone, runs when named)")
   p.add_argument("--baseline", help="backend speedups are relative to (default: jax-cudnn on a GPU, jax-xla on CPU)")
   p.add_argument("--mode", help="comma list of fwd, bwd, fwd+bwd (default: the preset's)")
   g = p.add_argument_group("shape flags (override the preset)")
@@ -108,11 +111,13 @@ def detect_platform() -> tuple[str, str]:
   return platform, f"{getattr(device, 'device_kind', platform)} (jax {jax.__version__})"
 
 
-def select_backends(spec: str | None):
+def select_backends(spec: str | None, everything: bool = False):
+  """The backends `spec` names (names or prefixes); without one, every attention backend (every backend when
+  `everything`: a row that times data movement runs only when named)."""
   from te_jax.bench import registry
   backends = registry.all_backends()
   if not spec:
-    return backends
+    return backends if everything else [b for b in backends if b.computes_attention]
   chosen = []
   for token in (t.strip() for t in spec.split(",") if t.strip()):
     matches = [b for b in backends if b.name == token or b.name.startswith(token + "-")]
@@ -421,7 +426,7 @@ def run(args, argv) -> int:
   from te_jax.bench.progress import Progress
   t_start = time.time()
   platform, device = detect_platform()
-  backends = select_backends(args.backends)
+  backends = select_backends(args.backends, everything=args.list_backends)
   if args.list_backends:
     return list_backends(args, backends, platform, device)
   backends, skipped_torch = measured_backends(args, backends, platform)

@@ -1,6 +1,7 @@
 """JAX backends: te_jax (FFI and legacy custom calls; context parallelism over several devices), jax.nn.
-dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and flash-attn-jax. All are timed and measured by
-JaxPrepared, so they differ only in the attention call and where its operands live."""
+dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and flash-attn-jax; and kv-read, the K/V read alone
+(a bandwidth ceiling, not attention). All are timed and measured by JaxPrepared, so they differ only in the call and
+where its operands live."""
 
 from __future__ import annotations
 
@@ -360,7 +361,28 @@ class FlashAttnJaxBackend(JaxBackend):
     return fn
 
 
+class KvReadBackend(JaxBackend):
+  """Not attention: XLA reads the case's K and V once (a max over each), the bytes a forward of the case reads at least.
+  Its bandwidth is the ceiling a memory-bound forward (decoding) is held to on this device, timed the same way on the
+  same rotating inputs."""
+  name = "kv-read"
+  label = "K/V read by XLA (a bandwidth ceiling)"
+  url = "jnp.max(k), jnp.max(v)"
+  computes_attention = False
+  # Masks and variants change what attention computes, not the K/V it reads: every case is served.
+  caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, modes=("fwd",), bottom_right=True, window=True, softcap=True,
+                      alibi=True)
+
+  def attention_fn(self, case: Case, alibi):
+    import jax.numpy as jnp
+
+    def fn(q, k, v):
+      return jnp.max(k), jnp.max(v)
+    return fn
+
+
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
                  ContextParallelBackend("ring"), ContextParallelBackend("all_gather"), PagedBackend(16),
-                 PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend()):
+                 PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(),
+                 KvReadBackend()):
   register(_backend)

@@ -8,6 +8,7 @@ import importlib.util
 from typing import Callable
 
 from te_jax.bench.cases import MODES, Case, short_dtype
+from te_jax.bench.flops import workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Backend:
   requires: tuple[str, ...] = ()  # top-level modules that must be importable
   caps: Capabilities = Capabilities(platforms={})
   url: str = ""
+  # False for a row that times the case's data movement, not attention (a bandwidth ceiling, a ring's communication):
+  # it is measured only when named, charged no FLOPs, and proven available by running, with no error check.
+  computes_attention: bool = True
 
   def not_installed(self) -> str | None:
     """A reason when a needed package is missing, without importing it."""
@@ -130,6 +134,12 @@ class Backend:
 
   def prepare(self, inputs, mode: str, num_sets: int) -> Prepared:
     raise NotImplementedError
+
+  def workload(self, case: Case, mode: str) -> dict:
+    """What a result of this backend is charged: the case's FLOPs (none for a row that computes no attention) and the
+    K/V bytes of a forward (flops.workload)."""
+    charged = workload(case, mode)
+    return charged if self.computes_attention else dict(charged, flops=None)
 
 
 _REGISTRY: dict[str, Backend] = {}

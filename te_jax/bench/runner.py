@@ -11,7 +11,6 @@ from typing import Callable
 from te_jax.bench.accuracy import measure_errors
 from te_jax.bench.availability import Availability, short_error
 from te_jax.bench.cases import Case
-from te_jax.bench.flops import workload
 from te_jax.bench.inputs import Inputs, alibi_slopes, make_inputs, rotation_sets
 from te_jax.bench.registry import Backend
 from te_jax.bench.results import Result
@@ -78,7 +77,7 @@ class Runner:
   def measure(self, backend: Backend, availability: Availability, case: Case, mode: str) -> Result:
     opts = self.options
     result = Result(case=case, mode=mode, backend=backend.name, status="unsupported",
-                    **workload(case, mode))
+                    **backend.workload(case, mode))
     try:
       reason = backend.why_not(case, mode, opts.platform)
     except Exception as e:  # a version-dependent check that broke: report it, keep going
@@ -113,10 +112,11 @@ class Runner:
     result.median_ms, result.p25_ms, result.p75_ms = (x * 1e3 for x in (timing.median_s, timing.p25_s, timing.p75_s))
     result.min_ms, result.max_ms = timing.min_s * 1e3, timing.max_s * 1e3
     result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
-    result.tflops = result.flops / timing.median_s / 1e12
+    if result.flops is not None:
+      result.tflops = result.flops / timing.median_s / 1e12
     if result.kv_bytes is not None:
       result.tbps = result.kv_bytes / timing.median_s / 1e12
-    if opts.check_errors:
+    if opts.check_errors and backend.computes_attention:
       self._check_errors(result, backend, run_case)
     return result
 
