@@ -67,8 +67,9 @@ for s in $SECTIONS; do
       echo "train $run: rc=$?"; grep -E "^(train_lm|summary)" "$log" || tail -4 "$log"
     done ;;
   features)
-    # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
-    timeout 300 python3 "$REPO/scripts/feature_cost.py" --json "$OUT/features.json" 2>&1 | grep -v Warning | tee "$OUT/feature_cost.log" ;;
+    # What sinks, a bias ([1, H, S, S] and [B, 1, 1, S]) and dropout cost over plain attention, cuDNN beside for the bias.
+    timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset features --backends te_jax-te,jax-cudnn --keep-going \
+      --json "$OUT/features.json" 2>&1 | tee "$OUT/features.log" | grep -v Warning | tail -40 ;;
   bias)
     # The additive bias (issue 12): its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
     t0=$(date +%s)

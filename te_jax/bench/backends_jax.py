@@ -25,26 +25,30 @@ _MAX_LIVE_OUTPUT_BYTES = 2 << 30
 
 class JaxPrepared(Prepared):
   """Inputs placed on the default device once, the mode's function compiled ahead of time (so no compile can land in
-  the timed region), and calls dispatched back to back with one block at the end."""
+  the timed region), and calls dispatched back to back with one block at the end. The case's other operands (slopes,
+  a bias, sinks, the dropout key) are arguments of the compiled call too, by fused_attn's names, not constants folded
+  into it (a bias can be as large as q)."""
 
   def __init__(self, backend: "JaxBackend", inputs, mode: str, num_sets: int):
     import jax
     case = inputs.case
-    self._jax, self._backend = jax, backend
-    fn = backend.attention_fn(case, inputs.alibi)
+    self._jax, self._backend, self._case = jax, backend, case
+    fn = backend.attention_fn(case)
+    named = {name: jax.device_put(np.asarray(x)) for name, x in inputs.operands().items()}
     host = [(s.q, s.k, s.v, s.dout) for s in inputs.sets[:num_sets]]
     if mode == "fwd":
       host = [backend.fwd_operands(case, q, k, v) for q, k, v, _ in host]
     sets = [backend.place(case, tuple(np.asarray(x) for x in operands)) for operands in host]
     with backend.lowering_context():
       if mode == "fwd":
-        args = sets
-        compiled = jax.jit(fn).lower(*args[0]).compile()
+        args = [(operands, named) for operands in sets]
+        compiled = jax.jit(lambda operands, named: fn(*operands, **named)).lower(*args[0]).compile()
         self._names = ("out",)
       elif mode == "fwd+bwd":
-        def fwd_bwd(q, k, v, dout):
-          return jax.vjp(fn, q, k, v)[1](dout)
-        args = sets
+        def fwd_bwd(operands, named):
+          q, k, v, dout = operands
+          return jax.vjp(lambda q, k, v: fn(q, k, v, **named), q, k, v)[1](dout)
+        args = [(operands, named) for operands in sets]
         compiled = jax.jit(fwd_bwd).lower(*args[0]).compile()
         self._names = ("dq", "dk", "dv")
       elif mode == "bwd":
@@ -53,7 +57,7 @@ class JaxPrepared(Prepared):
         fwd = jax.jit(fn)
         args, treedef0 = [], None
         for q, k, v, dout in sets:
-          _, vjp = jax.vjp(fwd, q, k, v)
+          _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, **named), q, k, v)
           leaves, treedef = jax.tree_util.tree_flatten(vjp)
           treedef0 = treedef0 or treedef
           args.append((leaves, dout))
@@ -92,7 +96,7 @@ class JaxPrepared(Prepared):
   def outputs(self) -> dict:
     result = self._compiled(*self._args[0])
     result = result if isinstance(result, (tuple, list)) else (result,)
-    return {name: np.asarray(self._backend.restore(np.asarray(x).astype(np.float32)), np.float64)
+    return {name: np.asarray(self._backend.restore(self._case, np.asarray(x).astype(np.float32)), np.float64)
             for name, x in zip(self._names, result)}
 
   def close(self) -> None:
@@ -103,9 +107,10 @@ class JaxBackend(Backend):
   framework = "jax"
   requires = ("jax",)
 
-  def attention_fn(self, case: Case, alibi):
-    """A JAX-traceable (q, k, v) -> out in [B, S, H, D] layout; forward-only backends may take other operands (those
-    of fwd_operands)."""
+  def attention_fn(self, case: Case):
+    """A JAX-traceable (q, k, v, **operands) -> out in [B, S, H, D] layout, operands being the case's others by
+    fused_attn's names (Inputs.operands: only those the backend declares it serves); forward-only backends may take
+    other positional operands (those of fwd_operands)."""
     raise NotImplementedError
 
   def fwd_operands(self, case: Case, q, k, v) -> tuple:
@@ -120,8 +125,8 @@ class JaxBackend(Backend):
     import jax
     return tuple(jax.device_put(x) for x in arrays)
 
-  def restore(self, x):
-    """An output ([B, S, ...], as a NumPy array) in the order of the case's sequence, for the error check."""
+  def restore(self, case: Case, x):
+    """An output (as a NumPy array) in the case's layout and sequence order, for the error check."""
     return x
 
   def platform_reason(self, platform: str) -> str | None:
@@ -142,11 +147,12 @@ class TeJaxBackend(JaxBackend):
     self.label = f"te_jax ({path}, engine {engine})"
     self.url = f'te_jax.fused_attn(engine="{engine}")'
     if engine == "cudnn":
-      # cuDNN's fused attention through te_jax: no soft-cap, no arbitrary ALiBi slopes (README "Engines").
-      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, bottom_right=True)
+      # cuDNN's fused attention through te_jax: no soft-cap, no arbitrary ALiBi slopes, no bias, not te_jax's dropout
+      # (README "Engines"); sinks join after its kernel.
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, bottom_right=True, sinks=True)
     else:
       self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True,
-                               bottom_right=True)
+                               bottom_right=True, bias=True, sinks=True, dropout=True)
 
   def platform_reason(self, platform: str) -> str | None:
     reason = super().platform_reason(platform)
@@ -159,14 +165,12 @@ class TeJaxBackend(JaxBackend):
     available, why = ext.cudnn_available()
     return None if available else why
 
-  def attention_fn(self, case: Case, alibi):
-    import jax.numpy as jnp
+  def attention_fn(self, case: Case):
     import te_jax
     kwargs = case.te_jax_kwargs()
-    slopes = None if alibi is None else jnp.asarray(alibi)
 
-    def fn(q, k, v):
-      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, engine=self.engine, **kwargs)
+    def fn(q, k, v, **operands):
+      return te_jax.fused_attn(q, k, v, engine=self.engine, **kwargs, **operands)
     return fn
 
   def lowering_context(self):
@@ -188,9 +192,9 @@ class ContextParallelBackend(TeJaxBackend):
     self.name = f"te_jax-cp-{strategy}"
     self.label = f"te_jax context parallelism ({strategy}, load-balanced)"
     self.url = f'te_jax.fused_attn(context_parallel_axis=..., context_parallel_strategy="{strategy}")'
-    # The core's context-parallel layouts: Sq == Skv, no bottom-right diagonal; windows only with all_gather.
+    # The core's context-parallel layouts: Sq == Skv, no bottom-right diagonal; windows only with all_gather; no bias.
     self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=strategy == "all_gather", softcap=True,
-                             alibi=True, causal_cross=False)
+                             alibi=True, causal_cross=False, sinks=True, dropout=True)
 
   @classmethod
   def devices(cls):
@@ -223,19 +227,17 @@ class ContextParallelBackend(TeJaxBackend):
     n, sharding = len(self.devices()), NamedSharding(self._mesh(), PartitionSpec(None, "cp"))
     return tuple(jax.device_put(reorder_for_load_balancing(x, n, 1), sharding) for x in arrays)
 
-  def restore(self, x):
+  def restore(self, case: Case, x):
     from te_jax import inverse_reorder_for_load_balancing
     return np.asarray(inverse_reorder_for_load_balancing(x, len(self.devices()), 1))
 
-  def attention_fn(self, case: Case, alibi):
-    import jax.numpy as jnp
+  def attention_fn(self, case: Case):
     import te_jax
     kwargs = case.te_jax_kwargs()
-    slopes = None if alibi is None else jnp.asarray(alibi)
 
-    def fn(q, k, v):
-      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, context_parallel_axis="cp",
-                               context_parallel_strategy=self.strategy, context_parallel_load_balanced=True, **kwargs)
+    def fn(q, k, v, **operands):
+      return te_jax.fused_attn(q, k, v, context_parallel_axis="cp", context_parallel_strategy=self.strategy,
+                               context_parallel_load_balanced=True, **kwargs, **operands)
     return fn
 
 
@@ -268,15 +270,13 @@ class PagedBackend(JaxBackend):
     paged = paged_layout(k, v, self.page_size)
     return q, paged.k_pages, paged.v_pages, paged.page_table, paged.kv_lengths
 
-  def attention_fn(self, case: Case, alibi):
-    import jax.numpy as jnp
+  def attention_fn(self, case: Case):
     import te_jax
     # paged_attention has the two masks of queries at the end of the keys: bottom-right causal, or none.
     kwargs = dict(case.te_jax_kwargs(), mask_type="causal_bottom_right" if case.causal else "no_mask")
-    slopes = None if alibi is None else jnp.asarray(alibi)
 
-    def fn(q, k_pages, v_pages, page_table, kv_lengths):
-      return te_jax.paged_attention(q, k_pages, v_pages, page_table, kv_lengths, alibi_slopes=slopes, **kwargs)
+    def fn(q, k_pages, v_pages, page_table, kv_lengths, **operands):
+      return te_jax.paged_attention(q, k_pages, v_pages, page_table, kv_lengths, **kwargs, **operands)
     return fn
 
 
@@ -287,10 +287,11 @@ class JaxNNBackend(JaxBackend):
     self.label = f"JAX {'cuDNN' if implementation == 'cudnn' else 'XLA'}"
     self.url = f'jax.nn.dot_product_attention(implementation="{implementation}")'
     if implementation == "cudnn":
-      # cuDNN flash attention: fp16/bf16, D <= 256 on Hopper (128 before), windows only as (left, 0).
-      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, window_needs_causal=True)
+      # cuDNN flash attention: fp16/bf16, D <= 256 on Hopper (128 before), windows only as (left, 0). jax.nn takes a
+      # bias, but no sinks or dropout.
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, window_needs_causal=True, bias=True)
     else:
-      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, window=True)
+      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, window=True, bias=True)
 
   def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
     params = _jax_nn_kwargs()
@@ -300,14 +301,14 @@ class JaxNNBackend(JaxBackend):
       return "this JAX's dot_product_attention has no local_window_size"
     return None
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     import jax
     kwargs = dict(is_causal=case.causal, implementation=self.implementation)
     if case.window is not None:
       kwargs["local_window_size"] = case.window
 
-    def fn(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, **kwargs)
+    def fn(q, k, v, bias=None):
+      return jax.nn.dot_product_attention(q, k, v, bias=bias, **kwargs)
     return fn
 
 
@@ -319,7 +320,7 @@ class PallasBackend(JaxBackend):
   caps = Capabilities(platforms={"gpu": HALF + ("float32",)}, gqa=False, seq_multiple=128, equal_seq_for_bwd=True,
                       causal_cross=False)
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     # The signature has moved between JAX releases (block_q/block_k ints, then a BlockSizes dataclass); adapt to it.
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
     mha = pallas_attention.mha
@@ -350,7 +351,7 @@ class FlashAttnJaxBackend(JaxBackend):
   # Causal masks are bottom-right aligned there (flash-attn's convention), which equals top-left only when Sq == Skv.
   caps = Capabilities(platforms={"gpu": HALF}, window=True, causal_cross=False, bottom_right=True)
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     from flash_attn_jax import flash_mha
     kwargs = dict(softmax_scale=1.0 / math.sqrt(case.head_dim), is_causal=case.causal)
     if case.window is not None:
@@ -371,12 +372,12 @@ class KvReadBackend(JaxBackend):
   computes_attention = False
   # Masks and variants change what attention computes, not the K/V it reads: every case is served.
   caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, modes=("fwd",), bottom_right=True, window=True, softcap=True,
-                      alibi=True)
+                      alibi=True, bias=True, sinks=True, dropout=True)
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     import jax.numpy as jnp
 
-    def fn(q, k, v):
+    def fn(q, k, v, **operands):
       return jnp.max(k), jnp.max(v)
     return fn
 

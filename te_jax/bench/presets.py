@@ -125,4 +125,14 @@ def decode(platform: str) -> CaseList:
   return CaseList(shapes, modes=["fwd"])
 
 
-PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode}
+def features(platform: str) -> CaseList:
+  """What each optional operand of fused_attn costs over plain attention: one causal problem plain, with sinks, with a
+  bias [1, H, S, S], with a bias [B, 1, 1, S] (a key mask's shape) and with dropout 0.1, forward and forward +
+  backward. b 4 x s 4k (16k tokens), h 16, d 128 on a GPU; b 1 x 2k, h 4, d 64 on the CPU."""
+  batch, seq, heads, head_dim = (1, 2048, 4, 64) if platform == "cpu" else (4, 4096, 16, 128)
+  plain = Case(batch=batch, seq_q=seq, seq_kv=seq, heads=heads, kv_heads=heads, head_dim=head_dim, causal=True)
+  variants = [dict(), dict(sinks=True), dict(bias="heads"), dict(bias="keys"), dict(dropout=0.1)]
+  return CaseList([dataclasses.replace(plain, **v) for v in variants], modes=["fwd", "fwd+bwd"])
+
+
+PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode, "features": features}

@@ -23,6 +23,9 @@ class Capabilities:
   window_needs_causal: bool = False  # only (left, 0) windows, i.e. with a causal mask or right == 0
   softcap: bool = False
   alibi: bool = False
+  bias: bool = False  # an additive bias of either BIAS_SHAPES kind
+  sinks: bool = False
+  dropout: bool = False
   gqa: bool = True
   modes: tuple[str, ...] = MODES
   seq_multiple: int = 1  # Sq and Skv must be multiples of this
@@ -33,7 +36,8 @@ class Capabilities:
     feats = [f"D<={self.max_head_dim}"]
     feats += [name for name, ok in (("causal", self.causal), ("bottom-right", self.bottom_right),
                                     ("window", self.window), ("softcap", self.softcap),
-                                    ("alibi", self.alibi), ("gqa", self.gqa)) if ok]
+                                    ("alibi", self.alibi), ("bias", self.bias), ("sinks", self.sinks),
+                                    ("dropout", self.dropout), ("gqa", self.gqa)) if ok]
     return f"{plats} | {' '.join(feats)} | {','.join(self.modes)}"
 
 
@@ -109,6 +113,12 @@ class Backend:
       return "no logit softcap"
     if case.alibi and not c.alibi:
       return "no ALiBi"
+    if case.bias and not c.bias:
+      return "no additive bias"
+    if case.sinks and not c.sinks:
+      return "no attention sinks"
+    if case.dropout and not c.dropout:
+      return "no dropout"
     if case.gqa and not c.gqa:
       return f"no GQA/MQA (needs kv heads == heads, got {case.kv_heads} vs {case.heads})"
     if c.seq_multiple > 1 and (case.seq_q % c.seq_multiple or case.seq_kv % c.seq_multiple):

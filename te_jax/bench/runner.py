@@ -11,7 +11,7 @@ from typing import Callable
 from te_jax.bench.accuracy import measure_errors
 from te_jax.bench.availability import Availability, short_error
 from te_jax.bench.cases import Case
-from te_jax.bench.inputs import Inputs, alibi_slopes, make_inputs, rotation_sets
+from te_jax.bench.inputs import Inputs, benchmark_operands, make_sets, rotation_sets
 from te_jax.bench.registry import Backend
 from te_jax.bench.results import Result
 from te_jax.bench.timing import PLANS, TimingPlan, measure
@@ -40,19 +40,23 @@ class SweepStopped(Exception):
 
 
 class InputCache:
-  """NumPy inputs of the current shape; masks do not change inputs, so causal and non-causal cases share them."""
+  """NumPy inputs of the current shape; masks do not change inputs, so causal and non-causal cases share them (and
+  the backends of one case share its other operands: a bias can be as large as q)."""
 
   def __init__(self, seed: int):
     self.seed, self._key, self._sets = seed, None, None
+    self._operands_of, self._operands = None, None
 
   def get(self, case: Case, num_sets: int) -> Inputs:
     key = (case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads, case.head_dim, case.dtype)
     if self._key != key or len(self._sets) < num_sets:
-      self._key, self._sets = None, None
+      self._key, self._sets, self._operands_of, self._operands = None, None, None, None
       gc.collect()
-      self._sets = make_inputs(case, num_sets, self.seed).sets
+      self._sets = make_sets(case, num_sets, self.seed)
       self._key = key
-    return Inputs(case, self._sets[:num_sets], alibi_slopes(case.heads) if case.alibi else None)
+    if self._operands_of != case:
+      self._operands_of, self._operands = case, benchmark_operands(case, self.seed)
+    return Inputs(case, self._sets[:num_sets], **self._operands)
 
 
 def _failure_reason(e: BaseException) -> str:
