@@ -45,15 +45,13 @@ for s in $SECTIONS; do
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
-    # Packed sequences (issue 11): the GPU tests, then one row of 8 documents of 2k against the batch of 8 (and cuDNN).
+    # Packed sequences: the GPU tests, then one row of 8 documents of 2k against the batch of 8 (and cuDNN's batch).
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_packed.py 2>&1 | tee "$OUT/packed_tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -40
     echo "packed tests: $(( $(date +%s) - t0 )) s"
-    for mode in "" --backward; do
-      timeout 200 python3 "$REPO/scripts/packed_bench.py" --dtype bfloat16 --dim 128 --heads 16 --repeats 20 --cudnn \
-        $mode 2>&1 | grep -v Warning | tee -a "$OUT/packed_bench.log"
-    done ;;
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset packed --backends te_jax-te,te_jax-packed,jax-cudnn \
+      --baseline te_jax-te --keep-going --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" | grep -v Warning | tail -20 ;;
   train)
     # examples/train_lm.py at --size gpu (issue 13), a short run per attention. Flax and optax are not on the GPU
     # machine: their wheels (and their pure-Python dependencies) are carried in $WHEELS (default .device_out/wheels).

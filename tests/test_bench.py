@@ -357,6 +357,52 @@ def test_features_preset():
   assert all(c.batch * c.seq_q <= 2048 and c.dtype == "float32" for c in cpu) and len(cpu) == 5
 
 
+# ---------------------------------------------------------------- packed documents
+
+def test_packed_row_matches_the_batch_it_packs():
+  """te_jax-packed runs the batch as one row with segment ids and puts the results back per document: its errors are
+  those of the batch's problem, checked on three documents (a packed row with a middle document)."""
+  packed = registry.get("te_jax-packed")
+  c = case(batch=4, heads=4, kv_heads=2, causal=True, window=(8, 0), softcap=20.0, alibi=True, sinks=True)
+  assert packed.why_not(c, "fwd+bwd", "cpu") is None and packed.error_case(c).batch == 3
+  for mode in ("fwd", "bwd", "fwd+bwd"):
+    e = measure_errors(packed, c, mode)
+    assert e.ok and e.rel < 1e-5, (mode, e)
+
+
+def test_a_packed_row_without_segment_ids_is_caught():
+  """Without the ids every document sees the ones before it in the row: out of tolerance."""
+  from te_jax.bench.backends_jax import PackedBackend
+
+  class Unsegmented(PackedBackend):
+    def attention_fn(self, case):
+      import te_jax
+      return lambda q, k, v: te_jax.fused_attn(q, k, v, **case.te_jax_kwargs())
+
+  for mode in ("fwd", "fwd+bwd"):
+    assert not measure_errors(Unsegmented(), case(batch=2, causal=True), mode).ok
+
+
+def test_packed_backend_declares_what_it_packs():
+  packed = registry.get("te_jax-packed")
+  assert packed.why_not(case(batch=2, seq_q=64, seq_kv=128), "fwd", "cpu") == \
+      "a packed row holds whole documents: Sq = Skv"
+  assert packed.why_not(case(batch=1), "fwd", "cpu") == "one document: the packed row is the batch"
+  assert packed.why_not(case(batch=2, bias="keys"), "fwd", "cpu") == "no additive bias"
+  assert packed.why_not(case(batch=2, dtype="bfloat16"), "fwd+bwd", "gpu") is None
+
+
+def test_packed_preset_and_its_flags():
+  from te_jax.bench.__main__ import build_sweep, parse_args
+  gpu = PRESETS["packed"]("gpu").cases("gpu")
+  assert [(c.batch, c.seq_q, c.heads, c.head_dim, c.causal, c.dtype) for c in gpu] == [
+      (8, 2048, 16, 128, True, "bfloat16")]
+  assert [(c.batch, c.seq_q, c.heads, c.head_dim) for c in PRESETS["packed"]("cpu").cases("cpu")] == [(8, 2048, 4, 64)]
+  sweep = build_sweep(parse_args(["--preset", "packed", "--batch", "16", "--seq", "512,1024"]), "cpu")
+  assert [(c.batch, c.seq_q) for c in sweep.cases("cpu")] == [(16, 512), (16, 1024)]
+  assert sweep.modes == ["fwd", "fwd+bwd"]
+
+
 # ---------------------------------------------------------------- the runner
 
 def _items(cases, modes=("fwd",)):

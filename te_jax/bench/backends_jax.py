@@ -1,7 +1,7 @@
-"""JAX backends: te_jax (FFI and legacy custom calls; context parallelism over several devices), jax.nn.
-dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and flash-attn-jax; and kv-read, the K/V read alone
-(a bandwidth ceiling, not attention). All are timed and measured by JaxPrepared, so they differ only in the call and
-where its operands live."""
+"""JAX backends: te_jax (FFI and legacy custom calls; a batch packed into one row; context parallelism over several
+devices; a paged KV cache), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and
+flash-attn-jax; and kv-read, the K/V read alone (a bandwidth ceiling, not attention). All are timed and measured by
+JaxPrepared, so they differ only in the call and where its operands live."""
 
 from __future__ import annotations
 
@@ -241,6 +241,47 @@ class ContextParallelBackend(TeJaxBackend):
     return fn
 
 
+class PackedBackend(TeJaxBackend):
+  """te_jax.fused_attn on the case's batch of B documents packed into one row of B * S tokens, told apart by segment
+  ids (te_jax.segment_ids_from_lengths): beside te_jax-te on the batch itself, what packing costs. te_jax's kernels
+  (the cuDNN engine takes no segment ids); each document is a whole sequence, so Sq = Skv."""
+
+  def __init__(self):
+    super().__init__("ffi", "te")
+    self.name = "te_jax-packed"
+    self.label = "te_jax, the batch packed into one row (segment ids)"
+    self.url = 'te_jax.fused_attn(q_segment_ids=..., engine="te")'
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True,
+                             causal_cross=False, sinks=True)
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    if case.seq_q != case.seq_kv:
+      return "a packed row holds whole documents: Sq = Skv"
+    if case.batch == 1:
+      return "one document: the packed row is the batch"
+    return None
+
+  def error_case(self, case: Case) -> Case:
+    """Three documents (the small case has one, which packs into itself): one lies between two others."""
+    return dataclasses.replace(case.small(), batch=3)
+
+  def place(self, case: Case, arrays: tuple) -> tuple:
+    import jax
+    return tuple(jax.device_put(x.reshape(1, -1, *x.shape[2:])) for x in arrays)
+
+  def restore(self, case: Case, x):
+    return x.reshape(case.batch, -1, *x.shape[2:])
+
+  def attention_fn(self, case: Case):
+    import te_jax
+    kwargs = case.te_jax_kwargs()
+    ids = te_jax.segment_ids_from_lengths(np.full((1, case.batch), case.seq_q), case.batch * case.seq_q)
+
+    def fn(q, k, v, **operands):
+      return te_jax.fused_attn(q, k, v, q_segment_ids=ids, engine=self.engine, **kwargs, **operands)
+    return fn
+
+
 def _jax_nn_kwargs() -> set[str]:
   import jax
   return set(inspect.signature(jax.nn.dot_product_attention).parameters)
@@ -383,7 +424,7 @@ class KvReadBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 ContextParallelBackend("ring"), ContextParallelBackend("all_gather"), PagedBackend(16),
+                 PackedBackend(), ContextParallelBackend("ring"), ContextParallelBackend("all_gather"), PagedBackend(16),
                  PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(),
                  KvReadBackend()):
   register(_backend)

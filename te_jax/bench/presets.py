@@ -125,6 +125,14 @@ def decode(platform: str) -> CaseList:
   return CaseList(shapes, modes=["fwd"])
 
 
+def packed(platform: str) -> Sweep:
+  """Packed documents: 8 causal documents of 2k as the batch of 8 (te_jax-te, jax-cudnn) and as one row of 16k tokens
+  told apart by segment ids (te_jax-packed); h 16, d 128 on a GPU, h 4, d 64 on the CPU. --batch sets the number of
+  documents, --seq their length."""
+  heads, head_dim = (4, 64) if platform == "cpu" else (16, 128)
+  return Sweep(seqs=[2048], head_dims=[head_dim], causal=[True], batch=8, heads=heads)
+
+
 def features(platform: str) -> CaseList:
   """What each optional operand of fused_attn costs over plain attention: one causal problem plain, with sinks, with a
   bias [1, H, S, S], with a bias [B, 1, 1, S] (a key mask's shape) and with dropout 0.1, forward and forward +
@@ -135,4 +143,4 @@ def features(platform: str) -> CaseList:
   return CaseList([dataclasses.replace(plain, **v) for v in variants], modes=["fwd", "fwd+bwd"])
 
 
-PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode, "features": features}
+PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode, "packed": packed, "features": features}

@@ -145,6 +145,10 @@ class Backend:
   def prepare(self, inputs, mode: str, num_sets: int) -> Prepared:
     raise NotImplementedError
 
+  def error_case(self, case: Case) -> Case:
+    """The case whose errors against the reference stand for `case`'s: its small version."""
+    return case.small()
+
   def workload(self, case: Case, mode: str) -> dict:
     """What a result of this backend is charged: the case's FLOPs (none for a row that computes no attention) and the
     K/V bytes of a forward (flops.workload)."""

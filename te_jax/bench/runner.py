@@ -126,7 +126,7 @@ class Runner:
 
   def _check_errors(self, result: Result, backend: Backend, run_case: Case) -> None:
     """The errors of the case the backend computed, against the reference, measured once per small case."""
-    key = (backend.name, run_case.small(), result.mode)
+    key = (backend.name, backend.error_case(run_case), result.mode)
     if key not in self._errors:
       try:
         self._errors[key] = measure_errors(backend, run_case, result.mode, self.options.seed)
