@@ -87,6 +87,14 @@ def test_llama_preset():  # the decode preset: tests/test_bench_decode.py
   assert any(c.softcap for c in llama) and any(c.window for c in llama)
 
 
+def test_cpu_preset():
+  sweep = PRESETS["cpu"]("cpu")
+  cases = sweep.cases("cpu")
+  assert sweep.modes == ["fwd"]
+  assert sorted((c.seq_q, c.causal) for c in cases) == [(2048, False), (2048, True), (4096, False), (4096, True)]
+  assert all((c.batch, c.heads, c.kv_heads, c.head_dim, c.dtype) == (1, 8, 8, 64, "float32") for c in cases)
+
+
 def test_quick_cpu_preset_is_small():
   cases = PRESETS["quick"]("cpu").cases("cpu")
   assert [c.seq_q for c in cases] == [512, 1024, 2048]
@@ -120,7 +128,8 @@ def test_small_case_keeps_what_matters():
 
 def test_registry_has_every_backend():
   names = [b.name for b in registry.all_backends()]
-  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-cp-ring", "te_jax-cp-all_gather",
+  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-deterministic", "te_jax-packed",
+                   "te_jax-cp-ring", "te_jax-cp-all_gather", "te_jax-paged16", "te_jax-paged64", "kv-read",
                    "jax-cudnn", "jax-xla", "pallas",
                    "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn"):
     assert expected in names
@@ -138,6 +147,17 @@ def test_te_jax_engines_declare_what_they_serve():
   assert cudnn.why_not(case(dtype="bfloat16", softcap=30.0), "fwd", "gpu") == "no logit softcap"
   assert cudnn.why_not(case(dtype="bfloat16", alibi=True), "fwd", "gpu") == "no ALiBi"
   assert "runs on gpu only" in cudnn.why_not(case(), "fwd", "cpu")
+
+
+def test_deterministic_backend_runs_the_backward_only():
+  det = registry.get("te_jax-deterministic")
+  assert det.fused_attn_kwargs(case())["deterministic"] is True and det.fused_attn_kwargs(case())["engine"] == "te"
+  assert "no fwd (supports bwd, fwd+bwd)" in det.why_not(case(), "fwd", "cpu")
+  assert det.why_not(case(heads=4, kv_heads=2, causal=True), "fwd+bwd", "cpu") is None
+  a = probe(det, "cpu")
+  assert a.available and a.modes == ("bwd", "fwd+bwd"), a.reason
+  e = measure_errors(det, case(heads=4, kv_heads=2, causal=True, dtype="bfloat16"), "fwd+bwd")
+  assert e.ok, e
 
 
 def test_te_jax_declares_everything():

@@ -165,12 +165,16 @@ class TeJaxBackend(JaxBackend):
     available, why = ext.cudnn_available()
     return None if available else why
 
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    """fused_attn's keyword arguments besides the operands: the case's, and this backend's."""
+    return dict(case.te_jax_kwargs(), engine=self.engine)
+
   def attention_fn(self, case: Case):
     import te_jax
-    kwargs = case.te_jax_kwargs()
+    kwargs = self.fused_attn_kwargs(case)
 
     def fn(q, k, v, **operands):
-      return te_jax.fused_attn(q, k, v, engine=self.engine, **kwargs, **operands)
+      return te_jax.fused_attn(q, k, v, **kwargs, **operands)
     return fn
 
   def lowering_context(self):
@@ -231,14 +235,9 @@ class ContextParallelBackend(TeJaxBackend):
     from te_jax import inverse_reorder_for_load_balancing
     return np.asarray(inverse_reorder_for_load_balancing(x, len(self.devices()), 1))
 
-  def attention_fn(self, case: Case):
-    import te_jax
-    kwargs = case.te_jax_kwargs()
-
-    def fn(q, k, v, **operands):
-      return te_jax.fused_attn(q, k, v, context_parallel_axis="cp", context_parallel_strategy=self.strategy,
-                               context_parallel_load_balanced=True, **kwargs, **operands)
-    return fn
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    return dict(case.te_jax_kwargs(), context_parallel_axis="cp", context_parallel_strategy=self.strategy,
+                context_parallel_load_balanced=True)
 
 
 class PackedBackend(TeJaxBackend):
@@ -272,14 +271,25 @@ class PackedBackend(TeJaxBackend):
   def restore(self, case: Case, x):
     return x.reshape(case.batch, -1, *x.shape[2:])
 
-  def attention_fn(self, case: Case):
+  def fused_attn_kwargs(self, case: Case) -> dict:
     import te_jax
-    kwargs = case.te_jax_kwargs()
     ids = te_jax.segment_ids_from_lengths(np.full((1, case.batch), case.seq_q), case.batch * case.seq_q)
+    return dict(super().fused_attn_kwargs(case), q_segment_ids=ids)
 
-    def fn(q, k, v, **operands):
-      return te_jax.fused_attn(q, k, v, q_segment_ids=ids, engine=self.engine, **kwargs, **operands)
-    return fn
+
+class DeterministicBackend(TeJaxBackend):
+  """te_jax's kernels with fused_attn(deterministic=True): a backward that gives the same bits on every run. The flag
+  changes only the backward, so only the backward modes run (the forward is te_jax-te's)."""
+
+  def __init__(self):
+    super().__init__("ffi", "te")
+    self.name = "te_jax-deterministic"
+    self.label = "te_jax, deterministic backward"
+    self.url = 'te_jax.fused_attn(deterministic=True, engine="te")'
+    self.caps = dataclasses.replace(self.caps, modes=("bwd", "fwd+bwd"))
+
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    return dict(super().fused_attn_kwargs(case), deterministic=True)
 
 
 def _jax_nn_kwargs() -> set[str]:
@@ -424,7 +434,7 @@ class KvReadBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 PackedBackend(), ContextParallelBackend("ring"), ContextParallelBackend("all_gather"), PagedBackend(16),
-                 PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(),
-                 KvReadBackend()):
+                 DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
+                 ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"),
+                 JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), KvReadBackend()):
   register(_backend)

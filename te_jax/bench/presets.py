@@ -125,6 +125,12 @@ def decode(platform: str) -> CaseList:
   return CaseList(shapes, modes=["fwd"])
 
 
+def cpu(platform: str) -> Sweep:
+  """te_jax's CPU forward against XLA's attention at one long sequence: b 1, s 2k and 4k, h 8, d 64, causal or not
+  (float32 on the CPU)."""
+  return Sweep(seqs=[2048, 4096], head_dims=[64], causal=[False, True], batch=1, heads=8, modes=["fwd"])
+
+
 def packed(platform: str) -> Sweep:
   """Packed documents: 8 causal documents of 2k as the batch of 8 (te_jax-te, jax-cudnn) and as one row of 16k tokens
   told apart by segment ids (te_jax-packed); h 16, d 128 on a GPU, h 4, d 64 on the CPU. --batch sets the number of
@@ -143,4 +149,5 @@ def features(platform: str) -> CaseList:
   return CaseList([dataclasses.replace(plain, **v) for v in variants], modes=["fwd", "fwd+bwd"])
 
 
-PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode, "packed": packed, "features": features}
+PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode, "cpu": cpu, "packed": packed,
+           "features": features}
