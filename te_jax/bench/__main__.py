@@ -21,6 +21,8 @@ EXAMPLES = """examples:
   python -m te_jax.bench --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal --window 1023,0 --mode fwd
   python -m te_jax.bench --preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn,kv-read
       decoding against cuDNN, and the K/V read alone: the bandwidth ceiling
+  python -m te_jax.bench --preset decode --backends te_jax-te,jax-cudnn --kernel-root DIR --json before.json
+      the same with the kernels of the tree in DIR (git archive <commit> cpp | tar -x -C DIR): a before/after
   python -m te_jax.bench --backends te_jax-ffi,te_jax-cp --baseline te_jax-ffi --cp-devices 4 --batch 1 --seq 131072 \
       --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd+bwd   context-parallel scaling on 4 GPUs
 """
@@ -91,6 +93,8 @@ def parse_args(argv):
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--cp-devices", type=int, help="devices the context-parallel backends (te_jax-cp-ring, "
                  "te_jax-cp-all_gather) shard the sequence over: the first N (default: all)")
+  r.add_argument("--kernel-root", metavar="DIR", help="compile te_jax's CUDA kernels from DIR/cpp, another tree's "
+                 "sources (the host code stays this install's): a before/after of a kernel change, one run per tree")
   return p.parse_args(argv)
 
 
@@ -320,7 +324,8 @@ class Session:
     self.metadata = dict(device=device, platform=platform, preset=args.preset,
                          command="python -m te_jax.bench " + " ".join(argv),
                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         versions=_versions(), timing=dataclasses.asdict(plan), modes=self.modes)
+                         versions=_versions(), timing=dataclasses.asdict(plan), modes=self.modes,
+                         kernel_root=args.kernel_root and os.path.abspath(args.kernel_root))
 
   def ordered(self):
     return sorted(self.results, key=lambda r: (self.item_index.get(r.key, 0),
@@ -436,7 +441,8 @@ def run(args, argv) -> int:
     print(f"note: {', '.join(skipped_torch)} left out on the CPU in one process (thread pools contend); add "
           f"--isolate or --backends to include them", flush=True)
   print(f"te_jax.bench: preset {args.preset}, {len(session.cases)} cases x {len(session.modes)} modes x "
-        f"{len(backends)} backends on {device}", flush=True)
+        f"{len(backends)} backends on {device}"
+        f"{', kernels from ' + session.metadata['kernel_root'] if args.kernel_root else ''}", flush=True)
   stopped, interrupted = None, None
   try:
     with stop_on_termination(), Progress(len(session.items) * len(backends), session.unit, session.factor,
@@ -466,6 +472,10 @@ def main(argv=None) -> int:
       raise SystemExit(f"--cp-devices must be 2 or more, got {args.cp_devices}")
     from te_jax.bench.backends_jax import ContextParallelBackend
     os.environ[ContextParallelBackend.DEVICES_ENV] = str(args.cp_devices)
+  if args.kernel_root:
+    from te_jax.bench import kernel_root
+    kernel_root.choose(args.kernel_root)
+    kernel_root.apply()
   if args.from_json:
     return render_saved(args)
   return run(args, argv)
