@@ -135,17 +135,18 @@ PY
       done
     done ;;
   cp_overlap)
-    # Issue 14 on a multi-GPU machine: the ring against one GPU, and its permutes alone (CP_DEVICES, default all).
-    timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cp_overlap.py" --devices ${CP_DEVICES:-0} \
-      --seq ${CP_SEQS:-32768,131072,262144} --json "$OUT/cp_overlap.json" 2>&1 | grep -v Warning | tee "$OUT/cp_overlap.log" ;;
+    # Context parallelism on a multi-GPU machine: the ring over CP_DEVICES GPUs (default all) against one GPU, and its
+    # K/V permutes alone; the ring's exposed communication is ring - one / N, read against the permutes' time.
+    timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --backends te_jax-ffi,te_jax-cp-ring,cp-ring-permutes \
+      --baseline te_jax-ffi ${CP_DEVICES:+--cp-devices $CP_DEVICES} --batch 1 --seq ${CP_SEQS:-32768,131072,262144} \
+      --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd --keep-going --json "$OUT/cp_overlap.json" 2>&1 \
+      | tee "$OUT/cp_overlap.log" | grep -v Warning | tail -30 ;;
   bench)
-    timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 \
-      | tee "$OUT/bench.log" | grep -v Warning ;;
-  oldkernels)
-    for root in "$REPO/.device/old_kernels" ""; do
-      echo "te_jax forward, kernels from ${root:-the current tree}:"
-      timeout 150 python3 "$REPO/scripts/cuda_bench.py" --engines te --modes fwd --dims 64,128,256 --seqs 4096 \
-        ${root:+--kernel-root "$root"} 2>&1 | grep -v Warning | tee -a "$OUT/oldkernels.log"
-    done ;;
+    # te_jax's engines (te, cudnn, and auto: te_jax-ffi) against JAX's cuDNN on the fa grid; BENCH_ARGS are more harness
+    # flags (--head-dim 128, --mode fwd, --kv-heads 4, --window 1023, ...), BENCH_BACKENDS replaces the backends (add
+    # te_jax-deterministic for the deterministic backward).
+    timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset fa \
+      --backends ${BENCH_BACKENDS:-te_jax-te,te_jax-cudnn,te_jax-ffi,jax-cudnn} --keep-going --budget 450 ${BENCH_ARGS:-} \
+      --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -80 ;;
   esac
 done

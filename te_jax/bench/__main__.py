@@ -23,8 +23,9 @@ EXAMPLES = """examples:
       decoding against cuDNN, and the K/V read alone: the bandwidth ceiling
   python -m te_jax.bench --preset decode --backends te_jax-te,jax-cudnn --kernel-root DIR --json before.json
       the same with the kernels of the tree in DIR (git archive <commit> cpp | tar -x -C DIR): a before/after
-  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp --baseline te_jax-ffi --cp-devices 4 --batch 1 --seq 131072 \
-      --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd+bwd   context-parallel scaling on 4 GPUs
+  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp,cp-ring-permutes --baseline te_jax-ffi --cp-devices 4 \
+      --batch 1 --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd
+      context-parallel scaling on 4 GPUs, and the ring's permutes alone
 """
 
 
@@ -56,7 +57,7 @@ def parse_args(argv):
                  "and why, then exit")
   p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="sweep to run (default: quick)")
   p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: every attention "
-                 "backend (kv-read, which times the K/V read alone, runs when named)")
+                 "backend (the rows that time data movement alone, kv-read and cp-ring-permutes, run when named)")
   p.add_argument("--baseline", help="backend speedups are relative to (default: jax-cudnn on a GPU, jax-xla on CPU)")
   p.add_argument("--mode", help="comma list of fwd, bwd, fwd+bwd (default: the preset's)")
   g = p.add_argument_group("shape flags (override the preset)")

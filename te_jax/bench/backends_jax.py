@@ -1,7 +1,8 @@
 """JAX backends: te_jax (FFI and legacy custom calls; a batch packed into one row; context parallelism over several
 devices; a paged KV cache), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and
-flash-attn-jax; and kv-read, the K/V read alone (a bandwidth ceiling, not attention). All are timed and measured by
-JaxPrepared, so they differ only in the call and where its operands live."""
+flash-attn-jax; and two rows that compute no attention: kv-read, the K/V read alone (a bandwidth ceiling), and
+cp-ring-permutes, the context-parallel ring's communication alone. All are timed and measured by JaxPrepared, so they
+differ only in the call and where its operands live."""
 
 from __future__ import annotations
 
@@ -186,7 +187,7 @@ class ContextParallelBackend(TeJaxBackend):
   """te_jax.fused_attn with context parallelism (te_jax-cp-ring, te_jax-cp-all_gather): q, k, v and dout sharded
   along the sequence over a 1-D mesh of the first N devices (`--cp-devices N`, default all), in the load-balanced
   order (te_jax.reorder_for_load_balancing, done in setup; the outputs are put back in natural order for the error
-  check). Against te_jax-ffi on one device, its speedup over N is the scaling efficiency (issue 14)."""
+  check). Against te_jax-ffi on one device, its speedup over N is the scaling efficiency."""
 
   DEVICES_ENV = "TE_JAX_BENCH_CP_DEVICES"  # set by --cp-devices; an environment variable, so --isolate workers see it
 
@@ -290,6 +291,40 @@ class DeterministicBackend(TeJaxBackend):
 
   def fused_attn_kwargs(self, case: Case) -> dict:
     return dict(super().fused_attn_kwargs(case), deterministic=True)
+
+
+class RingPermutesBackend(ContextParallelBackend):
+  """Not attention: te_jax-cp-ring's communication alone, its N - 1 steps each passing every device's K and V shard to
+  the next (lax.ppermute under shard_map), on the ring's sharded inputs, nothing computed. Beside te_jax-cp-ring and
+  te_jax-ffi on one device, what the ring leaves exposed (ring - one / N) reads against what its permutes cost
+  unhidden. Forward only."""
+  computes_attention = False
+
+  def __init__(self):
+    super().__init__("ring")
+    self.name = "cp-ring-permutes"
+    self.label = "the context-parallel ring's K/V permutes alone"
+    self.url = "lax.ppermute of K and V under shard_map, N - 1 steps"
+    self.caps = dataclasses.replace(self.caps, modes=("fwd",))
+
+  def attention_fn(self, case: Case):
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec
+    mesh = self._mesh()
+    n = mesh.shape["cp"]
+    to_next = [(i, (i + 1) % n) for i in range(n)]
+    spec = PartitionSpec(None, "cp")
+
+    def steps(k, v):
+      for _ in range(n - 1):
+        k, v = lax.ppermute(k, "cp", to_next), lax.ppermute(v, "cp", to_next)
+      return k, v
+    ring = jax.shard_map(steps, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))
+
+    def fn(q, k, v, **operands):
+      return ring(k, v)
+    return fn
 
 
 def _jax_nn_kwargs() -> set[str]:
@@ -436,5 +471,5 @@ class KvReadBackend(JaxBackend):
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
                  DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"),
-                 JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), KvReadBackend()):
+                 JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), KvReadBackend(), RingPermutesBackend()):
   register(_backend)
