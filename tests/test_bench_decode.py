@@ -1,5 +1,6 @@
-"""te_jax.bench on decode-shaped attention (issue 17): queries at the end of the keys (bottom-right causal) through the
-FLOP model, the reference and the backends that lack such a mask. CPU only, small shapes."""
+"""te_jax.bench on decode-shaped attention: queries at the end of the keys (bottom-right causal) through the FLOP
+model, the reference and the backends that lack such a mask; the paged backends and the K/V read beside them. CPU
+only, small shapes."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def _shapes(cases):
   return [(c.batch, c.seq_q, c.seq_kv) for c in cases]
 
 
-def test_decode_preset_has_the_issues_shapes_on_a_gpu():
+def test_decode_preset_has_the_decoding_shapes_on_a_gpu():
   preset = PRESETS["decode"]("gpu")
   cases = preset.cases("gpu")
   assert preset.modes == ["fwd"]
