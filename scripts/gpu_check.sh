@@ -170,7 +170,7 @@ PY
     # flags (--head-dim 128, --mode fwd, --kv-heads 4, --window 1023, ...), BENCH_BACKENDS replaces the backends (add
     # te_jax-deterministic for the deterministic backward).
     timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset fa \
-      --backends ${BENCH_BACKENDS:-te_jax-te,te_jax-cudnn,te_jax-ffi,jax-cudnn} --keep-going --budget 450 ${BENCH_ARGS:-} \
-      --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -80 ;;
+      --backends ${BENCH_BACKENDS:-te_jax-te,te_jax-cudnn,te_jax-ffi,jax-cudnn} --keep-going --budget 450 \
+      ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -80 ;;
   esac
 done

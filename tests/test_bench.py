@@ -300,7 +300,8 @@ FEATURES = [dict(bias="heads"), dict(bias="keys"), dict(sinks=True), dict(dropou
 
 def test_features_name_themselves_and_are_checked():
   assert case(bias="heads").mask_label == "no_mask+bias[1,H,Sq,Skv]"
-  assert case(causal=True, bias="keys", sinks=True, dropout=0.25).mask_label == "causal+bias[B,1,1,Skv]+sinks+dropout0.25"
+  assert case(causal=True, bias="keys", sinks=True, dropout=0.25).mask_label == \
+      "causal+bias[B,1,1,Skv]+sinks+dropout0.25"
   assert case(dropout=0.1).te_jax_kwargs()["dropout_rate"] == 0.1 and "dropout_rate" not in case().te_jax_kwargs()
   with pytest.raises(ValueError, match="bias must be '' or one of heads, keys"):
     case(bias="rows")

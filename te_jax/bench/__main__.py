@@ -23,9 +23,15 @@ EXAMPLES = """examples:
       decoding against cuDNN, and the K/V read alone: the bandwidth ceiling
   python -m te_jax.bench --preset decode --backends te_jax-te,jax-cudnn --kernel-root DIR --json before.json
       the same with the kernels of the tree in DIR (git archive <commit> cpp | tar -x -C DIR): a before/after
-  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp,cp-ring-permutes --baseline te_jax-ffi --cp-devices 4 \
+  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp,cp-ring-permutes --baseline te_jax-ffi --cp-devices 4 \\
       --batch 1 --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd
       context-parallel scaling on 4 GPUs, and the ring's permutes alone
+  python -m te_jax.bench --preset packed --backends te_jax-te,te_jax-packed,jax-cudnn --baseline te_jax-te
+      8 documents as one packed row (segment ids) against the batch of 8
+  python -m te_jax.bench --preset features --backends te_jax-te,jax-cudnn
+      plain attention, and with sinks, a bias or dropout: each feature's cost
+  python -m te_jax.bench --preset cpu --backends te_jax-ffi,jax-xla
+      te_jax's CPU forward against XLA's attention
 """
 
 
@@ -56,8 +62,9 @@ def parse_args(argv):
   p.add_argument("--list-backends", action="store_true", help="probe every backend, print available/unavailable "
                  "and why, then exit")
   p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="sweep to run (default: quick)")
-  p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: every attention "
-                 "backend (the rows that time data movement alone, kv-read and cp-ring-permutes, run when named)")
+  p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: "
+                 "every attention backend (the rows that time data movement alone, kv-read and cp-ring-permutes, run "
+                 "when named)")
   p.add_argument("--baseline", help="backend speedups are relative to (default: jax-cudnn on a GPU, jax-xla on CPU)")
   p.add_argument("--mode", help="comma list of fwd, bwd, fwd+bwd (default: the preset's)")
   g = p.add_argument_group("shape flags (override the preset)")

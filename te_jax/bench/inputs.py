@@ -68,7 +68,8 @@ def shapes(case: Case) -> dict[str, tuple[int, ...]]:
 
 def bias_shape(case: Case) -> tuple[int, ...] | None:
   """The shape of the case's additive bias (cases.BIAS_SHAPES), None without one."""
-  return {"": None, "heads": (1, case.heads, case.seq_q, case.seq_kv), "keys": (case.batch, 1, 1, case.seq_kv)}[case.bias]
+  shapes_by_kind = {"heads": (1, case.heads, case.seq_q, case.seq_kv), "keys": (case.batch, 1, 1, case.seq_kv)}
+  return shapes_by_kind.get(case.bias)
 
 
 def set_bytes(case: Case) -> int:
