@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# One device call: build te_jax (offline, with the cuDNN engine), run the CUDA tests, compute-sanitizer on a tiny case,
-# JIT timings and the benchmark against cuDNN. Logs under $OUT (default /tmp/te_jax_out).
-# Usage: bash scripts/gpu_check.sh [smoke|tests|packed|bias|features|train|stress|sanitize|jit|decode|decode_ab|cp_overlap|bench|oldkernels]...
-# Sections default to tests, sanitize, jit and bench.
+# The GPU checks, one device session: build te_jax (offline, with the cuDNN engine), precompile its kernels, then run
+# the sections asked for (default: tests sanitize jit bench), logging under $OUT (default /tmp/te_jax_out):
+#   smoke       scripts/gpu_smoke.py: te_jax's forward on long sequences against a float32 XLA reference
+#   tests       the CUDA tests
+#   packed      the packed-sequence tests, then the harness's packed preset
+#   bias        the additive bias's tests
+#   features    the harness's features preset: sinks, bias and dropout against plain attention
+#   train       examples/train_lm.py, a short run per attention
+#   stress      the kernel tests with a random sleep before every pipeline wait
+#   sanitize    compute-sanitizer (memcheck, racecheck) on scripts/cuda_sanitize_case.py, section by section
+#   jit         compile times into an empty cache, then a fresh process's compile with every kernel in it
+#   decode      the harness's decode preset beside kv-read (the bandwidth ceiling), and the crossover in query positions
+#   ab          the harness on the installed kernels and on other trees' (--kernel-root), alternating processes
+#   cp_overlap  the context-parallel ring against one GPU, and its permutes alone (several GPUs)
+#   bench       the harness's fa preset: te_jax's engines against JAX's cuDNN
+# Usage: OUT=DIR bash scripts/gpu_check.sh [SECTION]...; each section's variables are described at the section.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
-# it); `oldkernels` times te_jax's forward compiled from .device/old_kernels (an older cpp/ tree, carried) against
-# today's, for a before/after figure. BENCH_ARGS are passed to scripts/cuda_bench.py. `decode_ab` times the installed
-# tree's decode kernels against other trees' (AB_ROOTS="label=DIR ...", each DIR holding a tree's cpp/, carried; e.g.
-# `git archive <commit> cpp | tar -x -C .device_out/before`) with scripts/decode_ab.py (AB_ARGS), one process per tree
-# and round, AB_ROUNDS rounds.
+# it).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,6 +25,12 @@ OUT=${OUT:-/tmp/te_jax_out}
 mkdir -p "$OUT"
 export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
 SECTIONS=${*:-tests sanitize jit bench}
+for s in $SECTIONS; do
+  case " smoke tests packed bias features train stress sanitize jit decode ab cp_overlap bench " in
+  *" $s "*) ;;
+  *) echo "unknown section '$s'; the sections are listed at the top of $0"; exit 2 ;;
+  esac
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
 export CUDNN_FRONTEND_INCLUDE_DIR=${CUDNN_FRONTEND_INCLUDE_DIR:-$REPO/build/cudnn_check/fe/include}
@@ -25,11 +39,12 @@ t0=$(date +%s)
   || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 cd /tmp  # import the installed package, not the source tree
-python3 -c "import te_jax._cuda, te_jax._te_jax_cuda as e; print('te_jax cuda ext ok,', e.nvrtc_version(), 'cache', e.cache_dir(), 'cudnn', e.cudnn_available(), e.cudnn_version())"
 
 t0=$(date +%s)
 python3 -m te_jax.aot --set tests,bench --jobs 16 > "$OUT/aot.log" 2>&1; tail -1 "$OUT/aot.log"
 echo "aot precompile: $(( $(date +%s) - t0 )) s"
+# te_jax's kernels and its cuDNN engine proven by running them (or why not), beside JAX's cuDNN.
+python3 -m te_jax.bench --list-backends --backends te_jax-te,te_jax-cudnn,jax-cudnn 2>&1 | grep -v Warning
 
 for s in $SECTIONS; do
   case $s in
@@ -45,17 +60,15 @@ for s in $SECTIONS; do
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
-    # Packed sequences (issue 11): the GPU tests, then one row of 8 documents of 2k against the batch of 8 (and cuDNN).
+    # Packed sequences: the GPU tests, then one row of 8 documents of 2k against the batch of 8 (and cuDNN's batch).
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_packed.py 2>&1 | tee "$OUT/packed_tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -40
     echo "packed tests: $(( $(date +%s) - t0 )) s"
-    for mode in "" --backward; do
-      timeout 200 python3 "$REPO/scripts/packed_bench.py" --dtype bfloat16 --dim 128 --heads 16 --repeats 20 --cudnn \
-        $mode 2>&1 | grep -v Warning | tee -a "$OUT/packed_bench.log"
-    done ;;
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset packed --backends te_jax-te,te_jax-packed,jax-cudnn \
+      --baseline te_jax-te --keep-going --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" | grep -v Warning | tail -20 ;;
   train)
-    # examples/train_lm.py at --size gpu (issue 13), a short run per attention. Flax and optax are not on the GPU
+    # examples/train_lm.py at --size gpu, a short run per attention. Flax and optax are not on the GPU
     # machine: their wheels (and their pure-Python dependencies) are carried in $WHEELS (default .device_out/wheels).
     PYDEPS=$(mktemp -d)
     python3 -m pip install -q --no-deps --no-index --target "$PYDEPS" "${WHEELS:-$REPO/.device_out/wheels}"/*.whl \
@@ -67,10 +80,11 @@ for s in $SECTIONS; do
       echo "train $run: rc=$?"; grep -E "^(train_lm|summary)" "$log" || tail -4 "$log"
     done ;;
   features)
-    # What sinks, a [1, H, S, S] bias and dropout cost over plain attention (issue 12), cuDNN beside for the bias.
-    timeout 300 python3 "$REPO/scripts/feature_cost.py" --json "$OUT/features.json" 2>&1 | grep -v Warning | tee "$OUT/feature_cost.log" ;;
+    # What sinks, a bias ([1, H, S, S] and [B, 1, 1, S]) and dropout cost over plain attention, cuDNN beside for the bias.
+    timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset features --backends te_jax-te,jax-cudnn --keep-going \
+      --json "$OUT/features.json" 2>&1 | tee "$OUT/features.log" | grep -v Warning | tail -40 ;;
   bias)
-    # The additive bias (issue 12): its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
+    # The additive bias: its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_bias.py \
@@ -101,52 +115,62 @@ for s in $SECTIONS; do
       done
     done ;;
   jit)
-    # Compile time per configuration into an empty cache, then cache-hit time (compile + load) in a fresh process.
+    # Compile time per configuration into an empty cache; then, in a fresh process with every kernel in that cache, the
+    # import and the lowering + compile of a forward and of a forward + backward (te_jax's debug log names where each
+    # kernel came from and how long it took to read).
     FRESH=$(mktemp -d)
     TE_JAX_CACHE_DIR=$FRESH python3 -m te_jax.aot --set bench --arch sm_90a --jobs 1 2>&1 | tee "$OUT/jit.log" | tail -7
-    TE_JAX_CACHE_DIR=$FRESH python3 - <<'PY' 2>&1 | tee -a "$OUT/jit.log"
+    TE_JAX_CACHE_DIR=$FRESH TE_JAX_LOG_LEVEL=DEBUG python3 - <<'PY' 2>&1 | tee -a "$OUT/jit.log"
 import time; t = time.perf_counter()
-import jax, jax.numpy as jnp, te_jax, te_jax._cuda
-from te_jax import _te_jax_cuda as ext
+import jax, jax.numpy as jnp, te_jax
 t_import = time.perf_counter() - t
-p = dict(batch=1, seqlen_q=128, seqlen_kv=128, num_heads=2, num_kv_heads=2, head_dim=128, head_dim_v=128, dtype=1,
-         mask_type=1, window_left=-1, window_right=-1, scale=0.1, softcap=0.0, has_alibi=False,
-         deterministic=False)
 jax.devices()
-t = time.perf_counter(); r = ext.prepare(p, "forward"); t_fwd = time.perf_counter() - t
-t = time.perf_counter(); r2 = ext.prepare(p, "backward"); t_bwd = time.perf_counter() - t
-print(f"fresh process cache hit: prepare fwd {t_fwd*1e3:.1f} ms ({r['origin']}, read {r['seconds']*1e3:.1f} ms), bwd {t_bwd*1e3:.1f} ms ({r2['origin']})")
+x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+attn = lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", scale=0.1, engine="te")
+step = jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+seconds = {}
+for name, fn in (("forward", attn), ("forward + backward", step)):
+  t = time.perf_counter(); jax.jit(fn).lower(x, x, x).compile(); seconds[name] = time.perf_counter() - t
+print(f"fresh process, kernels in the cache: import {t_import * 1e3:.0f} ms; lower + compile "
+      + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in seconds.items()))
 PY
     ;;
   decode)
-    # Decode against cuDNN and XLA (issue 17's shapes), the forward's crossover in query positions at 8k keys, and the
-    # HBM copy bandwidth the memory-bound shapes are held to.
-    python3 "$REPO/scripts/hbm_bandwidth.py" 2>&1 | tee "$OUT/hbm.log" | grep -v Warning
-    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn,jax-xla \
-      --keep-going --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
+    # Decode against cuDNN and XLA, beside the K/V read alone (kv-read: the bandwidth ceiling of these memory-bound
+    # shapes), then the forward's crossover in query positions at 8k keys.
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode \
+      --backends te_jax-te,te_jax-paged64,jax-cudnn,jax-xla,kv-read --keep-going --json "$OUT/decode.json" 2>&1 \
+      | tee "$OUT/decode.log" | grep -v Warning | tail -30
     timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --backends te_jax-te,jax-cudnn --mode fwd --batch 8 --heads 32 \
       --kv-heads 8 --head-dim 128 --seq 1,4,16,17,32,64 --seq-kv 8192 --causal no --keep-going \
       --json "$OUT/decode_crossover.json" 2>&1 | tee "$OUT/decode_crossover.log" | grep -v Warning | tail -20 ;;
-  decode_ab)
+  ab)
+    # A before/after of kernel trees: the harness on the installed tree's kernels and on each of AB_ROOTS
+    # ("label=DIR ...", each DIR holding a tree's cpp/, carried; e.g. `git archive <commit> cpp | tar -x -C DIR`)
+    # through --kernel-root, one process per tree and round, alternating, AB_ROUNDS rounds (default 2), each writing
+    # $OUT/ab_<label>_<round>.json. AB_ARGS are the harness's flags (default: the decode preset, te_jax-te,
+    # te_jax-paged64 and jax-cudnn; e.g. "--preset fa --backends te_jax-te --mode fwd --seq 4096" for the forward).
+    AB_ARGS=${AB_ARGS:-"--preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn"}
     for round in $(seq ${AB_ROUNDS:-2}); do
       for tree in installed ${AB_ROOTS:-}; do
         root=${tree#*=}; [ "$tree" = installed ] && root=""
-        timeout ${AB_TIMEOUT:-150} python3 "$REPO/scripts/decode_ab.py" --label "${tree%%=*}" ${root:+--kernel-root "$root"} \
-          ${AB_ARGS:-} --jsonl "$OUT/decode_ab.jsonl" 2>&1 | grep -v Warning | tail -1
+        timeout ${AB_TIMEOUT:-300} python3 -m te_jax.bench $AB_ARGS ${root:+--kernel-root "$root"} --keep-going -q \
+          --json "$OUT/ab_${tree%%=*}_$round.json" 2>&1 | grep -v Warning | tail -40
       done
     done ;;
   cp_overlap)
-    # Issue 14 on a multi-GPU machine: the ring against one GPU, and its permutes alone (CP_DEVICES, default all).
-    timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cp_overlap.py" --devices ${CP_DEVICES:-0} \
-      --seq ${CP_SEQS:-32768,131072,262144} --json "$OUT/cp_overlap.json" 2>&1 | grep -v Warning | tee "$OUT/cp_overlap.log" ;;
+    # Context parallelism on a multi-GPU machine: the ring over CP_DEVICES GPUs (default all) against one GPU, and its
+    # K/V permutes alone; the ring's exposed communication is ring - one / N, read against the permutes' time.
+    timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --backends te_jax-ffi,te_jax-cp-ring,cp-ring-permutes \
+      --baseline te_jax-ffi ${CP_DEVICES:+--cp-devices $CP_DEVICES} --batch 1 --seq ${CP_SEQS:-32768,131072,262144} \
+      --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd --keep-going --json "$OUT/cp_overlap.json" 2>&1 \
+      | tee "$OUT/cp_overlap.log" | grep -v Warning | tail -30 ;;
   bench)
-    timeout ${BENCH_TIMEOUT:-500} python3 "$REPO/scripts/cuda_bench.py" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 \
-      | tee "$OUT/bench.log" | grep -v Warning ;;
-  oldkernels)
-    for root in "$REPO/.device/old_kernels" ""; do
-      echo "te_jax forward, kernels from ${root:-the current tree}:"
-      timeout 150 python3 "$REPO/scripts/cuda_bench.py" --engines te --modes fwd --dims 64,128,256 --seqs 4096 \
-        ${root:+--kernel-root "$root"} 2>&1 | grep -v Warning | tee -a "$OUT/oldkernels.log"
-    done ;;
+    # te_jax's engines (te, cudnn, and auto: te_jax-ffi) against JAX's cuDNN on the fa grid; BENCH_ARGS are more harness
+    # flags (--head-dim 128, --mode fwd, --kv-heads 4, --window 1023, ...), BENCH_BACKENDS replaces the backends (add
+    # te_jax-deterministic for the deterministic backward).
+    timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset fa \
+      --backends ${BENCH_BACKENDS:-te_jax-te,te_jax-cudnn,te_jax-ffi,jax-cudnn} --keep-going --budget 450 \
+      ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -80 ;;
   esac
 done

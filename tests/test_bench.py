@@ -87,6 +87,14 @@ def test_llama_preset():  # the decode preset: tests/test_bench_decode.py
   assert any(c.softcap for c in llama) and any(c.window for c in llama)
 
 
+def test_cpu_preset():
+  sweep = PRESETS["cpu"]("cpu")
+  cases = sweep.cases("cpu")
+  assert sweep.modes == ["fwd"]
+  assert sorted((c.seq_q, c.causal) for c in cases) == [(2048, False), (2048, True), (4096, False), (4096, True)]
+  assert all((c.batch, c.heads, c.kv_heads, c.head_dim, c.dtype) == (1, 8, 8, 64, "float32") for c in cases)
+
+
 def test_quick_cpu_preset_is_small():
   cases = PRESETS["quick"]("cpu").cases("cpu")
   assert [c.seq_q for c in cases] == [512, 1024, 2048]
@@ -120,7 +128,8 @@ def test_small_case_keeps_what_matters():
 
 def test_registry_has_every_backend():
   names = [b.name for b in registry.all_backends()]
-  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-cp-ring", "te_jax-cp-all_gather",
+  for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-deterministic", "te_jax-packed",
+                   "te_jax-cp-ring", "te_jax-cp-all_gather", "te_jax-paged16", "te_jax-paged64", "kv-read",
                    "jax-cudnn", "jax-xla", "pallas",
                    "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn"):
     assert expected in names
@@ -138,6 +147,17 @@ def test_te_jax_engines_declare_what_they_serve():
   assert cudnn.why_not(case(dtype="bfloat16", softcap=30.0), "fwd", "gpu") == "no logit softcap"
   assert cudnn.why_not(case(dtype="bfloat16", alibi=True), "fwd", "gpu") == "no ALiBi"
   assert "runs on gpu only" in cudnn.why_not(case(), "fwd", "cpu")
+
+
+def test_deterministic_backend_runs_the_backward_only():
+  det = registry.get("te_jax-deterministic")
+  assert det.fused_attn_kwargs(case())["deterministic"] is True and det.fused_attn_kwargs(case())["engine"] == "te"
+  assert "no fwd (supports bwd, fwd+bwd)" in det.why_not(case(), "fwd", "cpu")
+  assert det.why_not(case(heads=4, kv_heads=2, causal=True), "fwd+bwd", "cpu") is None
+  a = probe(det, "cpu")
+  assert a.available and a.modes == ("bwd", "fwd+bwd"), a.reason
+  e = measure_errors(det, case(heads=4, kv_heads=2, causal=True, dtype="bfloat16"), "fwd+bwd")
+  assert e.ok, e
 
 
 def test_te_jax_declares_everything():
@@ -180,7 +200,7 @@ class _FakeJax(JaxBackend):
   def __init__(self, name, fn):
     self.name, self.label, self._fn = name, name, fn
 
-  def attention_fn(self, case, alibi):
+  def attention_fn(self, case):
     return self._fn(case)
 
 
@@ -273,6 +293,137 @@ def test_errors_against_reference_for_each_mode():
   assert e.ok and 1e-4 < e.rel < 5e-2  # bf16 is measurably less exact, and still within tolerance
 
 
+# ---------------------------------------------------------------- optional operands: bias, sinks, dropout
+
+FEATURES = [dict(bias="heads"), dict(bias="keys"), dict(sinks=True), dict(dropout=0.1)]
+
+
+def test_features_name_themselves_and_are_checked():
+  assert case(bias="heads").mask_label == "no_mask+bias[1,H,Sq,Skv]"
+  assert case(causal=True, bias="keys", sinks=True, dropout=0.25).mask_label == \
+      "causal+bias[B,1,1,Skv]+sinks+dropout0.25"
+  assert case(dropout=0.1).te_jax_kwargs()["dropout_rate"] == 0.1 and "dropout_rate" not in case().te_jax_kwargs()
+  with pytest.raises(ValueError, match="bias must be '' or one of heads, keys"):
+    case(bias="rows")
+  with pytest.raises(ValueError, match=r"dropout must be a rate in \[0, 1\)"):
+    case(dropout=1.0)
+  assert Case.from_dict(case(bias="keys", sinks=True, dropout=0.5).to_dict()) == case(bias="keys", sinks=True,
+                                                                                    dropout=0.5)
+
+
+def test_inputs_carry_the_operands_of_the_case():
+  c = case(batch=2, heads=4, kv_heads=2, seq_q=32, seq_kv=48, bias="heads", sinks=True, dropout=0.1, alibi=True)
+  inputs = make_inputs(c, seed=3)
+  named = inputs.operands()
+  assert sorted(named) == ["alibi_slopes", "bias", "dropout_rng", "sink_logits"]
+  assert named["bias"].shape == (1, 4, 32, 48) and named["bias"].dtype == np.float32
+  assert named["sink_logits"].shape == (4,) and named["sink_logits"].dtype == np.float32
+  assert named["dropout_rng"].dtype == np.uint32 and named["dropout_rng"].shape == (2,)
+  np.testing.assert_array_equal(make_inputs(c, seed=3).bias, inputs.bias)  # deterministic
+  assert make_inputs(case(batch=2, bias="keys", dtype="bfloat16")).bias.shape == (2, 1, 1, 64)
+  assert make_inputs(case(batch=2, bias="keys", dtype="bfloat16")).bias.dtype.name == "bfloat16"
+  assert make_inputs(case()).operands() == {}
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=lambda f: "-".join(map(str, f.values())))
+def test_te_jax_matches_the_reference_with_each_feature(feature):
+  """Each operand through te_jax against the float64 reference, which applies the bias, te_jax.dropout_keep_mask's
+  mask and a sink per head (its gradients too)."""
+  te = registry.get("te_jax-ffi")
+  c = case(heads=4, kv_heads=2, causal=True, **feature)
+  for mode in ("fwd", "fwd+bwd"):
+    e = measure_errors(te, c, mode)
+    assert e.ok and e.rel < 1e-5, (mode, e)
+
+
+def _ignores_operands(case):
+  return lambda q, k, v, **operands: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation="xla")
+
+
+@pytest.mark.parametrize("feature", [dict(sinks=True), dict(dropout=0.1), dict(bias="heads")], ids=str)
+def test_a_backend_ignoring_an_operand_is_caught(feature):
+  """The reference's features change the result: a backend that takes an operand and drops it is out of tolerance."""
+  fake = _FakeJax("ignores", _ignores_operands)
+  fake.caps = Capabilities(platforms={"cpu": ALL}, bias=True, sinks=True, dropout=True)
+  for mode in ("fwd", "fwd+bwd"):
+    assert not measure_errors(fake, case(heads=4, causal=True, **feature), mode).ok
+
+
+def test_backends_declare_the_operands_they_take():
+  gpu = dict(dtype="bfloat16")
+  for name in ("te_jax-ffi", "te_jax-te"):
+    assert all(registry.get(name).why_not(case(**gpu, **f), "fwd+bwd", "gpu") is None for f in FEATURES)
+  cudnn = registry.get("te_jax-cudnn")
+  assert cudnn.why_not(case(**gpu, sinks=True), "fwd", "gpu") is None
+  assert cudnn.why_not(case(**gpu, bias="keys"), "fwd", "gpu") == "no additive bias"
+  assert cudnn.why_not(case(**gpu, dropout=0.1), "fwd", "gpu") == "no dropout"
+  for name in ("jax-cudnn", "jax-xla"):
+    assert registry.get(name).why_not(case(**gpu, bias="heads"), "fwd", "gpu") is None
+    assert registry.get(name).why_not(case(**gpu, sinks=True), "fwd", "gpu") == "no attention sinks"
+    assert registry.get(name).why_not(case(**gpu, dropout=0.1), "fwd", "gpu") == "no dropout"
+  assert registry.get("te_jax-cp-ring").why_not(case(bias="heads"), "fwd", "cpu") == "no additive bias"
+  assert registry.get("te_jax-paged16").why_not(case(sinks=True), "fwd", "cpu") == "no attention sinks"
+  assert registry.get("torch-flash").why_not(case(**gpu, bias="keys"), "fwd", "gpu") == "no additive bias"
+
+
+def test_features_preset():
+  gpu = PRESETS["features"]("gpu")
+  cases = gpu.cases("gpu")
+  assert gpu.modes == ["fwd", "fwd+bwd"]
+  assert [(c.bias, c.sinks, c.dropout) for c in cases] == [("", False, 0.0), ("", True, 0.0), ("heads", False, 0.0),
+                                                          ("keys", False, 0.0), ("", False, 0.1)]
+  assert all((c.batch, c.seq_q, c.seq_kv, c.heads, c.kv_heads, c.head_dim) == (4, 4096, 4096, 16, 16, 128) and c.causal
+             and c.dtype == "bfloat16" for c in cases)
+  cpu = PRESETS["features"]("cpu").cases("cpu")
+  assert all(c.batch * c.seq_q <= 2048 and c.dtype == "float32" for c in cpu) and len(cpu) == 5
+
+
+# ---------------------------------------------------------------- packed documents
+
+def test_packed_row_matches_the_batch_it_packs():
+  """te_jax-packed runs the batch as one row with segment ids and puts the results back per document: its errors are
+  those of the batch's problem, checked on three documents (a packed row with a middle document)."""
+  packed = registry.get("te_jax-packed")
+  c = case(batch=4, heads=4, kv_heads=2, causal=True, window=(8, 0), softcap=20.0, alibi=True, sinks=True)
+  assert packed.why_not(c, "fwd+bwd", "cpu") is None and packed.error_case(c).batch == 3
+  for mode in ("fwd", "bwd", "fwd+bwd"):
+    e = measure_errors(packed, c, mode)
+    assert e.ok and e.rel < 1e-5, (mode, e)
+
+
+def test_a_packed_row_without_segment_ids_is_caught():
+  """Without the ids every document sees the ones before it in the row: out of tolerance."""
+  from te_jax.bench.backends_jax import PackedBackend
+
+  class Unsegmented(PackedBackend):
+    def attention_fn(self, case):
+      import te_jax
+      return lambda q, k, v: te_jax.fused_attn(q, k, v, **case.te_jax_kwargs())
+
+  for mode in ("fwd", "fwd+bwd"):
+    assert not measure_errors(Unsegmented(), case(batch=2, causal=True), mode).ok
+
+
+def test_packed_backend_declares_what_it_packs():
+  packed = registry.get("te_jax-packed")
+  assert packed.why_not(case(batch=2, seq_q=64, seq_kv=128), "fwd", "cpu") == \
+      "a packed row holds whole documents: Sq = Skv"
+  assert packed.why_not(case(batch=1), "fwd", "cpu") == "one document: the packed row is the batch"
+  assert packed.why_not(case(batch=2, bias="keys"), "fwd", "cpu") == "no additive bias"
+  assert packed.why_not(case(batch=2, dtype="bfloat16"), "fwd+bwd", "gpu") is None
+
+
+def test_packed_preset_and_its_flags():
+  from te_jax.bench.__main__ import build_sweep, parse_args
+  gpu = PRESETS["packed"]("gpu").cases("gpu")
+  assert [(c.batch, c.seq_q, c.heads, c.head_dim, c.causal, c.dtype) for c in gpu] == [
+      (8, 2048, 16, 128, True, "bfloat16")]
+  assert [(c.batch, c.seq_q, c.heads, c.head_dim) for c in PRESETS["packed"]("cpu").cases("cpu")] == [(8, 2048, 4, 64)]
+  sweep = build_sweep(parse_args(["--preset", "packed", "--batch", "16", "--seq", "512,1024"]), "cpu")
+  assert [(c.batch, c.seq_q) for c in sweep.cases("cpu")] == [(16, 512), (16, 1024)]
+  assert sweep.modes == ["fwd", "fwd+bwd"]
+
+
 # ---------------------------------------------------------------- the runner
 
 def _items(cases, modes=("fwd",)):
@@ -313,6 +464,21 @@ def test_runner_records_failures_and_unsupported_or_stops():
     run_sweep(items + items, [flaky, nogqa], avail, Options(platform="cpu", keep_going=False, plan=FAST),
               on_result=seen.append)
   assert [r.status for r in seen] == ["failed"]  # stopped at the first failure, which was still reported
+
+
+def test_runner_times_each_feature_where_declared():
+  """The features' operands reach the timed calls (as arguments, a bias among them) and the error check; a backend
+  without a feature records why."""
+  te, xla = registry.get("te_jax-ffi"), registry.get("jax-xla")
+  cases = [case(seq_q=128, seq_kv=128, causal=True, **f) for f in FEATURES]
+  results = run_sweep(_items(cases, ("fwd", "fwd+bwd")), [te, xla], _available(te, xla),
+                      Options(platform="cpu", plan=FAST))
+  assert len(results) == 16
+  for r in results:
+    if r.backend == "te_jax-ffi" or r.case.bias:
+      assert r.status == "ok" and r.err_ok and r.median_ms > 0, (r.backend, r.case.mask_label, r.reason)
+    else:
+      assert r.status == "unsupported" and r.reason in ("no attention sinks", "no dropout")
 
 
 def test_runner_skips_past_the_budget():

@@ -1,5 +1,6 @@
-"""te_jax.bench on decode-shaped attention (issue 17): queries at the end of the keys (bottom-right causal) through the
-FLOP model, the reference and the backends that lack such a mask. CPU only, small shapes."""
+"""te_jax.bench on decode-shaped attention: queries at the end of the keys (bottom-right causal) through the FLOP
+model, the reference and the backends that lack such a mask; the paged backends and the K/V read beside them. CPU
+only, small shapes."""
 
 from __future__ import annotations
 
@@ -124,13 +125,41 @@ def test_forward_results_carry_their_kv_bandwidth():
   assert workload(decode_case(), "fwd+bwd")["kv_bytes"] is None  # a training step is not bandwidth-bound this way
 
 
+def test_kv_read_row_times_the_kv_alone_and_runs_only_when_named():
+  """kv-read: the case's K and V read once by XLA, the ceiling a decode's bandwidth is read against. It computes no
+  attention: charged no FLOPs, proven available by running, never checked against the reference, left out unless
+  named, and no contender for the fastest row."""
+  from te_jax.bench import table
+  from te_jax.bench.__main__ import select_backends
+  from te_jax.bench.availability import probe
+  kv_read = registry.get("kv-read")
+  assert not kv_read.computes_attention and kv_read.why_not(decode_case(seq_q=16), "fwd", "cpu") is None
+  assert "no fwd+bwd" in kv_read.why_not(decode_case(), "fwd+bwd", "cpu")
+  available = probe(kv_read, "cpu")
+  assert available.available and available.modes == ("fwd",) and "no error check" in available.reason
+  assert "kv-read" not in [b.name for b in select_backends(None)]
+  assert "kv-read" in [b.name for b in select_backends(None, everything=True)]
+  assert [b.name for b in select_backends("kv-read")] == ["kv-read"]
+  results = _measure(["te_jax-ffi", "kv-read"], [decode_case(batch=2, seq_kv=512)])
+  by = {r.backend: r for r in results}
+  read = by["kv-read"]
+  assert read.status == "ok" and read.flops is None and read.tflops is None
+  assert read.rel_err is None and read.err_ok is None and read.reason == ""
+  assert read.kv_bytes == by["te_jax-ffi"].kv_bytes and read.tbps == pytest.approx(
+      read.kv_bytes / (read.median_ms / 1e3) / 1e12)
+  assert by["te_jax-ffi"].err_ok and by["te_jax-ffi"].tflops > 0
+  read.median_ms = by["te_jax-ffi"].median_ms / 2  # faster than attention, yet not marked the fastest
+  (_, lines), = table.rows(results, "cpu", "te_jax-ffi")
+  assert [style for _, style in lines] == ["", ""]
+
+
 # ---------------------------------------------------------------- the decode preset
 
 def _shapes(cases):
   return [(c.batch, c.seq_q, c.seq_kv) for c in cases]
 
 
-def test_decode_preset_has_the_issues_shapes_on_a_gpu():
+def test_decode_preset_has_the_decoding_shapes_on_a_gpu():
   preset = PRESETS["decode"]("gpu")
   cases = preset.cases("gpu")
   assert preset.modes == ["fwd"]

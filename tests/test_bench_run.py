@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -252,19 +253,84 @@ def test_tiny_decode_run_reports_bandwidth_and_passes_accuracy(tmp_path, monkeyp
 def test_context_parallel_backends_scale_over_virtual_devices(tmp_path):
   """te_jax-cp-ring and te_jax-cp-all_gather on 4 of 8 virtual CPU devices (a subprocess: the device count is fixed at
   JAX's start): each shards the sequence, load-balanced, and its outputs and gradients, put back in natural order,
-  match the float64 reference; a case the layout cannot cut says why."""
+  match the float64 reference; its speedup over te_jax-ffi on one device is the scaling efficiency times 4; the
+  ring's permutes alone (cp-ring-permutes) are timed beside it, forward; a case the layout cannot cut says why."""
   json_path = tmp_path / "cp.json"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-m", "te_jax.bench", "--backends", "te_jax-ffi,te_jax-cp",
+  result = subprocess.run([sys.executable, "-m", "te_jax.bench", "--backends", "te_jax-ffi,te_jax-cp,cp-ring-permutes",
                            "--baseline", "te_jax-ffi", "--cp-devices", "4", "--batch", "1", "--seq", "128,100",
                            "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--causal", "--mode", "fwd,fwd+bwd",
                            "--samples", "2", "--sample-ms", "2", "--keep-going", "--json", str(json_path)],
                           env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   rows = json.load(open(json_path))["results"]
+  one = {r["mode"]: r for r in rows if r["backend"] == "te_jax-ffi" and r["seq_q"] == 128}
+  assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in one.values()), one
   for backend in ("te_jax-cp-ring", "te_jax-cp-all_gather"):
     ran = [r for r in rows if r["backend"] == backend and r["seq_q"] == 128]
     assert {r["mode"] for r in ran} == {"fwd", "fwd+bwd"}
     assert all(r["status"] == "ok" and r["rel_err"] < 1e-5 for r in ran), ran
+    assert all(math.isclose(r["speedup"], one[r["mode"]]["median_ms"] / r["median_ms"], rel_tol=1e-9) for r in ran)
     cut = [r for r in rows if r["backend"] == backend and r["seq_q"] == 100]
     assert cut and all("multiple of 2 x 4 devices" in r["reason"] for r in cut), cut
+  permutes = {(r["seq_q"], r["mode"]): r for r in rows if r["backend"] == "cp-ring-permutes"}
+  alone = permutes[(128, "fwd")]
+  assert alone["status"] == "ok" and math.isfinite(alone["median_ms"]) and alone["median_ms"] > 0, alone
+  assert alone["flops"] is None and alone["rel_err"] is None  # communication: no FLOPs, no reference
+  assert permutes[(128, "fwd+bwd")]["status"] == "unsupported"
+  assert "multiple of 2 x 4 devices" in permutes[(100, "fwd")]["reason"]
+
+
+_DIGEST = """
+import sys
+from te_jax.bench import kernel_root
+if len(sys.argv) > 1:
+  kernel_root.choose(sys.argv[1])
+  kernel_root.apply()
+from te_jax._cuda import ext
+print("digest", ext.kernel_sources_digest())
+"""
+
+
+def _kernel_digest(*root) -> str:
+  """The digest of the kernel sources te_jax's compiler reads (the disk cache's key), in a fresh process."""
+  proc = subprocess.run([sys.executable, "-c", _DIGEST, *root], capture_output=True, text=True, timeout=120)
+  return proc.stdout.split("digest ")[-1].strip() if proc.returncode == 0 else proc.stdout + proc.stderr
+
+
+def test_kernel_root_compiles_another_trees_kernels(tmp_path, monkeypatch):
+  """--kernel-root DIR: te_jax's kernel compiler reads DIR/cpp (its digest, which keys the disk cache, follows a
+  changed header), the run says so and records it, an --isolate worker takes it too; a folder without a kernel tree
+  is refused by name. Runs that take a tree run in other processes: the tree stays out of this one."""
+  import shutil
+  from te_jax.bench import kernel_root
+  monkeypatch.delenv(kernel_root.ENV, raising=False)  # restored when the test ends, whatever the flag sets
+  with pytest.raises(SystemExit, match="no cpp/cuda/kernels under it"):
+    main(TINY + ["--kernel-root", str(tmp_path)])
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  same, changed = tmp_path / "same", tmp_path / "changed"
+  for tree in (same, changed):
+    shutil.copytree(os.path.join(repo, "cpp"), tree / "cpp")
+  with open(changed / "cpp" / "mask_type.h", "a") as f:
+    f.write("// a change\n")
+  default = _kernel_digest()
+  if "built without its CUDA backend" in _kernel_digest(str(same)):  # a CPU-only build refuses the flag by name
+    with pytest.raises(SystemExit, match="te_jax was built without its CUDA backend"):
+      main(TINY + ["--kernel-root", str(same)])
+    return
+  assert len(default) == 64 and _kernel_digest(str(same)) == default
+  assert _kernel_digest(str(changed)) not in (default, "")
+
+  import te_jax
+  root = os.path.dirname(os.path.dirname(os.path.abspath(te_jax.__file__)))  # the te_jax this test imported
+  env = dict(os.environ,
+             PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  json_path = tmp_path / "iso.json"
+  proc = subprocess.run([sys.executable, "-m", "te_jax.bench", *TINY, "--backends", "jax-xla", "--mode", "fwd",
+                         "--isolate", "--kernel-root", str(changed), "--json", str(json_path)], env=env,
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert f"kernels from {changed}" in proc.stdout
+  data = json.loads(json_path.read_text())
+  assert data["metadata"]["kernel_root"] == str(changed)
+  assert [r["status"] for r in data["results"]] == ["ok", "ok"]

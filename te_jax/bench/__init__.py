@@ -6,5 +6,6 @@ Modules, one thing each: cases (what is measured), presets (sweeps of cases), fl
 backends_jax / backends_torch (the implementations), availability (proving a backend works by running it),
 accuracy (errors against the float64 reference), timing (how calls are timed), runner (a sweep in this process),
 isolate (a sweep with one process per backend), results (result rows and speedups), table / files / plot (output),
-progress (the progress bar), worker (the --isolate child process), __main__ (the command line).
+progress (the progress bar), worker (the --isolate child process), kernel_root (--kernel-root: another tree's CUDA
+kernels), paging (the paged backends' page pool), __main__ (the command line).
 """

@@ -19,8 +19,19 @@ EXAMPLES = """examples:
   python -m te_jax.bench --preset fa --mode fwd,fwd+bwd --csv fa.csv --plot fa.png --keep-going --isolate
   python -m te_jax.bench --preset llama --backends te_jax-ffi,jax-cudnn,torch-flash
   python -m te_jax.bench --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal --window 1023,0 --mode fwd
-  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp --baseline te_jax-ffi --cp-devices 4 --batch 1 --seq 131072 \
-      --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd+bwd   context-parallel scaling on 4 GPUs
+  python -m te_jax.bench --preset decode --backends te_jax-te,te_jax-paged64,jax-cudnn,kv-read
+      decoding against cuDNN, and the K/V read alone: the bandwidth ceiling
+  python -m te_jax.bench --preset decode --backends te_jax-te,jax-cudnn --kernel-root DIR --json before.json
+      the same with the kernels of the tree in DIR (git archive <commit> cpp | tar -x -C DIR): a before/after
+  python -m te_jax.bench --backends te_jax-ffi,te_jax-cp,cp-ring-permutes --baseline te_jax-ffi --cp-devices 4 \\
+      --batch 1 --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd
+      context-parallel scaling on 4 GPUs, and the ring's permutes alone
+  python -m te_jax.bench --preset packed --backends te_jax-te,te_jax-packed,jax-cudnn --baseline te_jax-te
+      8 documents as one packed row (segment ids) against the batch of 8
+  python -m te_jax.bench --preset features --backends te_jax-te,jax-cudnn
+      plain attention, and with sinks, a bias or dropout: each feature's cost
+  python -m te_jax.bench --preset cpu --backends te_jax-ffi,jax-xla
+      te_jax's CPU forward against XLA's attention
 """
 
 
@@ -51,7 +62,9 @@ def parse_args(argv):
   p.add_argument("--list-backends", action="store_true", help="probe every backend, print available/unavailable "
                  "and why, then exit")
   p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="sweep to run (default: quick)")
-  p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: all")
+  p.add_argument("--backends", help="comma list of backend names or prefixes (te_jax, jax, torch, ...); default: "
+                 "every attention backend (the rows that time data movement alone, kv-read and cp-ring-permutes, run "
+                 "when named)")
   p.add_argument("--baseline", help="backend speedups are relative to (default: jax-cudnn on a GPU, jax-xla on CPU)")
   p.add_argument("--mode", help="comma list of fwd, bwd, fwd+bwd (default: the preset's)")
   g = p.add_argument_group("shape flags (override the preset)")
@@ -88,6 +101,8 @@ def parse_args(argv):
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--cp-devices", type=int, help="devices the context-parallel backends (te_jax-cp-ring, "
                  "te_jax-cp-all_gather) shard the sequence over: the first N (default: all)")
+  r.add_argument("--kernel-root", metavar="DIR", help="compile te_jax's CUDA kernels from DIR/cpp, another tree's "
+                 "sources (the host code stays this install's): a before/after of a kernel change, one run per tree")
   return p.parse_args(argv)
 
 
@@ -108,11 +123,13 @@ def detect_platform() -> tuple[str, str]:
   return platform, f"{getattr(device, 'device_kind', platform)} (jax {jax.__version__})"
 
 
-def select_backends(spec: str | None):
+def select_backends(spec: str | None, everything: bool = False):
+  """The backends `spec` names (names or prefixes); without one, every attention backend (every backend when
+  `everything`: a row that times data movement runs only when named)."""
   from te_jax.bench import registry
   backends = registry.all_backends()
   if not spec:
-    return backends
+    return backends if everything else [b for b in backends if b.computes_attention]
   chosen = []
   for token in (t.strip() for t in spec.split(",") if t.strip()):
     matches = [b for b in backends if b.name == token or b.name.startswith(token + "-")]
@@ -315,7 +332,8 @@ class Session:
     self.metadata = dict(device=device, platform=platform, preset=args.preset,
                          command="python -m te_jax.bench " + " ".join(argv),
                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         versions=_versions(), timing=dataclasses.asdict(plan), modes=self.modes)
+                         versions=_versions(), timing=dataclasses.asdict(plan), modes=self.modes,
+                         kernel_root=args.kernel_root and os.path.abspath(args.kernel_root))
 
   def ordered(self):
     return sorted(self.results, key=lambda r: (self.item_index.get(r.key, 0),
@@ -421,7 +439,7 @@ def run(args, argv) -> int:
   from te_jax.bench.progress import Progress
   t_start = time.time()
   platform, device = detect_platform()
-  backends = select_backends(args.backends)
+  backends = select_backends(args.backends, everything=args.list_backends)
   if args.list_backends:
     return list_backends(args, backends, platform, device)
   backends, skipped_torch = measured_backends(args, backends, platform)
@@ -431,7 +449,8 @@ def run(args, argv) -> int:
     print(f"note: {', '.join(skipped_torch)} left out on the CPU in one process (thread pools contend); add "
           f"--isolate or --backends to include them", flush=True)
   print(f"te_jax.bench: preset {args.preset}, {len(session.cases)} cases x {len(session.modes)} modes x "
-        f"{len(backends)} backends on {device}", flush=True)
+        f"{len(backends)} backends on {device}"
+        f"{', kernels from ' + session.metadata['kernel_root'] if args.kernel_root else ''}", flush=True)
   stopped, interrupted = None, None
   try:
     with stop_on_termination(), Progress(len(session.items) * len(backends), session.unit, session.factor,
@@ -461,6 +480,10 @@ def main(argv=None) -> int:
       raise SystemExit(f"--cp-devices must be 2 or more, got {args.cp_devices}")
     from te_jax.bench.backends_jax import ContextParallelBackend
     os.environ[ContextParallelBackend.DEVICES_ENV] = str(args.cp_devices)
+  if args.kernel_root:
+    from te_jax.bench import kernel_root
+    kernel_root.choose(args.kernel_root)
+    kernel_root.apply()
   if args.from_json:
     return render_saved(args)
   return run(args, argv)

@@ -1,5 +1,6 @@
 """Availability is proven, not assumed: a backend is available when it runs a tiny case and agrees with the float64
-reference. Importable-but-failing and importable-but-wrong backends are unavailable, with the reason."""
+reference (a row that computes no attention: when it runs). Importable-but-failing and importable-but-wrong backends
+are unavailable, with the reason."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def probe(backend: Backend, platform: str, need_backward: bool = True) -> Availa
   if reason:
     return Availability(backend.name, False, reason)
   case = probe_case(backend, platform)
+  if not backend.computes_attention:
+    return _probe_by_running(backend, case)
   try:
     errors = measure_errors(backend, case, "fwd")
   except Exception as e:
@@ -64,3 +67,17 @@ def probe(backend: Backend, platform: str, need_backward: bool = True) -> Availa
     except Exception as e:
       note = f"backward unavailable: {short_error(e)}"
   return Availability(backend.name, True, note, modes)
+
+
+def _probe_by_running(backend: Backend, case: Case) -> Availability:
+  """A row that times data movement has no reference to agree with: it is available when one call runs."""
+  from te_jax.bench.inputs import make_small_inputs
+  try:
+    prepared = backend.prepare(make_small_inputs(case), "fwd", 1)
+    try:
+      prepared.run_calls(1)
+    finally:
+      prepared.close()
+  except Exception as e:
+    return Availability(backend.name, False, f"fails: {short_error(e)}")
+  return Availability(backend.name, True, "times data movement, not attention: no error check", ("fwd",))

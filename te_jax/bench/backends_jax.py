@@ -1,6 +1,8 @@
-"""JAX backends: te_jax (FFI and legacy custom calls; context parallelism over several devices), jax.nn.
-dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and flash-attn-jax. All are timed and measured by
-JaxPrepared, so they differ only in the attention call and where its operands live."""
+"""JAX backends: te_jax (FFI and legacy custom calls; a batch packed into one row; context parallelism over several
+devices; a paged KV cache), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and
+flash-attn-jax; and two rows that compute no attention: kv-read, the K/V read alone (a bandwidth ceiling), and
+cp-ring-permutes, the context-parallel ring's communication alone. All are timed and measured by JaxPrepared, so they
+differ only in the call and where its operands live."""
 
 from __future__ import annotations
 
@@ -24,26 +26,30 @@ _MAX_LIVE_OUTPUT_BYTES = 2 << 30
 
 class JaxPrepared(Prepared):
   """Inputs placed on the default device once, the mode's function compiled ahead of time (so no compile can land in
-  the timed region), and calls dispatched back to back with one block at the end."""
+  the timed region), and calls dispatched back to back with one block at the end. The case's other operands (slopes,
+  a bias, sinks, the dropout key) are arguments of the compiled call too, by fused_attn's names, not constants folded
+  into it (a bias can be as large as q)."""
 
   def __init__(self, backend: "JaxBackend", inputs, mode: str, num_sets: int):
     import jax
     case = inputs.case
-    self._jax, self._backend = jax, backend
-    fn = backend.attention_fn(case, inputs.alibi)
+    self._jax, self._backend, self._case = jax, backend, case
+    fn = backend.attention_fn(case)
+    named = {name: jax.device_put(np.asarray(x)) for name, x in inputs.operands().items()}
     host = [(s.q, s.k, s.v, s.dout) for s in inputs.sets[:num_sets]]
     if mode == "fwd":
       host = [backend.fwd_operands(case, q, k, v) for q, k, v, _ in host]
     sets = [backend.place(case, tuple(np.asarray(x) for x in operands)) for operands in host]
     with backend.lowering_context():
       if mode == "fwd":
-        args = sets
-        compiled = jax.jit(fn).lower(*args[0]).compile()
+        args = [(operands, named) for operands in sets]
+        compiled = jax.jit(lambda operands, named: fn(*operands, **named)).lower(*args[0]).compile()
         self._names = ("out",)
       elif mode == "fwd+bwd":
-        def fwd_bwd(q, k, v, dout):
-          return jax.vjp(fn, q, k, v)[1](dout)
-        args = sets
+        def fwd_bwd(operands, named):
+          q, k, v, dout = operands
+          return jax.vjp(lambda q, k, v: fn(q, k, v, **named), q, k, v)[1](dout)
+        args = [(operands, named) for operands in sets]
         compiled = jax.jit(fwd_bwd).lower(*args[0]).compile()
         self._names = ("dq", "dk", "dv")
       elif mode == "bwd":
@@ -52,7 +58,7 @@ class JaxPrepared(Prepared):
         fwd = jax.jit(fn)
         args, treedef0 = [], None
         for q, k, v, dout in sets:
-          _, vjp = jax.vjp(fwd, q, k, v)
+          _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, **named), q, k, v)
           leaves, treedef = jax.tree_util.tree_flatten(vjp)
           treedef0 = treedef0 or treedef
           args.append((leaves, dout))
@@ -91,7 +97,7 @@ class JaxPrepared(Prepared):
   def outputs(self) -> dict:
     result = self._compiled(*self._args[0])
     result = result if isinstance(result, (tuple, list)) else (result,)
-    return {name: np.asarray(self._backend.restore(np.asarray(x).astype(np.float32)), np.float64)
+    return {name: np.asarray(self._backend.restore(self._case, np.asarray(x).astype(np.float32)), np.float64)
             for name, x in zip(self._names, result)}
 
   def close(self) -> None:
@@ -102,9 +108,10 @@ class JaxBackend(Backend):
   framework = "jax"
   requires = ("jax",)
 
-  def attention_fn(self, case: Case, alibi):
-    """A JAX-traceable (q, k, v) -> out in [B, S, H, D] layout; forward-only backends may take other operands (those
-    of fwd_operands)."""
+  def attention_fn(self, case: Case):
+    """A JAX-traceable (q, k, v, **operands) -> out in [B, S, H, D] layout, operands being the case's others by
+    fused_attn's names (Inputs.operands: only those the backend declares it serves); forward-only backends may take
+    other positional operands (those of fwd_operands)."""
     raise NotImplementedError
 
   def fwd_operands(self, case: Case, q, k, v) -> tuple:
@@ -119,8 +126,8 @@ class JaxBackend(Backend):
     import jax
     return tuple(jax.device_put(x) for x in arrays)
 
-  def restore(self, x):
-    """An output ([B, S, ...], as a NumPy array) in the order of the case's sequence, for the error check."""
+  def restore(self, case: Case, x):
+    """An output (as a NumPy array) in the case's layout and sequence order, for the error check."""
     return x
 
   def platform_reason(self, platform: str) -> str | None:
@@ -141,11 +148,12 @@ class TeJaxBackend(JaxBackend):
     self.label = f"te_jax ({path}, engine {engine})"
     self.url = f'te_jax.fused_attn(engine="{engine}")'
     if engine == "cudnn":
-      # cuDNN's fused attention through te_jax: no soft-cap, no arbitrary ALiBi slopes (README "Engines").
-      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, bottom_right=True)
+      # cuDNN's fused attention through te_jax: no soft-cap, no arbitrary ALiBi slopes, no bias, not te_jax's dropout
+      # (README "Engines"); sinks join after its kernel.
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, bottom_right=True, sinks=True)
     else:
       self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True,
-                               bottom_right=True)
+                               bottom_right=True, bias=True, sinks=True, dropout=True)
 
   def platform_reason(self, platform: str) -> str | None:
     reason = super().platform_reason(platform)
@@ -158,14 +166,16 @@ class TeJaxBackend(JaxBackend):
     available, why = ext.cudnn_available()
     return None if available else why
 
-  def attention_fn(self, case: Case, alibi):
-    import jax.numpy as jnp
-    import te_jax
-    kwargs = case.te_jax_kwargs()
-    slopes = None if alibi is None else jnp.asarray(alibi)
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    """fused_attn's keyword arguments besides the operands: the case's, and this backend's."""
+    return dict(case.te_jax_kwargs(), engine=self.engine)
 
-    def fn(q, k, v):
-      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, engine=self.engine, **kwargs)
+  def attention_fn(self, case: Case):
+    import te_jax
+    kwargs = self.fused_attn_kwargs(case)
+
+    def fn(q, k, v, **operands):
+      return te_jax.fused_attn(q, k, v, **kwargs, **operands)
     return fn
 
   def lowering_context(self):
@@ -177,7 +187,7 @@ class ContextParallelBackend(TeJaxBackend):
   """te_jax.fused_attn with context parallelism (te_jax-cp-ring, te_jax-cp-all_gather): q, k, v and dout sharded
   along the sequence over a 1-D mesh of the first N devices (`--cp-devices N`, default all), in the load-balanced
   order (te_jax.reorder_for_load_balancing, done in setup; the outputs are put back in natural order for the error
-  check). Against te_jax-ffi on one device, its speedup over N is the scaling efficiency (issue 14)."""
+  check). Against te_jax-ffi on one device, its speedup over N is the scaling efficiency."""
 
   DEVICES_ENV = "TE_JAX_BENCH_CP_DEVICES"  # set by --cp-devices; an environment variable, so --isolate workers see it
 
@@ -187,9 +197,9 @@ class ContextParallelBackend(TeJaxBackend):
     self.name = f"te_jax-cp-{strategy}"
     self.label = f"te_jax context parallelism ({strategy}, load-balanced)"
     self.url = f'te_jax.fused_attn(context_parallel_axis=..., context_parallel_strategy="{strategy}")'
-    # The core's context-parallel layouts: Sq == Skv, no bottom-right diagonal; windows only with all_gather.
+    # The core's context-parallel layouts: Sq == Skv, no bottom-right diagonal; windows only with all_gather; no bias.
     self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=strategy == "all_gather", softcap=True,
-                             alibi=True, causal_cross=False)
+                             alibi=True, causal_cross=False, sinks=True, dropout=True)
 
   @classmethod
   def devices(cls):
@@ -222,19 +232,98 @@ class ContextParallelBackend(TeJaxBackend):
     n, sharding = len(self.devices()), NamedSharding(self._mesh(), PartitionSpec(None, "cp"))
     return tuple(jax.device_put(reorder_for_load_balancing(x, n, 1), sharding) for x in arrays)
 
-  def restore(self, x):
+  def restore(self, case: Case, x):
     from te_jax import inverse_reorder_for_load_balancing
     return np.asarray(inverse_reorder_for_load_balancing(x, len(self.devices()), 1))
 
-  def attention_fn(self, case: Case, alibi):
-    import jax.numpy as jnp
-    import te_jax
-    kwargs = case.te_jax_kwargs()
-    slopes = None if alibi is None else jnp.asarray(alibi)
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    return dict(case.te_jax_kwargs(), context_parallel_axis="cp", context_parallel_strategy=self.strategy,
+                context_parallel_load_balanced=True)
 
-    def fn(q, k, v):
-      return te_jax.fused_attn(q, k, v, alibi_slopes=slopes, context_parallel_axis="cp",
-                               context_parallel_strategy=self.strategy, context_parallel_load_balanced=True, **kwargs)
+
+class PackedBackend(TeJaxBackend):
+  """te_jax.fused_attn on the case's batch of B documents packed into one row of B * S tokens, told apart by segment
+  ids (te_jax.segment_ids_from_lengths): beside te_jax-te on the batch itself, what packing costs. te_jax's kernels
+  (the cuDNN engine takes no segment ids); each document is a whole sequence, so Sq = Skv."""
+
+  def __init__(self):
+    super().__init__("ffi", "te")
+    self.name = "te_jax-packed"
+    self.label = "te_jax, the batch packed into one row (segment ids)"
+    self.url = 'te_jax.fused_attn(q_segment_ids=..., engine="te")'
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, window=True, softcap=True, alibi=True,
+                             causal_cross=False, sinks=True)
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    if case.seq_q != case.seq_kv:
+      return "a packed row holds whole documents: Sq = Skv"
+    if case.batch == 1:
+      return "one document: the packed row is the batch"
+    return None
+
+  def error_case(self, case: Case) -> Case:
+    """Three documents (the small case has one, which packs into itself): one lies between two others."""
+    return dataclasses.replace(case.small(), batch=3)
+
+  def place(self, case: Case, arrays: tuple) -> tuple:
+    import jax
+    return tuple(jax.device_put(x.reshape(1, -1, *x.shape[2:])) for x in arrays)
+
+  def restore(self, case: Case, x):
+    return x.reshape(case.batch, -1, *x.shape[2:])
+
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    import te_jax
+    ids = te_jax.segment_ids_from_lengths(np.full((1, case.batch), case.seq_q), case.batch * case.seq_q)
+    return dict(super().fused_attn_kwargs(case), q_segment_ids=ids)
+
+
+class DeterministicBackend(TeJaxBackend):
+  """te_jax's kernels with fused_attn(deterministic=True): a backward that gives the same bits on every run. The flag
+  changes only the backward, so only the backward modes run (the forward is te_jax-te's)."""
+
+  def __init__(self):
+    super().__init__("ffi", "te")
+    self.name = "te_jax-deterministic"
+    self.label = "te_jax, deterministic backward"
+    self.url = 'te_jax.fused_attn(deterministic=True, engine="te")'
+    self.caps = dataclasses.replace(self.caps, modes=("bwd", "fwd+bwd"))
+
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    return dict(super().fused_attn_kwargs(case), deterministic=True)
+
+
+class RingPermutesBackend(ContextParallelBackend):
+  """Not attention: te_jax-cp-ring's communication alone, its N - 1 steps each passing every device's K and V shard to
+  the next (lax.ppermute under shard_map), on the ring's sharded inputs, nothing computed. Beside te_jax-cp-ring and
+  te_jax-ffi on one device, what the ring leaves exposed (ring - one / N) reads against what its permutes cost
+  unhidden. Forward only."""
+  computes_attention = False
+
+  def __init__(self):
+    super().__init__("ring")
+    self.name = "cp-ring-permutes"
+    self.label = "the context-parallel ring's K/V permutes alone"
+    self.url = "lax.ppermute of K and V under shard_map, N - 1 steps"
+    self.caps = dataclasses.replace(self.caps, modes=("fwd",))
+
+  def attention_fn(self, case: Case):
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec
+    mesh = self._mesh()
+    n = mesh.shape["cp"]
+    to_next = [(i, (i + 1) % n) for i in range(n)]
+    spec = PartitionSpec(None, "cp")
+
+    def steps(k, v):
+      for _ in range(n - 1):
+        k, v = lax.ppermute(k, "cp", to_next), lax.ppermute(v, "cp", to_next)
+      return k, v
+    ring = jax.shard_map(steps, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))
+
+    def fn(q, k, v, **operands):
+      return ring(k, v)
     return fn
 
 
@@ -267,15 +356,13 @@ class PagedBackend(JaxBackend):
     paged = paged_layout(k, v, self.page_size)
     return q, paged.k_pages, paged.v_pages, paged.page_table, paged.kv_lengths
 
-  def attention_fn(self, case: Case, alibi):
-    import jax.numpy as jnp
+  def attention_fn(self, case: Case):
     import te_jax
     # paged_attention has the two masks of queries at the end of the keys: bottom-right causal, or none.
     kwargs = dict(case.te_jax_kwargs(), mask_type="causal_bottom_right" if case.causal else "no_mask")
-    slopes = None if alibi is None else jnp.asarray(alibi)
 
-    def fn(q, k_pages, v_pages, page_table, kv_lengths):
-      return te_jax.paged_attention(q, k_pages, v_pages, page_table, kv_lengths, alibi_slopes=slopes, **kwargs)
+    def fn(q, k_pages, v_pages, page_table, kv_lengths, **operands):
+      return te_jax.paged_attention(q, k_pages, v_pages, page_table, kv_lengths, **kwargs, **operands)
     return fn
 
 
@@ -286,10 +373,11 @@ class JaxNNBackend(JaxBackend):
     self.label = f"JAX {'cuDNN' if implementation == 'cudnn' else 'XLA'}"
     self.url = f'jax.nn.dot_product_attention(implementation="{implementation}")'
     if implementation == "cudnn":
-      # cuDNN flash attention: fp16/bf16, D <= 256 on Hopper (128 before), windows only as (left, 0).
-      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, window_needs_causal=True)
+      # cuDNN flash attention: fp16/bf16, D <= 256 on Hopper (128 before), windows only as (left, 0). jax.nn takes a
+      # bias, but no sinks or dropout.
+      self.caps = Capabilities(platforms={"gpu": HALF}, window=True, window_needs_causal=True, bias=True)
     else:
-      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, window=True)
+      self.caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, window=True, bias=True)
 
   def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
     params = _jax_nn_kwargs()
@@ -299,14 +387,14 @@ class JaxNNBackend(JaxBackend):
       return "this JAX's dot_product_attention has no local_window_size"
     return None
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     import jax
     kwargs = dict(is_causal=case.causal, implementation=self.implementation)
     if case.window is not None:
       kwargs["local_window_size"] = case.window
 
-    def fn(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, **kwargs)
+    def fn(q, k, v, bias=None):
+      return jax.nn.dot_product_attention(q, k, v, bias=bias, **kwargs)
     return fn
 
 
@@ -318,7 +406,7 @@ class PallasBackend(JaxBackend):
   caps = Capabilities(platforms={"gpu": HALF + ("float32",)}, gqa=False, seq_multiple=128, equal_seq_for_bwd=True,
                       causal_cross=False)
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     # The signature has moved between JAX releases (block_q/block_k ints, then a BlockSizes dataclass); adapt to it.
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
     mha = pallas_attention.mha
@@ -349,7 +437,7 @@ class FlashAttnJaxBackend(JaxBackend):
   # Causal masks are bottom-right aligned there (flash-attn's convention), which equals top-left only when Sq == Skv.
   caps = Capabilities(platforms={"gpu": HALF}, window=True, causal_cross=False, bottom_right=True)
 
-  def attention_fn(self, case: Case, alibi):
+  def attention_fn(self, case: Case):
     from flash_attn_jax import flash_mha
     kwargs = dict(softmax_scale=1.0 / math.sqrt(case.head_dim), is_causal=case.causal)
     if case.window is not None:
@@ -360,7 +448,28 @@ class FlashAttnJaxBackend(JaxBackend):
     return fn
 
 
+class KvReadBackend(JaxBackend):
+  """Not attention: XLA reads the case's K and V once (a max over each), the bytes a forward of the case reads at least.
+  Its bandwidth is the ceiling a memory-bound forward (decoding) is held to on this device, timed the same way on the
+  same rotating inputs."""
+  name = "kv-read"
+  label = "K/V read by XLA (a bandwidth ceiling)"
+  url = "jnp.max(k), jnp.max(v)"
+  computes_attention = False
+  # Masks and variants change what attention computes, not the K/V it reads: every case is served.
+  caps = Capabilities(platforms={"cpu": ALL, "gpu": ALL}, modes=("fwd",), bottom_right=True, window=True, softcap=True,
+                      alibi=True, bias=True, sinks=True, dropout=True)
+
+  def attention_fn(self, case: Case):
+    import jax.numpy as jnp
+
+    def fn(q, k, v, **operands):
+      return jnp.max(k), jnp.max(v)
+    return fn
+
+
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 ContextParallelBackend("ring"), ContextParallelBackend("all_gather"), PagedBackend(16),
-                 PagedBackend(64), JaxNNBackend("cudnn"), JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend()):
+                 DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
+                 ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"),
+                 JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), KvReadBackend(), RingPermutesBackend()):
   register(_backend)

@@ -26,6 +26,11 @@ def parse_mode(name: str) -> str:
     raise ValueError(f"unknown mode {name!r}; use one of {', '.join(MODES)}") from None
 
 
+# An additive bias by what it varies over, with its shape: every head's [Sq, Skv] logits, or one row per batch entry
+# (a key mask's shape).
+BIAS_SHAPES = {"heads": "1,H,Sq,Skv", "keys": "B,1,1,Skv"}
+
+
 def short_dtype(dtype: str) -> str:
   return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
 
@@ -37,6 +42,8 @@ class Case:
   causal is top-left aligned (query i sees keys j <= i), as in jax.nn.dot_product_attention and torch SDPA, unless
   bottom_right: then the queries are the last Sq tokens of the sequence (query i sees keys j <= Skv - Sq + i), as when
   decoding against a KV cache. window is (left, right) around that diagonal, -1 meaning unbounded on that side.
+  bias, sinks and dropout are fused_attn's optional operands: an additive bias of a BIAS_SHAPES kind, a sink logit per
+  head, attention dropout at that rate.
   """
   batch: int
   seq_q: int
@@ -49,6 +56,9 @@ class Case:
   window: tuple[int, int] | None = None
   softcap: float = 0.0
   alibi: bool = False
+  bias: str = ""  # "" (none) or a key of BIAS_SHAPES
+  sinks: bool = False
+  dropout: float = 0.0
   dtype: str = "float32"
   label: str = ""  # a model name or preset group; only for display and plot panels
 
@@ -64,6 +74,10 @@ class Case:
       object.__setattr__(self, "window", tuple(int(w) for w in self.window))
       if self.window == (-1, -1):
         object.__setattr__(self, "window", None)
+    if self.bias and self.bias not in BIAS_SHAPES:
+      raise ValueError(f"bias must be '' or one of {', '.join(BIAS_SHAPES)}, got {self.bias!r}")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout must be a rate in [0, 1), got {self.dropout}")
     if self.dtype not in DTYPES:
       object.__setattr__(self, "dtype", parse_dtype(self.dtype))
 
@@ -92,6 +106,12 @@ class Case:
       parts.append(f"softcap{self.softcap:g}")
     if self.alibi:
       parts.append("alibi")
+    if self.bias:
+      parts.append(f"bias[{BIAS_SHAPES[self.bias]}]")
+    if self.sinks:
+      parts.append("sinks")
+    if self.dropout:
+      parts.append(f"dropout{self.dropout:g}")
     return "+".join(parts)
 
   @property
@@ -101,9 +121,11 @@ class Case:
     return f"b{self.batch} s{seq} h{heads} d{self.head_dim}"
 
   def te_jax_kwargs(self) -> dict:
-    """fused_attn keyword arguments (alibi slopes are an input, added by the caller)."""
-    return dict(mask_type=self.mask_type, window_size=self.window or (-1, -1),
-                softcap=float(self.softcap))
+    """fused_attn keyword arguments (the operands, alibi slopes to dropout key, come with the inputs)."""
+    kwargs = dict(mask_type=self.mask_type, window_size=self.window or (-1, -1), softcap=float(self.softcap))
+    if self.dropout:
+      kwargs["dropout_rate"] = self.dropout
+    return kwargs
 
   def small(self) -> "Case":
     """The same problem at a size the float64 reference handles quickly: the same mask, variant, head dim, dtype and

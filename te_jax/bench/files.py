@@ -60,7 +60,9 @@ def markdown(results: list[Result], backends: list[str], baseline: str, unit: st
         cells.append("")
       elif r.status == "ok":
         best = max((x.tflops or 0) for x in by.values() if x.status == "ok")
-        text = f"{r.tflops * factor:.1f}" + (f" ({r.speedup:.2f}x)" if r.speedup else "")
+        # A row that computes no attention has no FLOP rate: its time stands in the cell.
+        rate = f"{r.median_ms:.3f} ms" if r.tflops is None else f"{r.tflops * factor:.1f}"
+        text = rate + (f" ({r.speedup:.2f}x)" if r.speedup else "")
         if r.err_ok is False:
           text += " !"
         cells.append(f"**{text}**" if r.tflops == best else text)

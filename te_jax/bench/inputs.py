@@ -1,7 +1,8 @@
 """Inputs: the same values in every backend and every process, from a seed. Benchmark-size tensors are tiled from one
 block of normal noise (drawing 100M+ normals per case would take longer than timing it); the block's length is odd so
 no two tokens repeat in step. Small (accuracy) inputs are drawn directly. Several rotation sets are made when one set
-is smaller than the cache, so back-to-back calls do not find their inputs cached."""
+is smaller than the cache, so back-to-back calls do not find their inputs cached. A case's other operands (ALiBi
+slopes, a bias, sink logits, the dropout key) are one per case, shared by the sets."""
 
 from __future__ import annotations
 
@@ -43,11 +44,19 @@ class InputSet:
 class Inputs:
   case: Case
   sets: list[InputSet]
-  alibi: np.ndarray | None  # float32 [H] or None
+  alibi: np.ndarray | None = None  # float32 [H]
+  bias: np.ndarray | None = None  # bias_shape(case), the case's dtype
+  sinks: np.ndarray | None = None  # float32 [H]
+  dropout_key: np.ndarray | None = None  # a raw PRNG key, uint32 [2]
 
   @property
   def first(self) -> InputSet:
     return self.sets[0]
+
+  def operands(self) -> dict:
+    """The operands besides q, k, v that the case has, by fused_attn's argument names."""
+    named = dict(alibi_slopes=self.alibi, bias=self.bias, sink_logits=self.sinks, dropout_rng=self.dropout_key)
+    return {name: x for name, x in named.items() if x is not None}
 
 
 def shapes(case: Case) -> dict[str, tuple[int, ...]]:
@@ -55,6 +64,12 @@ def shapes(case: Case) -> dict[str, tuple[int, ...]]:
               k=(case.batch, case.seq_kv, case.kv_heads, case.head_dim),
               v=(case.batch, case.seq_kv, case.kv_heads, case.head_dim),
               dout=(case.batch, case.seq_q, case.heads, case.head_dim))
+
+
+def bias_shape(case: Case) -> tuple[int, ...] | None:
+  """The shape of the case's additive bias (cases.BIAS_SHAPES), None without one."""
+  shapes_by_kind = {"heads": (1, case.heads, case.seq_q, case.seq_kv), "keys": (case.batch, 1, 1, case.seq_kv)}
+  return shapes_by_kind.get(case.bias)
 
 
 def set_bytes(case: Case) -> int:
@@ -83,8 +98,22 @@ def _tiled(base: np.ndarray, shape, offset: int) -> np.ndarray:
   return np.resize(rolled, n).reshape(shape)
 
 
-def make_inputs(case: Case, num_sets: int = 1, seed: int = 0) -> Inputs:
-  """Benchmark inputs: num_sets rotation sets of q, k, v, dout (dout scaled down so gradients stay O(1))."""
+def operands(case: Case, seed: int, draw) -> dict:
+  """Inputs' fields besides the sets: the case's ALiBi slopes, bias (draw(shape) makes it), sink logits and dropout
+  key, None for those it does not have."""
+  shape = bias_shape(case)
+  sinks = np.random.default_rng(seed + 2).standard_normal(case.heads, dtype=np.float32) if case.sinks else None
+  return dict(alibi=alibi_slopes(case.heads) if case.alibi else None, bias=None if shape is None else draw(shape),
+              sinks=sinks, dropout_key=np.asarray([0, seed], np.uint32) if case.dropout else None)
+
+
+def benchmark_operands(case: Case, seed: int = 0) -> dict:
+  """operands() at benchmark size: a bias tiled like the sets (past their offsets)."""
+  return operands(case, seed, lambda shape: _tiled(_base(seed, case.dtype), shape, offset=104_729))
+
+
+def make_sets(case: Case, num_sets: int, seed: int) -> list[InputSet]:
+  """num_sets rotation sets of q, k, v, dout (dout scaled down so gradients stay O(1))."""
   base = _base(seed, case.dtype)
   sets = []
   for s in range(num_sets):
@@ -92,12 +121,17 @@ def make_inputs(case: Case, num_sets: int = 1, seed: int = 0) -> Inputs:
     for t, (name, shape) in enumerate(shapes(case).items()):
       arrays[name] = _tiled(base, shape, offset=1_000_003 * (4 * s + t) + 7919 * s)
     sets.append(InputSet(**arrays))
-  return Inputs(case, sets, alibi_slopes(case.heads) if case.alibi else None)
+  return sets
+
+
+def make_inputs(case: Case, num_sets: int = 1, seed: int = 0) -> Inputs:
+  """Benchmark inputs: make_sets and benchmark_operands."""
+  return Inputs(case, make_sets(case, num_sets, seed), **benchmark_operands(case, seed))
 
 
 def make_small_inputs(case: Case, seed: int = 0) -> Inputs:
   """Accuracy inputs, drawn directly (exactly reproducible, no tiling), one set."""
   rng = np.random.default_rng(seed + 1)
-  arrays = {name: rng.standard_normal(shape, dtype=np.float32).astype(numpy_dtype(case.dtype))
-            for name, shape in shapes(case).items()}
-  return Inputs(case, [InputSet(**arrays)], alibi_slopes(case.heads) if case.alibi else None)
+  draw = lambda shape: rng.standard_normal(shape, dtype=np.float32).astype(numpy_dtype(case.dtype))
+  arrays = {name: draw(shape) for name, shape in shapes(case).items()}
+  return Inputs(case, [InputSet(**arrays)], **operands(case, seed, draw))

@@ -19,7 +19,6 @@ from typing import Callable
 
 from te_jax.bench.availability import Availability
 from te_jax.bench.cases import Case
-from te_jax.bench.flops import workload
 from te_jax.bench.registry import Backend
 from te_jax.bench.results import Result
 
@@ -174,12 +173,12 @@ def _run_backend(backend: Backend, spec: dict, items: list[tuple[Case, str]], wo
     blame = in_flight if in_flight is not None else next(iter(pending))
     if kill_at is not None and time.time() > kill_at:
       for i, (case, mode) in pending.items():
-        sink.add(Result(case=case, mode=mode, backend=backend.name, status="skipped", **workload(case, mode),
+        sink.add(Result(case=case, mode=mode, backend=backend.name, status="skipped", **backend.workload(case, mode),
                         reason="time budget (--budget) spent" + (
                             f"; killed while running ({_describe_exit(code)})" if i == blame else "")))
       return False
     case, mode = pending.pop(blame)
-    sink.add(Result(case=case, mode=mode, backend=backend.name, status="failed", **workload(case, mode),
+    sink.add(Result(case=case, mode=mode, backend=backend.name, status="failed", **backend.workload(case, mode),
                     reason=f"process died ({_describe_exit(code)}): {_stderr_tail(child.err_path)}"))
     if not keep_going or not pending:
       return False

@@ -35,7 +35,7 @@ def plot(path: str, results: list[Result], platform: str, baseline: str, title: 
   import matplotlib.pyplot as plt
 
   flop_axis, bandwidth_axis = throughput_unit(platform), bandwidth_unit(platform)
-  ok = [r for r in results if r.status == "ok" and r.tflops]
+  ok = [r for r in results if r.status == "ok" and (r.tflops or r.tbps)]  # a data-movement row has bandwidth only
   panels: dict[tuple, list[Result]] = {}
   for r in sorted(results, key=lambda r: (_row_key(r), _col_key(r))):
     panels.setdefault((_row_key(r), _col_key(r)), [])
@@ -70,8 +70,9 @@ def plot(path: str, results: list[Result], platform: str, baseline: str, title: 
     unit, factor = bandwidth_axis if bandwidth else flop_axis
     xs_all = set()
     for b in names:
-      pts = sorted(((r.case.seq_kv if decode else r.case.seq_q), (r.tbps if bandwidth else r.tflops) * factor)
-                   for r in group if r.backend == b)
+      values = (((r.case.seq_kv if decode else r.case.seq_q), r.tbps if bandwidth else r.tflops)
+                for r in group if r.backend == b)
+      pts = sorted((x, y * factor) for x, y in values if y)
       if not pts:
         continue
       xs, ys = zip(*pts)

@@ -125,4 +125,29 @@ def decode(platform: str) -> CaseList:
   return CaseList(shapes, modes=["fwd"])
 
 
-PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode}
+def cpu(platform: str) -> Sweep:
+  """te_jax's CPU forward against XLA's attention at one long sequence: b 1, s 2k and 4k, h 8, d 64, causal or not
+  (float32 on the CPU)."""
+  return Sweep(seqs=[2048, 4096], head_dims=[64], causal=[False, True], batch=1, heads=8, modes=["fwd"])
+
+
+def packed(platform: str) -> Sweep:
+  """Packed documents: 8 causal documents of 2k as the batch of 8 (te_jax-te, jax-cudnn) and as one row of 16k tokens
+  told apart by segment ids (te_jax-packed); h 16, d 128 on a GPU, h 4, d 64 on the CPU. --batch sets the number of
+  documents, --seq their length."""
+  heads, head_dim = (4, 64) if platform == "cpu" else (16, 128)
+  return Sweep(seqs=[2048], head_dims=[head_dim], causal=[True], batch=8, heads=heads)
+
+
+def features(platform: str) -> CaseList:
+  """What each optional operand of fused_attn costs over plain attention: one causal problem plain, with sinks, with a
+  bias [1, H, S, S], with a bias [B, 1, 1, S] (a key mask's shape) and with dropout 0.1, forward and forward +
+  backward. b 4 x s 4k (16k tokens), h 16, d 128 on a GPU; b 1 x 2k, h 4, d 64 on the CPU."""
+  batch, seq, heads, head_dim = (1, 2048, 4, 64) if platform == "cpu" else (4, 4096, 16, 128)
+  plain = Case(batch=batch, seq_q=seq, seq_kv=seq, heads=heads, kv_heads=heads, head_dim=head_dim, causal=True)
+  variants = [dict(), dict(sinks=True), dict(bias="heads"), dict(bias="keys"), dict(dropout=0.1)]
+  return CaseList([dataclasses.replace(plain, **v) for v in variants], modes=["fwd", "fwd+bwd"])
+
+
+PRESETS = {"quick": quick, "fa": fa, "llama": llama, "decode": decode, "cpu": cpu, "packed": packed,
+           "features": features}

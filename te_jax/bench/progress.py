@@ -15,8 +15,9 @@ def result_line(r: Result, unit: str, factor: float) -> str:
   what = f"{c.label + ' ' if c.label else ''}{c.shape_label} {c.mask_label} {short_dtype(c.dtype)} {r.mode:<7} " \
          f"{r.backend:<16}"
   if r.status == "ok":
+    rate = f" {r.tflops * factor:8.1f} {unit}" if r.tflops is not None else ""  # a data-movement row has none
     err = f" rel err {r.rel_err:.1e}" if r.rel_err is not None else ""
-    return f"{what} {r.median_ms:9.3f} ms {r.tflops * factor:8.1f} {unit}{err}"
+    return f"{what} {r.median_ms:9.3f} ms{rate}{err}"
   return f"{what} {r.status}: {r.reason[:140]}"
 
 

@@ -8,6 +8,7 @@ import importlib.util
 from typing import Callable
 
 from te_jax.bench.cases import MODES, Case, short_dtype
+from te_jax.bench.flops import workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,9 @@ class Capabilities:
   window_needs_causal: bool = False  # only (left, 0) windows, i.e. with a causal mask or right == 0
   softcap: bool = False
   alibi: bool = False
+  bias: bool = False  # an additive bias of either BIAS_SHAPES kind
+  sinks: bool = False
+  dropout: bool = False
   gqa: bool = True
   modes: tuple[str, ...] = MODES
   seq_multiple: int = 1  # Sq and Skv must be multiples of this
@@ -32,7 +36,8 @@ class Capabilities:
     feats = [f"D<={self.max_head_dim}"]
     feats += [name for name, ok in (("causal", self.causal), ("bottom-right", self.bottom_right),
                                     ("window", self.window), ("softcap", self.softcap),
-                                    ("alibi", self.alibi), ("gqa", self.gqa)) if ok]
+                                    ("alibi", self.alibi), ("bias", self.bias), ("sinks", self.sinks),
+                                    ("dropout", self.dropout), ("gqa", self.gqa)) if ok]
     return f"{plats} | {' '.join(feats)} | {','.join(self.modes)}"
 
 
@@ -60,6 +65,9 @@ class Backend:
   requires: tuple[str, ...] = ()  # top-level modules that must be importable
   caps: Capabilities = Capabilities(platforms={})
   url: str = ""
+  # False for a row that times the case's data movement, not attention (a bandwidth ceiling, a ring's communication):
+  # it is measured only when named, charged no FLOPs, and proven available by running, with no error check.
+  computes_attention: bool = True
 
   def not_installed(self) -> str | None:
     """A reason when a needed package is missing, without importing it."""
@@ -105,6 +113,12 @@ class Backend:
       return "no logit softcap"
     if case.alibi and not c.alibi:
       return "no ALiBi"
+    if case.bias and not c.bias:
+      return "no additive bias"
+    if case.sinks and not c.sinks:
+      return "no attention sinks"
+    if case.dropout and not c.dropout:
+      return "no dropout"
     if case.gqa and not c.gqa:
       return f"no GQA/MQA (needs kv heads == heads, got {case.kv_heads} vs {case.heads})"
     if c.seq_multiple > 1 and (case.seq_q % c.seq_multiple or case.seq_kv % c.seq_multiple):
@@ -130,6 +144,16 @@ class Backend:
 
   def prepare(self, inputs, mode: str, num_sets: int) -> Prepared:
     raise NotImplementedError
+
+  def error_case(self, case: Case) -> Case:
+    """The case whose errors against the reference stand for `case`'s: its small version."""
+    return case.small()
+
+  def workload(self, case: Case, mode: str) -> dict:
+    """What a result of this backend is charged: the case's FLOPs (none for a row that computes no attention) and the
+    K/V bytes of a forward (flops.workload)."""
+    charged = workload(case, mode)
+    return charged if self.computes_attention else dict(charged, flops=None)
 
 
 _REGISTRY: dict[str, Backend] = {}

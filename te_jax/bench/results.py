@@ -23,7 +23,7 @@ class Result:
   max_ms: float | None = None
   samples: int | None = None
   calls_per_sample: int | None = None
-  flops: float | None = None
+  flops: float | None = None  # None for a row that computes no attention (Backend.computes_attention)
   tflops: float | None = None
   kv_bytes: float | None = None  # the K/V a forward reads (flops.kv_bytes); None for the backward modes
   tbps: float | None = None  # kv_bytes / median time, TB/s

@@ -11,8 +11,7 @@ from typing import Callable
 from te_jax.bench.accuracy import measure_errors
 from te_jax.bench.availability import Availability, short_error
 from te_jax.bench.cases import Case
-from te_jax.bench.flops import workload
-from te_jax.bench.inputs import Inputs, alibi_slopes, make_inputs, rotation_sets
+from te_jax.bench.inputs import Inputs, benchmark_operands, make_sets, rotation_sets
 from te_jax.bench.registry import Backend
 from te_jax.bench.results import Result
 from te_jax.bench.timing import PLANS, TimingPlan, measure
@@ -41,19 +40,23 @@ class SweepStopped(Exception):
 
 
 class InputCache:
-  """NumPy inputs of the current shape; masks do not change inputs, so causal and non-causal cases share them."""
+  """NumPy inputs of the current shape; masks do not change inputs, so causal and non-causal cases share them (and
+  the backends of one case share its other operands: a bias can be as large as q)."""
 
   def __init__(self, seed: int):
     self.seed, self._key, self._sets = seed, None, None
+    self._operands_of, self._operands = None, None
 
   def get(self, case: Case, num_sets: int) -> Inputs:
     key = (case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads, case.head_dim, case.dtype)
     if self._key != key or len(self._sets) < num_sets:
-      self._key, self._sets = None, None
+      self._key, self._sets, self._operands_of, self._operands = None, None, None, None
       gc.collect()
-      self._sets = make_inputs(case, num_sets, self.seed).sets
+      self._sets = make_sets(case, num_sets, self.seed)
       self._key = key
-    return Inputs(case, self._sets[:num_sets], alibi_slopes(case.heads) if case.alibi else None)
+    if self._operands_of != case:
+      self._operands_of, self._operands = case, benchmark_operands(case, self.seed)
+    return Inputs(case, self._sets[:num_sets], **self._operands)
 
 
 def _failure_reason(e: BaseException) -> str:
@@ -78,7 +81,7 @@ class Runner:
   def measure(self, backend: Backend, availability: Availability, case: Case, mode: str) -> Result:
     opts = self.options
     result = Result(case=case, mode=mode, backend=backend.name, status="unsupported",
-                    **workload(case, mode))
+                    **backend.workload(case, mode))
     try:
       reason = backend.why_not(case, mode, opts.platform)
     except Exception as e:  # a version-dependent check that broke: report it, keep going
@@ -113,16 +116,17 @@ class Runner:
     result.median_ms, result.p25_ms, result.p75_ms = (x * 1e3 for x in (timing.median_s, timing.p25_s, timing.p75_s))
     result.min_ms, result.max_ms = timing.min_s * 1e3, timing.max_s * 1e3
     result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
-    result.tflops = result.flops / timing.median_s / 1e12
+    if result.flops is not None:
+      result.tflops = result.flops / timing.median_s / 1e12
     if result.kv_bytes is not None:
       result.tbps = result.kv_bytes / timing.median_s / 1e12
-    if opts.check_errors:
+    if opts.check_errors and backend.computes_attention:
       self._check_errors(result, backend, run_case)
     return result
 
   def _check_errors(self, result: Result, backend: Backend, run_case: Case) -> None:
     """The errors of the case the backend computed, against the reference, measured once per small case."""
-    key = (backend.name, run_case.small(), result.mode)
+    key = (backend.name, backend.error_case(run_case), result.mode)
     if key not in self._errors:
       try:
         self._errors[key] = measure_errors(backend, run_case, result.mode, self.options.seed)

@@ -55,7 +55,7 @@ def rows(results: list[Result], platform: str, baseline: str, hide_unsupported: 
   groups = []
   for (case, mode), group in itertools.groupby(results, key=lambda r: r.key):
     group = [r for r in group if not (hide_unsupported and r.status == "unsupported")]
-    ok = [r for r in group if r.status == "ok"]
+    ok = [r for r in group if r.status == "ok" and r.flops is not None]  # a data-movement row is no contender
     best = min(ok, key=lambda r: r.median_ms) if ok else None
     title = f"{case.label + ' ' if case.label else ''}{case.shape_label} {case.mask_label} {short_dtype(case.dtype)}"
     lines = [(_cells(r, baseline, factor, bandwidth_factor), _style(r, best, len(ok))) for r in group]

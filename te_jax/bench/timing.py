@@ -3,9 +3,9 @@ outside the timed region (every rotation set once), then `samples` timed samples
 back with a single synchronisation at the end (wall clock around block_until_ready for JAX, CUDA events after a
 synchronize for torch), each call on the next rotation set. Calls per sample are calibrated so a sample lasts about
 `sample_s`: runs of 1, 2, 4, ... calls until one lasts a tenth of that, then that many again, the faster of the two
-giving the time per call (one run alone carries whatever one-off stall hits it: such a stall once cut an H200 decode of
-1 ms to samples of 2 calls, each sample then paying a synchronisation's latency, run 63b). The median of the per-call
-times is reported with the spread of the samples."""
+giving the time per call (one run alone carries whatever one-off stall hits it: a stall in it can cut a 1 ms call's
+samples to 2 calls, each sample then paying a synchronisation's latency). The median of the per-call times is reported
+with the spread of the samples."""
 
 from __future__ import annotations
 

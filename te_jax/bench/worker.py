@@ -47,8 +47,10 @@ def main(argv=None) -> int:
   with open(spec_path) as f:
     spec = json.load(f)
   die_with_parent(spec["parent_pid"])
+  from te_jax.bench import kernel_root
   from te_jax.bench.__main__ import configure_environment
   configure_environment()
+  kernel_root.apply()
   from te_jax.bench import registry
   from te_jax.bench.availability import Availability, probe
   from te_jax.bench.cases import Case

@@ -3,7 +3,8 @@ Consume), to check a change of it before it meets the GPU: one producer thread, 
 two q buffers (q full / q empty barriers as phase counts, waits by parity), a ring of S stages, a work counter, reruns
 asked through the q buffer's word. Random interleavings; checks termination, that every work runs once and its careful
 pass runs exactly when a consumer asked, that parity waits are never two phases behind, and that both sides agree on
-ring positions. Usage: python scripts/persistent_items_model.py [SEEDS] (prints the failing runs and their count)."""
+ring positions. Usage: python scripts/experiments/persistent_items_model.py [SEEDS] (prints the failing runs and their
+count)."""
 import random, sys
 
 CAREFUL, ASKED, INDEX = 1 << 30, 1 << 29, (1 << 29) - 1
@@ -42,9 +43,6 @@ def run(seed, works, grid, consumers=2, stages=2):
       ring += count
       # PrefetchWork(n + 1)
       m = n + 1; b = m % 2; item_new = nxt
-      def rerun_of(earlier):
-        at = earlier % 2
-        return at
       took = False
       if m >= 2:
         yield wait_parity("qempty", b, (m - 2) // 2)
