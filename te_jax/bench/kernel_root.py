@@ -1,5 +1,6 @@
 """--kernel-root DIR: te_jax's CUDA kernels compiled from another tree's sources (DIR/cpp: the kernel tree and the
-headers it shares), the host code staying this installation's. A before/after of a kernel change runs the harness once
+headers it shares), the host code staying this installation's, which renders the translation units: the other tree
+must have this one's source layout and kernel templates (a kernel change, not a move). A before/after of a kernel change runs the harness once
 per tree, alternating processes, since two processes differ by more than most kernel changes. The disk cache keys each
 kernel by a digest of its sources, so two trees never share a compiled kernel."""
 
