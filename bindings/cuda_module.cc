@@ -65,7 +65,7 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
     return cuda::LengthGuardConfig(nb::cast<std::string>(d["arch"]));
   }
   const auto flag = [&](const char* key) { return d.contains(key) && nb::cast<bool>(d[key]); };
-  cuda::ModuleRequest r;
+  cuda::KernelConfig r;
   r.direction = CudaDirection(nb::cast<std::string>(d["direction"]));
   r.dtype = DTypeFromInt(nb::cast<int>(d["dtype"]), "dtype");
   r.head_dim = nb::cast<int>(d["head_dim"]);

@@ -86,7 +86,7 @@ std::string KernelConfig::BaseName() const {
   return name + "_sm80_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
 }
 
-Status ConfigFor(const ModuleRequest& r, KernelConfig* config) {
+Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
   if (r.dtype != DType::kBFloat16 && r.dtype != DType::kFloat16) {
     return Status::InvalidArgument("CUDA kernels are compiled for bfloat16 (1) or float16 (2)");
   }
@@ -107,29 +107,17 @@ Status ConfigFor(const ModuleRequest& r, KernelConfig* config) {
   }
   if (r.decode && r.bias) return Status::InvalidArgument("the decode kernels take no bias");
   if (r.bias_fits_tma && !r.bias) return Status::InvalidArgument("bias_fits_tma applies to a bias (bias_dtype) only");
-  KernelConfig c;
-  c.direction = r.direction;
-  c.dtype = r.dtype;
-  c.head_dim = r.head_dim;
-  c.head_dim_v = r.head_dim_v;
-  c.softcap = r.softcap;
-  c.alibi = r.alibi;
-  c.deterministic = r.direction == Direction::kBackward &&
-                    (r.deterministic || !BackwardAccumulatesDq(r.head_dim, r.head_dim_v));
-  c.decode = r.decode;
-  c.tokens = r.tokens;
-  c.dropout = r.dropout;
-  c.bias = r.bias;
-  c.bias_dtype = r.bias ? r.bias_dtype : DType::kFloat32;
-  c.bias_fits_tma = r.bias_fits_tma;
-  c.arch = r.arch;
-  c.pipeline_stress = PipelineStress();
-  *config = c;
+  *config = r;
+  config->kind = ModuleKind::kAttention;
+  config->deterministic = r.direction == Direction::kBackward &&
+                          (r.deterministic || !BackwardAccumulatesDq(r.head_dim, r.head_dim_v));
+  if (!r.bias) config->bias_dtype = DType::kFloat32;
+  config->pipeline_stress = PipelineStress();
   return Status::Ok();
 }
 
-ModuleRequest RequestFor(const AttentionParams& params, Direction direction, const std::string& arch) {
-  ModuleRequest r;
+KernelConfig RequestFor(const AttentionParams& params, Direction direction, const std::string& arch) {
+  KernelConfig r;
   r.direction = direction;
   r.dtype = params.dtype;
   r.head_dim = static_cast<int>(params.head_dim);

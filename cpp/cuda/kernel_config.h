@@ -33,7 +33,8 @@ struct KernelConfig {
   bool softcap = false;
   bool alibi = false;
   // Backward only: the kernels that write dq once per row in a fixed order (a dq kernel after dk/dv) instead of adding
-  // it to a float accumulator (kernels/sm80/attention_bwd.cuh, kernels/sm90/attention_bwd.cuh).
+  // it to a float accumulator (kernels/sm80/attention_bwd.cuh, kernels/sm90/attention_bwd.cuh). In a request
+  // (ConfigFor), fused_attn's deterministic argument, which is one reason for them.
   bool deterministic = false;
   // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
   bool decode = false;
@@ -66,32 +67,15 @@ struct KernelConfig {
   std::string BaseName() const;  // the name without the stress suffix
 };
 
-// What a module is asked for: the options of a call that decide its kernels (RequestFor), or those of a configuration
-// that the AOT sets and the tests name (te_jax/aot.py, through the extension's compile and kernel_name).
-struct ModuleRequest {
-  Direction direction = Direction::kForward;
-  DType dtype = DType::kBFloat16;
-  int head_dim = 0;
-  int head_dim_v = 0;
-  bool softcap = false;
-  bool alibi = false;
-  bool deterministic = false;  // the backward of fused_attn(deterministic=True)
-  bool decode = false;         // the forward of few query positions (decode_geometry.h: UsesDecodeKernels)
-  bool tokens = false;         // segment ids or positions
-  bool dropout = false;
-  bool bias = false;  // an additive bias of element type bias_dtype
-  DType bias_dtype = DType::kFloat32;
-  bool bias_fits_tma = false;  // its rows are ones TMA copies (BiasFitsTma)
-  std::string arch;
-};
-
-// The one decision of which module serves a request: the deterministic backward for fused_attn(deterministic=True)
-// and wherever the default backward does not accumulate dq (kernels/common/tile_size.h), the family that follows from
-// the rest (KernelConfig::Family). A request no module serves is an InvalidArgument naming what is wrong.
-Status ConfigFor(const ModuleRequest& request, KernelConfig* config);
+// The one decision of which module serves a request. `requested` holds the options of a call (RequestFor) or of a
+// configuration the AOT sets and the tests name (te_jax/aot.py, through the extension's compile and kernel_name), its
+// `deterministic` being fused_attn's argument; the module is the deterministic backward for it and wherever the
+// default backward does not accumulate dq (kernels/common/tile_size.h), of the family that follows from the rest
+// (KernelConfig::Family). A request no module serves is an InvalidArgument naming what is wrong.
+Status ConfigFor(const KernelConfig& requested, KernelConfig* config);
 
 // The request of a validated call's params.
-ModuleRequest RequestFor(const AttentionParams& params, Direction direction, const std::string& arch);
+KernelConfig RequestFor(const AttentionParams& params, Direction direction, const std::string& arch);
 
 // The module of a validated call: ConfigFor(RequestFor(...)).
 Status ConfigFor(const AttentionParams& params, Direction direction, const std::string& arch, KernelConfig* config);
