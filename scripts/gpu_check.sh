@@ -94,7 +94,7 @@ for s in $SECTIONS; do
     echo "bias tests: $(( $(date +%s) - t0 )) s" ;;
   stress)
     # The numerics tests of te_jax's kernels with a random sleep before every pipeline wait and hand-over
-    # (kernels/sm90/mbarrier.h), STRESS_ROUNDS times: a missing wait shows up as a wrong result.
+    # (kernels/primitives/mbarrier.h), STRESS_ROUNDS times: a missing wait shows up as a wrong result.
     for round in $(seq ${STRESS_ROUNDS:-2}); do
       t0=$(date +%s)
       TE_JAX_PIPELINE_STRESS=1 timeout ${STRESS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_WORKERS:-4} \
