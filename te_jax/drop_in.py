@@ -83,7 +83,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   _check_shape_and_dtype(value, "value", (batch, seqlen_kv, num_kv_heads, head_dim), key.dtype)
   _check_shape_and_dtype(query, "query", (batch, -1, -1, head_dim), key.dtype)
   seqlen_q, num_heads = query.shape[1], query.shape[2]
-  if num_heads % num_kv_heads:
+  if num_kv_heads == 0 or num_heads % num_kv_heads:
     raise ValueError(f"the number of query heads must be a multiple of the number of key/value heads, got "
                      f"{num_heads} and {num_kv_heads}")
   if not is_head_dim(head_dim):
