@@ -21,25 +21,26 @@ class AttentionConfig:
   scale: float
   softcap: float
   has_alibi: bool
-  # Attention sinks (issue 12): whether the sinks operand holds sink logits [B, H] the forward kernels merge into their
-  # rows (cpp/sink.h; else zeros, unread). Context parallelism merges them after its blocks instead (te_jax/sinks.py).
+  # Attention sinks: whether the sinks operand holds sink logits [B, H] the forward kernels merge into their rows
+  # (cpp/sink.h; else zeros, unread). Context parallelism merges them after its blocks instead (te_jax/sinks.py).
   has_sinks: bool = False
   deterministic: bool = False  # backward only: a bitwise reproducible dq (see fused_attn)
   engine: str = "auto"  # "auto" | "te" | "cudnn" (te_jax/engine.py), resolved per platform at lowering
   # Whether the backward may receive a nonzero cotangent of lse (the user asked for lse, or context parallelism merges
   # partial results by it): an engine whose backward ignores dlse cannot serve such a backward.
   lse_cotangent: bool = False
-  # Packed sequences (issue 11): whether the token operands hold segment ids / positions (else zeros, unread).
+  # Packed sequences: whether the token operands hold segment ids / positions (else zeros, unread).
   has_segment_ids: bool = False
   has_positions: bool = False
-  # Additive logit bias (issue 12): whether the bias operand holds one (else a float32 [1, 1, 1, 1] placeholder).
+  # Additive logit bias: whether the bias operand holds one (else a float32 [1, 1, 1, 1] placeholder).
   has_bias: bool = False
-  # Attention dropout (issue 12): a probability is dropped when its 16-bit Philox number is below this (< 2^16;
+  # Attention dropout: a probability is dropped when its 16-bit Philox number is below this (< 2^16;
   # te_jax/dropout.py: drop_threshold); 0: no dropout, the dropout operand is a placeholder.
   dropout_threshold: int = 0
-  # Paged KV cache (issue 17; te_jax.paged_attention, forward only): 0, k and v are [B, Skv, Hkv, D(v)] and the page
-  # table operand a placeholder; else k and v are pools [num_pages, page_size, Hkv, D(v)] read through the page table
-  # int32 [B, max_pages_per_seq], and Skv is the capacity max_pages_per_seq * page_size.
+  # Paged KV cache (te_jax.paged_attention; the forward primitive only: its VJP differentiates the gathered K/V): 0, k
+  # and v are [B, Skv, Hkv, D(v)] and the page table operand a placeholder; else k and v are pools
+  # [num_pages, page_size, Hkv, D(v)] read through the page table int32 [B, max_pages_per_seq], and Skv is the
+  # capacity max_pages_per_seq * page_size.
   page_size: int = 0
 
   def ffi_attributes(self, engine_code: int) -> dict:

@@ -13,7 +13,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from te_jax.attention import MAX_HEAD_DIM, MAX_WINDOW, fused_attn
+from te_jax.arguments import MAX_HEAD_DIM, MAX_WINDOW, check_bool, is_head_dim, is_int
+from te_jax.attention import fused_attn
+from te_jax.attention_config import DTYPE_CODES
 from te_jax.engine import ENGINES
 
 # implementation= values: None (te_jax's default engine choice) and te_jax's engine names; "cudnn" is both jax.nn's
@@ -72,10 +74,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"te_jax.dot_product_attention: implementation must be None or one of "
                      f"{', '.join(repr(e) for e in ENGINES)}, got {implementation!r}")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise TypeError(f"return_residual must be a bool, got {return_residual!r}")
+  check_bool(is_causal, "is_causal")
+  check_bool(return_residual, "return_residual")
 
   output_shape = jnp.shape(query)
   query, key, value = (_ensure_4d(jnp.asarray(x)) for x in (query, key, value))
@@ -83,10 +83,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   _check_shape_and_dtype(value, "value", (batch, seqlen_kv, num_kv_heads, head_dim), key.dtype)
   _check_shape_and_dtype(query, "query", (batch, -1, -1, head_dim), key.dtype)
   seqlen_q, num_heads = query.shape[1], query.shape[2]
-  if num_heads % num_kv_heads:
+  if num_kv_heads == 0 or num_heads % num_kv_heads:
     raise ValueError(f"the number of query heads must be a multiple of the number of key/value heads, got "
                      f"{num_heads} and {num_kv_heads}")
-  if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+  if not is_head_dim(head_dim):
     raise ValueError(f"the head dim H of query, key and value must be a multiple of 8 in [8, {MAX_HEAD_DIM}] for "
                      f"te_jax's kernels, got {head_dim}")
 
@@ -120,7 +120,7 @@ def attention_bias(bias, mask, full_shape: tuple[int, int, int, int], mask_dtype
   """
   if bias is not None:
     bias = _logit_shaped(jnp.asarray(bias), "bias", full_shape)
-    if bias.dtype not in _BIAS_DTYPES:
+    if np.dtype(bias.dtype) not in DTYPE_CODES:  # the dtypes fused_attn takes
       bias = bias.astype(jnp.float32)
   if mask is None:
     return bias
@@ -129,10 +129,6 @@ def attention_bias(bias, mask, full_shape: tuple[int, int, int, int], mask_dtype
     raise ValueError(f"mask must be a boolean array (True = keep), got dtype {mask.dtype}; an additive mask is a bias")
   masked_out = jnp.where(mask, 0, -jnp.inf).astype(mask_dtype if bias is None else bias.dtype)
   return masked_out if bias is None else bias + masked_out
-
-
-# The bias dtypes fused_attn takes.
-_BIAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _logit_shaped(x, name: str, full_shape: tuple[int, int, int, int]):
@@ -177,7 +173,7 @@ def _window(local_window_size) -> tuple[int, int]:
   """jax.nn's local_window_size as te_jax's window_size: the same (left, right) convention, None is unbounded."""
   if local_window_size is None:
     return (-1, -1)
-  if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
+  if is_int(local_window_size):
     local_window_size = (local_window_size, local_window_size)
   try:
     left, right = local_window_size
@@ -185,7 +181,7 @@ def _window(local_window_size) -> tuple[int, int]:
     raise TypeError(f"local_window_size must be an int or a pair (left, right) of ints, got "
                     f"{local_window_size!r}") from None
   for side, size in (("left", left), ("right", right)):
-    if not isinstance(size, (int, np.integer)) or isinstance(size, bool):
+    if not is_int(size):
       raise TypeError(f"local_window_size {side} must be an int, got {size!r}")
     if size < 0:
       raise ValueError(f"local_window_size {side} must be >= 0, got {size}: a negative window means something else "

@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.attention import _as_array
+from te_jax.arguments import as_array, is_int
 
 
 def _document_of_token(lengths, seqlen: int):
-  if not isinstance(seqlen, (int, np.integer)) or isinstance(seqlen, bool):
+  if not is_int(seqlen):
     raise TypeError(f"seqlen must be an int, got {seqlen!r}")
   if not 0 <= seqlen < 2**30:
     raise ValueError(f"seqlen must lie in [0, 2**30), got {seqlen}")
-  lengths = _as_array(lengths, "lengths", allow_sequence=True)
+  lengths = as_array(lengths, "lengths", allow_sequence=True)
   if lengths.ndim != 2:
     raise ValueError(f"lengths must have shape [B, N] (N documents per row), got {tuple(lengths.shape)}")
   if not jnp.issubdtype(lengths.dtype, jnp.integer):

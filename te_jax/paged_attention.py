@@ -18,12 +18,13 @@ import numpy as np
 
 from te_jax import _primitives
 from te_jax import sharding as _sharding
-from te_jax.attention import (_alibi_operand, _as_array, _check_qkv, _check_scale, _check_softcap, _check_window,
-                              _instantiate_zeros, _primal_values, _refuse_slope_gradient, _saturate_to_int32,
-                              fused_attn)
+from te_jax.arguments import (alibi_operand, as_array, check_bool, check_qkv, check_scale, check_softcap, check_window,
+                              saturate_to_int32)
+from te_jax.attention import fused_attn
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
 from te_jax.mask_type import MaskType
+from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_slope_gradient
 
 # Queries sit at the end of their sequence: "causal_bottom_right" lets query i of Sq see the keys up to position
 # kv_length - Sq + i; "no_mask" lets every query see all kv_length keys. Each maps to the padding variant of fused_attn.
@@ -56,46 +57,20 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   if mask not in _MASKS:
     raise ValueError(f"paged_attention's mask_type must be 'causal_bottom_right' or 'no_mask' (queries sit at the end "
                      f"of their sequence), got {mask.name.lower()!r}")
-  q, k_pages, v_pages = (jnp.asarray(_as_array(x, name)) for x, name in ((q, "q"), (k_pages, "k_pages"),
-                                                                          (v_pages, "v_pages")))
-  if q.ndim != 4:
-    raise ValueError(f"q must have shape [B, Sq, H, D], got {tuple(q.shape)}")
-  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if pages.ndim != 4:
-      raise ValueError(f"{name} must have shape [num_pages, page_size, Hkv, D], got {tuple(pages.shape)}")
-  if not q.dtype == k_pages.dtype == v_pages.dtype:
-    raise TypeError(f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
-  if k_pages.shape[:3] != v_pages.shape[:3]:
-    raise ValueError(f"k_pages and v_pages must agree on [num_pages, page_size, Hkv], got {tuple(k_pages.shape)} and "
-                     f"{tuple(v_pages.shape)}")
-  num_pages, page_size = k_pages.shape[:2]
-  if page_size % 8 or not 8 <= page_size <= 256:
-    raise ValueError(f"the page size (k_pages.shape[1]) must be a multiple of 8 from 8 to 256, got {page_size}")
-  if num_pages == 0:
-    raise ValueError("k_pages and v_pages hold no pages (num_pages = k_pages.shape[0] = 0): a paged KV cache needs a "
-                     "pool of at least one page")
+  q, k_pages, v_pages = (jnp.asarray(as_array(x, name)) for x, name in ((q, "q"), (k_pages, "k_pages"),
+                                                                         (v_pages, "v_pages")))
+  num_pages, page_size = _check_pools(q, k_pages, v_pages)
   batch = q.shape[0]
-  page_table = _index_operand(page_table, "page_table", ndim=2)
-  kv_lengths = _index_operand(kv_lengths, "kv_lengths", ndim=1)
-  if page_table.shape[0] != batch or kv_lengths.shape != (batch,):
-    raise ValueError(f"page_table must be [B, max_pages] and kv_lengths [B] with B = {batch} (q's batch), got "
-                     f"{tuple(page_table.shape)} and {tuple(kv_lengths.shape)}")
-  max_pages = page_table.shape[1]
-  capacity = max_pages * page_size
-  if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
-    _raise_if_out_of_range(np.asarray(page_table), np.asarray(kv_lengths), num_pages, page_size)
-  # A traced id or length beyond int32 (x64 mode) stays out of range, so it poisons its sequence rather than wrapping
-  # into range.
-  page_table, kv_lengths = (_saturate_to_int32(jnp.asarray(x)) for x in (page_table, kv_lengths))
-  window_left, window_right = _check_window(window_size)
-  if not isinstance(return_lse, (bool, np.bool_)):
-    raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-  _check_qkv(q, *(jax.ShapeDtypeStruct((batch, capacity) + pool.shape[2:], pool.dtype) for pool in (k_pages, v_pages)))
+  page_table, kv_lengths = _page_operands(page_table, kv_lengths, batch, num_pages, page_size)
+  window_left, window_right = check_window(window_size)
+  check_bool(return_lse, "return_lse")
+  capacity = page_table.shape[1] * page_size  # k and v as the gather formulation sees them: [B, capacity, Hkv, D(v)]
+  check_qkv(q, *(jax.ShapeDtypeStruct((batch, capacity) + pool.shape[2:], pool.dtype) for pool in (k_pages, v_pages)))
   config = AttentionConfig(mask_type=_MASKS[mask], window_left=window_left, window_right=window_right,
-                           scale=_check_scale(scale, q.shape[3]), softcap=_check_softcap(softcap),
+                           scale=check_scale(scale, q.shape[3]), softcap=check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, engine=requested_engine(engine),
                            lse_cotangent=bool(return_lse), page_size=page_size)
-  alibi = _alibi_operand(alibi_slopes, batch, q.shape[2])
+  alibi = alibi_operand(alibi_slopes, batch, q.shape[2])
   return _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, kv_lengths, alibi)
 
 
@@ -153,8 +128,8 @@ def _poison(x, bad):
 
 
 def _attend_fwd(config, return_lse, *primals):
-  _refuse_slope_gradient(primals[5])
-  q, k_pages, v_pages, pages, lengths, alibi = _primal_values(primals)
+  refuse_slope_gradient(primals[5])
+  q, k_pages, v_pages, pages, lengths, alibi = primal_values(primals)
   result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi)
   return result, (q, k_pages, v_pages, pages, lengths, alibi)
 
@@ -162,11 +137,11 @@ def _attend_fwd(config, return_lse, *primals):
 def _attend_bwd(config, return_lse, residuals, cotangent):
   q, k_pages, v_pages, pages, lengths, alibi = residuals
   bad = _poisoned_lengths(pages, lengths, k_pages.shape[0], config.page_size) < 0
-  cotangent = jax.tree.map(lambda c: _poison(c, bad), _instantiate_zeros(cotangent))
+  cotangent = jax.tree.map(lambda c: _poison(c, bad), instantiate_zeros(cotangent))
   clamped = jnp.clip(lengths, 0, pages.shape[1] * config.page_size)
   _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped, alibi),
                    q, k_pages, v_pages)
-  # The page table and lengths are integers; ALiBi's slopes are never differentiated (_refuse_slope_gradient).
+  # The page table and lengths are integers; ALiBi's slopes are never differentiated (refuse_slope_gradient).
   return (*vjp(cotangent), None, None, None)
 
 
@@ -195,9 +170,45 @@ def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
                     return_lse=return_lse, engine=config.engine)
 
 
+def _check_pools(q, k_pages, v_pages) -> tuple[int, int]:
+  """The number of pages and the page size, once q's rank and the pools' ranks, dtypes and shapes are checked."""
+  if q.ndim != 4:
+    raise ValueError(f"q must have shape [B, Sq, H, D], got {tuple(q.shape)}")
+  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if pages.ndim != 4:
+      raise ValueError(f"{name} must have shape [num_pages, page_size, Hkv, D], got {tuple(pages.shape)}")
+  if not q.dtype == k_pages.dtype == v_pages.dtype:
+    raise TypeError(f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+  if k_pages.shape[:3] != v_pages.shape[:3]:
+    raise ValueError(f"k_pages and v_pages must agree on [num_pages, page_size, Hkv], got {tuple(k_pages.shape)} and "
+                     f"{tuple(v_pages.shape)}")
+  num_pages, page_size = k_pages.shape[:2]
+  if page_size % 8 or not 8 <= page_size <= 256:
+    raise ValueError(f"the page size (k_pages.shape[1]) must be a multiple of 8 from 8 to 256, got {page_size}")
+  if num_pages == 0:
+    raise ValueError("k_pages and v_pages hold no pages (num_pages = k_pages.shape[0] = 0): a paged KV cache needs a "
+                     "pool of at least one page")
+  return num_pages, page_size
+
+
+def _page_operands(page_table, kv_lengths, batch: int, num_pages: int, page_size: int):
+  """The page table and kv lengths as int32 operands, once their ranks, dtypes, shapes and (when concrete) values are
+  checked."""
+  page_table = _index_operand(page_table, "page_table", ndim=2)
+  kv_lengths = _index_operand(kv_lengths, "kv_lengths", ndim=1)
+  if page_table.shape[0] != batch or kv_lengths.shape != (batch,):
+    raise ValueError(f"page_table must be [B, max_pages] and kv_lengths [B] with B = {batch} (q's batch), got "
+                     f"{tuple(page_table.shape)} and {tuple(kv_lengths.shape)}")
+  if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lengths)):
+    _raise_if_out_of_range(np.asarray(page_table), np.asarray(kv_lengths), num_pages, page_size)
+  # A traced id or length beyond int32 (x64 mode) stays out of range, so it poisons its sequence rather than wrapping
+  # into range.
+  return tuple(saturate_to_int32(jnp.asarray(x)) for x in (page_table, kv_lengths))
+
+
 def _index_operand(x, name: str, ndim: int):
   """x as given (its values are checked, or saturated, before they become int32), once its rank and dtype are."""
-  x = _as_array(x, name, allow_sequence=True)
+  x = as_array(x, name, allow_sequence=True)
   if x.ndim != ndim:
     raise ValueError(f"{name} must have {ndim} dimension{'s' if ndim > 1 else ''}, got shape {tuple(x.shape)}")
   if not jnp.issubdtype(x.dtype, jnp.integer):

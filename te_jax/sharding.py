@@ -71,7 +71,7 @@ _OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_p
 # gradient is summed over the shards of the dims where it broadcasts (context parallelism refuses a bias).
 # `dropout` (key and offsets, te_jax/_primitives.py) is replicated; each batch or head shard adds its global offsets, so
 # a sharded call drops exactly what the unsharded call drops (context parallelism then adds each block's sequence
-# offsets, te_jax/context_parallel.py).
+# offsets, te_jax/context_parallel/blocks.py).
 # `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
 # hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
 # contiguous k and v (context parallelism refuses paging).

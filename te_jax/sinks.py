@@ -15,19 +15,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def sink_operand(sink_logits, num_heads: int):
-  """Checks sink_logits (float32 [H]) and returns it as a JAX array, or None."""
-  if sink_logits is None:
-    return None
-  if not hasattr(sink_logits, "shape") or not hasattr(sink_logits, "dtype"):
-    raise TypeError(f"sink_logits must be a JAX or NumPy array, got {type(sink_logits).__name__}")
-  if tuple(sink_logits.shape) != (num_heads,):
-    raise ValueError(f"sink_logits must have shape [H] = ({num_heads},), got {tuple(sink_logits.shape)}")
-  if sink_logits.dtype != jnp.float32:
-    raise TypeError(f"sink_logits must be float32, got {sink_logits.dtype}")
-  return jnp.asarray(sink_logits)
-
-
 def apply_sinks(out, lse, sinks):
   """(out', lse') from the kernels' out [B, Sq, H, Dv] and lse [B, H, Sq] and the sinks [B, H] (cpp/sink.h is the
   kernels' copy). A row that sees no key gets out 0 and lse = sink; a sink of -inf is no sink (also for such a row:

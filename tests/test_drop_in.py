@@ -289,6 +289,8 @@ def test_refused_shapes_and_dtypes():
     te_jax.dot_product_attention(q, k, v[:, :4])
   with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
     te_jax.dot_product_attention(jnp.concatenate([q, q[:, :, :1]], axis=2), k, v)
+  with pytest.raises(ValueError, match="multiple of the number of key/value heads, got 2 and 0"):
+    te_jax.dot_product_attention(q, k[:, :, :0], v[:, :, :0])
   with pytest.raises(TypeError, match="local_window_size"):
     te_jax.dot_product_attention(q, k, v, local_window_size=(1, 2, 3))
 
