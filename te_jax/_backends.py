@@ -18,7 +18,7 @@ from te_jax.engine import Choice, EngineUnavailableError
 @dataclasses.dataclass(frozen=True)
 class Backend:
   platform: str  # JAX's lowering platform name
-  code: int  # cpp/validate.h: Backend
+  code: int  # cpp/core/validate.h: Backend
   extension_name: str  # the nanobind module inside te_jax
   legacy_api_version: int  # XLA:CPU runs only 3, XLA:GPU 2 or 3 (docs/ARCHITECTURE.md)
   # (core params with the resolved engine, "forward"|"backward", why that engine) -> None

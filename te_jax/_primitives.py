@@ -9,7 +9,7 @@ Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, le
 q_seqlens and kv_seqlens are int32 [B] with a padding mask (a paged call's q_seqlens a placeholder: its queries are the
 last Sq tokens of every sequence). alibi_slopes is float32 [B, H] with config.has_alibi.
 sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
-kernels in their epilogue, cpp/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py). The backward is given
+kernels in their epilogue, cpp/core/sink.h; after cuDNN's kernel this lowering, te_jax/sinks.py). The backward is given
 that forward's out and lse, and reads nothing of it.
 where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [B, Sq], [B, Skv], [B, Sq], [B, Skv])
 with config.has_segment_ids / has_positions. page_table is int32 [B, max_pages_per_seq] when config.page_size > 0 (a
@@ -17,7 +17,7 @@ paged KV cache, forward only: k and v are then the pools [num_pages, page_size, 
 shapes too, is the capacity max_pages_per_seq * page_size); the backward takes it too, for one operand list, and
 refuses paging. Each of these operands is always passed, so lowering, batching and sharding handle one operand list:
 absent (its flag off, and sinks always in the backward) it is a placeholder: its rank, every dim 1, that nothing reads
-(see placeholder; the backends read each operand only under its flag, cpp/attention_params.h).
+(see placeholder; the backends read each operand only under its flag, cpp/core/attention_params.h).
 bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32, bfloat16 or float16; its size-1 dims broadcast), a float32
 [1, 1, 1, 1] placeholder without config.has_bias (see no_bias); dbias has its shape and dtype. dropout is uint32 [6]:
 the PRNG key's two words, then the global (b, h, i, j) of the call's element [0, 0, 0, 0] in the keep-mask of

@@ -17,8 +17,8 @@ from te_jax.attention_config import DTYPE_CODES
 from te_jax.dropout import check_rate, drop_threshold, key_words
 from te_jax.mask_type import MaskType
 
-MAX_HEAD_DIM = 256  # cpp/validate.h: kMaxHeadDim
-MAX_WINDOW = 2**31 - 1  # cpp/validate.h: kMaxWindow
+MAX_HEAD_DIM = 256  # cpp/core/limits.h: kMaxHeadDim
+MAX_WINDOW = 2**31 - 1  # cpp/core/limits.h: kMaxWindow
 _INT32 = np.iinfo(np.int32)
 
 
@@ -41,7 +41,7 @@ def check_bool(flag, name: str) -> None:
 
 
 def is_head_dim(d: int) -> bool:
-  """Whether the kernels take head dim d (cpp/validate.h)."""
+  """Whether the kernels take head dim d (cpp/core/validate.h)."""
   return 0 < d <= MAX_HEAD_DIM and d % 8 == 0
 
 

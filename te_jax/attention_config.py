@@ -9,7 +9,7 @@ import numpy as np
 
 from te_jax.mask_type import MaskType
 
-# Element-type codes of the C++ core (cpp/dtype.h): never renumber.
+# Element-type codes of the C++ core (cpp/core/dtype.h): never renumber.
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype("bfloat16"): 1, np.dtype(np.float16): 2}
 
 
@@ -22,7 +22,7 @@ class AttentionConfig:
   softcap: float
   has_alibi: bool
   # Attention sinks: whether the sinks operand holds sink logits [B, H] the forward kernels merge into their rows
-  # (cpp/sink.h; else zeros, unread). Context parallelism merges them after its blocks instead (te_jax/sinks.py).
+  # (cpp/core/sink.h; else zeros, unread). Context parallelism merges them after its blocks instead (te_jax/sinks.py).
   has_sinks: bool = False
   deterministic: bool = False  # backward only: a bitwise reproducible dq (see fused_attn)
   engine: str = "auto"  # "auto" | "te" | "cudnn" (te_jax/engine.py), resolved per platform at lowering
@@ -58,7 +58,7 @@ class AttentionConfig:
                   bias_dtype=np.float32, page_table_shape=None) -> dict:
     """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them);
     engine_code 0 is te_jax's own kernels. bias_shape / bias_dtype: the bias operand's (the placeholder's by
-    default); its size-1 dims are the broadcast bits of cpp/bias.h. page_table_shape: [B, max_pages_per_seq], needed
+    default); its size-1 dims are the broadcast bits of cpp/core/bias.h. page_table_shape: [B, max_pages_per_seq], needed
     when paged (Skv is then the capacity it gives, and k's leading dim the number of pages)."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     seqlen_kv, num_pages = k_shape[1], 0

@@ -7,7 +7,7 @@ parallelism: its query and key blocks' first positions).
 Element (b, h, i, j) uses 16-bit number 4 (i // 8 % 2) + 2 (j // 8 % 2) + j % 2 of
 Philox(counter = (4 (j // 16) + j // 2 % 4, 8 (i // 16) + i % 8, h, b), key) (number k: the low half of word k // 2 for
 even k, the high half for odd k): one call serves rows i, i + 8 of a 16-row block and keys 2t, 2t + 1, 8 + 2t, 9 + 2t of
-a 16-key block, the elements one GPU lane holds of a matrix-multiply accumulator (cpp/philox.h). An element is kept
+a 16-key block, the elements one GPU lane holds of a matrix-multiply accumulator (cpp/core/philox.h). An element is kept
 when its number is at least round(rate * 2^16), so the rate takes effect rounded to a multiple of 2^-16 (below 2^-17
 no element is dropped)."""
 
@@ -61,7 +61,7 @@ def key_words(key):
 
 
 def drop_threshold(rate: float) -> np.uint32:
-  """The 16-bit number below which an element is dropped (cpp/philox.h's kDropoutThresholdLimit is 2^16)."""
+  """The 16-bit number below which an element is dropped (cpp/core/philox.h's kDropoutThresholdLimit is 2^16)."""
   return np.uint32(min(round(float(rate) * 2.0**16), 2**16 - 1))
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 ENGINES = ("auto", "te", "cudnn")
-ENGINE_CODES = {"te": 0, "cudnn": 1}  # cpp/engine.h: never renumber
+ENGINE_CODES = {"te": 0, "cudnn": 1}  # cpp/core/engine.h: never renumber
 ENV_VAR = "TE_JAX_ENGINE"
 
 

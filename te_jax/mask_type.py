@@ -1,4 +1,4 @@
-"""The attention masks. The integer values are shared with the C++ core (cpp/mask_type.h): never renumber."""
+"""The attention masks. The integer values are shared with the C++ core (cpp/core/mask_type.h): never renumber."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 order by its row of the page table (vLLM's and FlashInfer's layout).
 
 Where the backend's kernels read pages in place (the CPU backend's always, the CUDA backend's decode kernels for at
-most 16 query positions: cpp/kv_rows.h), the forward binds the attention primitive with the pool and the page table,
+most 16 query positions: cpp/core/kv_rows.h), the forward binds the attention primitive with the pool and the page table,
 and nothing is gathered (_attend_in_place). Otherwise (longer queries on the GPU) the pages a call needs are gathered
 into contiguous K/V with one XLA gather and fused_attn runs on them (_attend_gathered), which costs one extra read and
 write of the gathered K/V per call. The choice is made per platform at lowering (jax.lax.platform_dependent), so one
@@ -75,7 +75,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
 
 
 # The CUDA backend reads pages in place in its decode kernels, for at most this many query positions
-# (BackendServesPagesInPlace, cpp/validate.h; tests/test_paged_attention.py checks the two agree).
+# (BackendServesPagesInPlace, cpp/core/validate.h; tests/test_paged_attention.py checks the two agree).
 _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 
 
@@ -149,7 +149,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 
 def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
-  """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/validate.h)."""
+  """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/core/validate.h)."""
   # Every sequence has Sq queries, so no q lengths are passed (a splat constant would be a broadcast kernel per call).
   out, lse = _sharding.forward(config, None, q, k_pages, v_pages, _primitives.no_lengths(), kv_lengths, alibi,
                                _primitives.no_sinks(), _primitives.no_tokens(), pages, _primitives.no_bias(),

@@ -3,7 +3,7 @@ out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)) (gpt-oss; the off-
 
 The sink is a key set of its own with lse = sink and out = 0, so attention with sinks is the kernels' attention merged
 with it by lse (as te_jax.merge_states merges): lse' = log(exp(lse) + exp(sink)), out' = out exp(lse - lse'). te_jax's
-forward kernels do that merge on each finished row in float, before out is rounded (cpp/sink.h: they get the sinks
+forward kernels do that merge on each finished row in float, before out is rounded (cpp/core/sink.h: they get the sinks
 operand); apply_sinks below does it in XLA after cuDNN's kernel (the lowering, te_jax/_primitives.py) and after
 context parallelism's merge of its blocks (te_jax/attention.py). The backward needs no kernel change: the kernels
 recompute the probabilities from the lse they are given, and with lse' and out' they are the sink softmax's (the
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 
 def apply_sinks(out, lse, sinks):
-  """(out', lse') from the kernels' out [B, Sq, H, Dv] and lse [B, H, Sq] and the sinks [B, H] (cpp/sink.h is the
+  """(out', lse') from the kernels' out [B, Sq, H, Dv] and lse [B, H, Sq] and the sinks [B, H] (cpp/core/sink.h is the
   kernels' copy). A row that sees no key gets out 0 and lse = sink; a sink of -inf is no sink (also for such a row:
   out 0, lse -inf); NaN propagates."""
   sink = sinks[:, :, None]

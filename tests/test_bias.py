@@ -1,4 +1,4 @@
-"""fused_attn(bias=...): the additive logit bias (issue 12) against the float64 reference, forward, lse and every
+"""fused_attn(bias=...): the additive logit bias against the float64 reference, forward, lse and every
 gradient (dq, dk, dv, dbias), for each broadcast pattern combined with the masks and variants; a -inf bias that
 masks whole rows; jit, grad and vmap; FFI == legacy bitwise; dbias independent of the thread timing."""
 

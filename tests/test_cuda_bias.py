@@ -1,4 +1,4 @@
-"""GPU tests of the additive logit bias (issue 12; the CUDA kernels built with a bias): out, lse, dq, dk, dv and dbias
+"""GPU tests of the additive logit bias (the CUDA kernels built with a bias): out, lse, dq, dk, dv and dbias
 against the float64 reference for each broadcast pattern (bhqk, 1hqk, b11k, 11qk, 111k, b1q1, bh11) with masks,
 windows, soft-cap, ALiBi, GQA/MQA, D != Dv, bf16 and fp16 inputs, float32, bf16 and fp16 biases, lengths whose bias
 rows start off 16-byte boundaries; both backwards (deterministic=True refuses a bias whose gradient sums over a dim);

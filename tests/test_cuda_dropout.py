@@ -1,4 +1,4 @@
-"""GPU tests of attention dropout (issue 12; the CUDA kernels built with dropout): out, lse and every gradient against
+"""GPU tests of attention dropout (the CUDA kernels built with dropout): out, lse and every gradient against
 the float64 reference applying te_jax.dropout_keep_mask, with masks, windows, soft-cap, ALiBi, GQA, D != Dv, bf16 and
 fp16, both backwards; FFI and legacy bitwise equal; the kernels' effective keep-mask equal to dropout_keep_mask and to
 the CPU backend's bit for bit; the kept fraction over 10^7 draws. Skipped without a GPU."""

@@ -1,4 +1,4 @@
-"""fused_attn(dropout_rate=..., dropout_rng=...): attention dropout (issue 12) on the CPU backend. out, lse and every
+"""fused_attn(dropout_rate=..., dropout_rng=...): attention dropout on the CPU backend. out, lse and every
 gradient against the float64 reference applying te_jax.dropout_keep_mask, with masks and variants; the kernel's
 effective keep-mask equal to dropout_keep_mask bit for bit; finite differences; rate 0 is plain attention bitwise;
 FFI == legacy bitwise; jit, grad, vmap; bad arguments."""

@@ -1,4 +1,4 @@
-"""Packed sequences (issue 11): segment ids and explicit positions. Forward, lse and gradients against the float64
+"""Packed sequences: segment ids and explicit positions. Forward, lse and gradients against the float64
 reference for random packings and positions, on both custom-call paths (bitwise equal with deterministic=True); a
 packed row equals its documents run as separate batch entries; argument errors name the argument."""
 

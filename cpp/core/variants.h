@@ -3,8 +3,8 @@
 // a new struct (or a new flag here), not a new kernel. The order follows the semantics: s = scale * x, then the
 // soft-cap s = cap * tanh(s / cap), then the ALiBi bias slope * (j - p) with p the query's diagonal position.
 // kTokensOn (CUDA kernels) adds the packed-sequence mask: segment ids and positions through the token tables
-// (cpp/cuda/kernel_args.h), and p and j become the query's and the key's positions. kDropoutOn (CUDA kernels; issue
-// 12) applies attention dropout to the probabilities (cpp/cuda/kernels/common/dropout.h).
+// (cpp/cuda/kernel_args.h), and p and j become the query's and the key's positions. kDropoutOn (CUDA kernels)
+// applies attention dropout to the probabilities (cpp/cuda/kernels/common/dropout.h).
 // BiasElement (CUDA kernels) is the additive logit bias's element type (te_jax::cuda::BFloat16, Float16,
 // Float32), or NoBias. The kernels add the bias after Logit, s = Logit(x) + bias, from a tile they stage per key tile
 // (cpp/cuda/kernels/sm80/bias_tile.h); its gradient is dS before DLogitDDot.
