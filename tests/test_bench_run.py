@@ -311,7 +311,7 @@ def test_kernel_root_compiles_another_trees_kernels(tmp_path, monkeypatch):
   same, changed = tmp_path / "same", tmp_path / "changed"
   for tree in (same, changed):
     shutil.copytree(os.path.join(repo, "cpp"), tree / "cpp")
-  with open(changed / "cpp" / "mask_type.h", "a") as f:
+  with open(changed / "cpp" / "core" / "mask_type.h", "a") as f:
     f.write("// a change\n")
   default = _kernel_digest()
   if "built without its CUDA backend" in _kernel_digest(str(same)):  # a CPU-only build refuses the flag by name
