@@ -20,6 +20,8 @@
 namespace te_jax::bindings {
 
 inline void DefineCudnnFunctions(nb::module_& m) {
+  // Whether this build compiled the engine (cuDNN's and the frontend's headers found at install).
+  m.def("cudnn_built", &cuda::cudnn::Built);
   // (True, "") or (False, the reason: a build without the headers, libcudnn missing or too old).
   m.def("cudnn_available", [] {
     Status status;

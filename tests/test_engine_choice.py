@@ -19,7 +19,7 @@ def test_cudnn_unavailable_with_a_reason():
     pytest.skip("cuDNN is available here")
   # A build without the headers says how to get them; a build with them, on a machine without libcudnn, says what it
   # searched for.
-  assert "nvidia-cudnn-frontend" in reason or "libcudnn" in reason, reason
+  assert "nvidia-cudnn-cu13" in reason or "libcudnn" in reason, reason
   assert ext.cudnn_version() == ""
 
 

@@ -19,9 +19,10 @@
 
 namespace te_jax::cuda::cudnn {
 
+// Whether this build compiled the engine (it found cuDNN's and the frontend's headers).
+bool Built();
 // Whether this build has the engine and libcudnn loads (>= 9.x that supports what we need); the reason otherwise
-// (e.g. "te_jax was built without the cuDNN headers (nvidia-cudnn-cu13 and nvidia-cudnn-frontend); ..." or
-// "libcudnn.so.9 not found; searched ...").
+// (e.g. "te_jax was built without the cuDNN headers ..." or "libcudnn.so.9 not found ...").
 Status Available();
 std::string Version();  // e.g. "9.19.0" or "" when unavailable
 // OK if the engine serves this call with te_jax's exact contract; InvalidArgument with a message saying WHY not
@@ -39,8 +40,8 @@ Status Prepare(const AttentionParams& params, Direction direction);
 Status Forward(const AttentionParams& params, const ForwardBuffers& buffers, CUstream stream);
 Status Backward(const AttentionParams& params, const BackwardBuffers& buffers, CUstream stream);
 
-// Where libcudnn.so.9 is looked for before the loader's default search (the Python layer passes $TE_JAX_CUDNN_PATH
-// and the pip wheel's nvidia/cudnn/lib/libcudnn.so.9), and where the CUDA runtime the cuDNN frontend calls is
+// Where libcudnn.so.9 is looked for before the loader's default search when $TE_JAX_CUDNN_PATH is not set (the Python
+// layer passes the pip wheel's nvidia/cudnn/lib/libcudnn.so.9), and where the CUDA runtime the cuDNN frontend calls is
 // preloaded from (the pip wheel's nvidia/cu13/lib/libcudart.so.13). Takes effect at the next load attempt.
 void SetLibrarySearchPaths(std::vector<std::string> cudnn_paths, std::vector<std::string> cudart_paths);
 

@@ -5,12 +5,14 @@ namespace te_jax::cuda::cudnn {
 namespace {
 
 Status NotBuilt() {
-  return Status::Unavailable("te_jax was built without the cuDNN headers: install nvidia-cudnn-cu13 and "
-                             "nvidia-cudnn-frontend and reinstall te_jax with --no-build-isolation");
+  return Status::Unavailable("te_jax was built without the cuDNN headers: its build found no nvidia/cudnn/include "
+                             "(nvidia-cudnn-cu13, which jax[cuda13] installs) in the environment it was installed "
+                             "into; install that, then reinstall te_jax");
 }
 
 }  // namespace
 
+bool Built() { return false; }
 Status Available() { return NotBuilt(); }
 std::string Version() { return ""; }
 Status Supports(const AttentionParams&, Direction) { return NotBuilt(); }
