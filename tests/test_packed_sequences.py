@@ -182,6 +182,58 @@ def test_helpers_from_lengths_refuse_bad_arguments(lengths, seqlen, error, match
       helper(lengths, seqlen)
 
 
+def test_helpers_from_cu_seqlens():
+  # FlashAttention's offsets [0, 3, 5] over 7 tokens: two documents, then padding; the same as lengths [3, 2].
+  ids = te_jax.segment_ids_from_cu_seqlens(np.array([0, 3, 5], np.int32), 7)
+  pos = te_jax.positions_from_cu_seqlens(np.array([0, 3, 5]), 7)
+  np.testing.assert_array_equal(ids, [[1, 1, 1, 2, 2, 0, 0]])
+  np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0, 0]])
+  assert ids.dtype == jnp.int32 and pos.dtype == jnp.int32
+  np.testing.assert_array_equal(te_jax.segment_ids_from_cu_seqlens([0, 0, 4], 4), [[2, 2, 2, 2]])  # an empty document
+  np.testing.assert_array_equal(te_jax.segment_ids_from_cu_seqlens([0], 3), [[0, 0, 0]])  # no document
+  traced = jax.jit(te_jax.positions_from_cu_seqlens, static_argnums=1)(jnp.asarray([0, 2, 6]), 6)
+  np.testing.assert_array_equal(traced, [[0, 1, 0, 1, 2, 3]])
+
+
+def test_varlen_layout_equals_each_document_alone():
+  """q, k, v in FlashAttention's varlen layout ([total, H, D] with cu_seqlens) as one packed row: each document's
+  output and gradients are those of the document alone."""
+  cu_seqlens, total, heads, d = np.array([0, 40, 41, 100]), 110, 2, 16
+  rng = np.random.default_rng(7)
+  q, k, v, dout = (rng.standard_normal((total, heads, d)).astype(np.float32) for _ in range(4))
+  ids = te_jax.segment_ids_from_cu_seqlens(cu_seqlens, total)
+  pos = te_jax.positions_from_cu_seqlens(cu_seqlens, total)
+
+  def varlen(q, k, v):
+    return te_jax.fused_attn(q[None], k[None], v[None], mask_type="causal", q_segment_ids=ids, q_positions=pos,
+                             kv_positions=pos)[0]
+
+  out, vjp = jax.vjp(varlen, q, k, v)
+  grads = vjp(dout)
+  tol = tolerance("float32")
+  for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    part = slice(start, end)
+    alone = lambda q, k, v: te_jax.fused_attn(q[None], k[None], v[None], mask_type="causal")[0]  # noqa: E731
+    ref_out, ref_vjp = jax.vjp(alone, q[part], k[part], v[part])
+    np.testing.assert_allclose(out[part], ref_out, atol=tol, rtol=tol)
+    for g, rg in zip(grads, ref_vjp(dout[part])):
+      np.testing.assert_allclose(g[part], rg, atol=2 * tol, rtol=2 * tol)
+  assert np.all(np.asarray(out)[cu_seqlens[-1]:] == 0)  # the padding tail sees no key
+
+
+@pytest.mark.parametrize("cu_seqlens, error, match", [
+    (np.array([1, 3]), ValueError, r"cu_seqlens must start at 0 and never decrease, got \[1, 3\]"),
+    (np.array([0, 5, 3]), ValueError, "never decrease"),
+    (np.array([[0, 3]]), ValueError, r"cu_seqlens must have shape \[N \+ 1\]"),
+    (np.zeros((0,), np.int32), ValueError, r"cu_seqlens must have shape \[N \+ 1\]"),
+    (np.array([0.0, 3.0]), TypeError, "cu_seqlens must be an integer array"),
+])
+def test_helpers_from_cu_seqlens_refuse_bad_arguments(cu_seqlens, error, match):
+  for helper in (te_jax.segment_ids_from_cu_seqlens, te_jax.positions_from_cu_seqlens):
+    with pytest.raises(error, match=match):
+      helper(cu_seqlens, 8)
+
+
 def _qkv(sq=16, skv=16):
   return jnp.ones((2, sq, 2, 8)), jnp.ones((2, skv, 2, 8)), jnp.ones((2, skv, 2, 8))
 
