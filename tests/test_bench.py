@@ -131,7 +131,8 @@ def test_registry_has_every_backend():
   for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-deterministic", "te_jax-packed",
                    "te_jax-cp-ring", "te_jax-cp-all_gather", "te_jax-paged16", "te_jax-paged64", "kv-read",
                    "jax-cudnn", "jax-xla", "pallas",
-                   "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn"):
+                   "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn", "tokamax-mosaic",
+                   "tokamax-triton", "tokamax-xla"):
     assert expected in names
   assert registry.default_baseline("cpu") == "jax-xla" and registry.default_baseline("gpu") == "jax-cudnn"
   with pytest.raises(ValueError, match="unknown backend"):
@@ -254,6 +255,41 @@ def test_missing_package_is_not_installed():
   a = probe(fake, "cpu")
   assert not a.available and a.reason.startswith("not installed")
   assert "not installed" in probe(registry.get("flash-attn-jax"), "cpu").reason
+
+
+def test_tokamax_backends_pass_the_case_as_tokamax_takes_it(monkeypatch):
+  """The tokamax rows call tokamax.dot_product_attention with their implementation pinned and the case's causal mask,
+  window, soft-cap and bias by tokamax's names (a stand-in module records the call; tokamax needs Python 3.12)."""
+  import importlib.machinery
+  import types
+  calls = []
+
+  def dot_product_attention(q, k, v, bias=None, **kwargs):
+    calls.append(dict(kwargs, bias=bias))
+    return q
+
+  fake = types.ModuleType("tokamax")
+  fake.__spec__ = importlib.machinery.ModuleSpec("tokamax", None)
+  fake.dot_product_attention = dot_product_attention
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  case = Case(batch=1, seq_q=8, seq_kv=8, heads=2, kv_heads=1, head_dim=8, causal=True, window=(3, 0), softcap=30.0)
+  q = jnp.ones((1, 8, 2, 8))
+  for implementation in ("mosaic", "triton", "xla"):
+    backend = registry.get(f"tokamax-{implementation}")
+    backend.attention_fn(case)(q, q, q, bias="the bias")
+    assert calls[-1] == dict(implementation=implementation, is_causal=True, local_window_size=(3, 0),
+                             logits_soft_cap=30.0, bias="the bias")
+  plain = Case(batch=1, seq_q=8, seq_kv=8, heads=2, kv_heads=2, head_dim=8)
+  registry.get("tokamax-xla").attention_fn(plain)(q, q, q)
+  assert calls[-1] == dict(implementation="xla", is_causal=False, bias=None)
+  assert registry.get("tokamax-xla").why_not(plain, "fwd+bwd", "cpu") is None
+  assert "runs on gpu only" in registry.get("tokamax-mosaic").why_not(plain, "fwd", "cpu")
+
+
+def test_tokamax_xla_agrees_with_the_reference_on_the_cpu():
+  pytest.importorskip("tokamax", reason="tokamax is not installed (it needs Python 3.12 and jax 0.11.1)")
+  a = probe(registry.get("tokamax-xla"), "cpu")
+  assert a.available, a.reason
 
 
 def test_wrong_backward_only_loses_backward():

@@ -1,6 +1,6 @@
 """JAX backends: te_jax (FFI and legacy custom calls; a batch packed into one row; context parallelism over several
-devices; a paged KV cache), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash attention and
-flash-attn-jax; and two rows that compute no attention: kv-read, the K/V read alone (a bandwidth ceiling), and
+devices; a paged KV cache), jax.nn.dot_product_attention (cuDNN and XLA), Pallas GPU flash attention, flash-attn-jax
+and tokamax (its Mosaic-GPU, Triton and XLA implementations); and two rows that compute no attention: kv-read, the K/V read alone (a bandwidth ceiling), and
 cp-ring-permutes, the context-parallel ring's communication alone. All are timed and measured by JaxPrepared, so they
 differ only in the call and where its operands live."""
 
@@ -448,6 +448,32 @@ class FlashAttnJaxBackend(JaxBackend):
     return fn
 
 
+class TokamaxBackend(JaxBackend):
+  """Google's kernel library for JAX: tokamax.dot_product_attention, jax.nn's contract plus a soft-cap, with one of
+  its implementations pinned: "mosaic" (Pallas Mosaic-GPU kernels for Hopper), "triton" (Pallas Triton), "xla"."""
+  requires = ("tokamax",)
+
+  def __init__(self, implementation: str):
+    self.implementation = implementation
+    self.name = f"tokamax-{implementation}"
+    self.label = f"tokamax {implementation}"
+    self.url = f'tokamax.dot_product_attention(implementation="{implementation}")'
+    platforms = {"cpu": ALL, "gpu": ALL} if implementation == "xla" else {"gpu": HALF}
+    self.caps = Capabilities(platforms=platforms, window=True, softcap=True, bias=True)
+
+  def attention_fn(self, case: Case):
+    import tokamax
+    kwargs = dict(is_causal=case.causal, implementation=self.implementation)
+    if case.window is not None:
+      kwargs["local_window_size"] = case.window
+    if case.softcap:
+      kwargs["logits_soft_cap"] = case.softcap
+
+    def fn(q, k, v, bias=None):
+      return tokamax.dot_product_attention(q, k, v, bias=bias, **kwargs)
+    return fn
+
+
 class KvReadBackend(JaxBackend):
   """Not attention: XLA reads the case's K and V once (a max over each), the bytes a forward of the case reads at least.
   Its bandwidth is the ceiling a memory-bound forward (decoding) is held to on this device, timed the same way on the
@@ -471,5 +497,6 @@ class KvReadBackend(JaxBackend):
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
                  DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"),
-                 JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), KvReadBackend(), RingPermutesBackend()):
+                 JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
+                 TokamaxBackend("triton"), TokamaxBackend("xla"), KvReadBackend(), RingPermutesBackend()):
   register(_backend)
