@@ -93,7 +93,7 @@ def _visible_sum(weights, values, visible, over: str):
 def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seqlens=None, window_size=(-1, -1),
                         scale=None, softcap=0.0, alibi_slopes=None, dout=None, dlse=None, q_segment_ids=None,
                         kv_segment_ids=None, q_positions=None, kv_positions=None, bias=None,
-                        keep_mask=None, dropout_rate=0.0):
+                        keep_mask=None, dropout_rate=0.0, sink_logits=None):
   """Returns dict with out [B,Sq,H,Dv], lse [B,H,Sq] and, if dout is given, dq, dk, dv and, with a bias, dbias (its
   shape, summed over its broadcast dims; all float64).
 
@@ -102,7 +102,16 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
   key gives out = 0, lse = -inf and zero gradients. bias ([B or 1, H or 1, Sq or 1, Skv or 1]) is added to the logits
   after ALiBi; a row whose visible logits are then all -inf counts as a row with no visible key. keep_mask (bool
   [B, H, Sq, Skv], e.g. te_jax.dropout_keep_mask) applies attention dropout: out and dv use the probabilities times
-  keep_mask / (1 - dropout_rate); lse is unchanged."""
+  keep_mask / (1 - dropout_rate); lse is unchanged. sink_logits ([H]) adds one valueless logit per head to every
+  row's softmax denominator (attention sinks): lse includes it, a row with no visible key gives out = 0, lse = sink.
+  (No gradient for the sinks here: tests/test_sinks.py differentiates the definition.)"""
+  if sink_logits is not None:
+    return _with_sinks(sink_logits, dict(q=q, k=k, v=v, mask_type=mask_type, q_seqlens=q_seqlens,
+                                         kv_seqlens=kv_seqlens, window_size=window_size, scale=scale, softcap=softcap,
+                                         alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                                         kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                                         kv_positions=kv_positions, bias=bias, keep_mask=keep_mask,
+                                         dropout_rate=dropout_rate), dout, dlse)
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv, num_kv_heads = k.shape[1], k.shape[2]
@@ -154,4 +163,25 @@ def attention_reference(q, k, v, *, mask_type="no_mask", q_seqlens=None, kv_seql
   if bias is not None:
     broadcast = tuple(axis for axis, extent in enumerate(np.shape(bias)) if extent == 1)
     result["dbias"] = dlogits.sum(axis=broadcast, keepdims=True)
+  return result
+
+
+def _with_sinks(sink_logits, arguments: dict, dout, dlse) -> dict:
+  """attention_reference with sinks, from the reference without them: lse' = logaddexp(lse, sink), so each
+  probability and out scale by c = exp(lse - lse'). The logits' gradient is then P' (dO.V - dO.out' + dlse'), which is
+  the reference's own formula fed dO c and dlse = c (dlse' + (1 - c) dO.out)."""
+  plain = attention_reference(**arguments)
+  sink = np.asarray(sink_logits, np.float64)[:, None]  # [H, 1] against lse [B, H, Sq]
+  with np.errstate(invalid="ignore"):
+    lse = np.logaddexp(plain["lse"], sink)
+    c = np.where(np.isneginf(plain["lse"]), 0.0, np.exp(plain["lse"] - lse))
+  per_row = c.transpose(0, 2, 1)[..., None]  # out's layout [B, Sq, H, 1]
+  result = dict(out=plain["out"] * per_row, lse=lse)
+  if dout is None:
+    return result
+  dout = np.asarray(dout, np.float64)
+  dlse = np.zeros_like(lse) if dlse is None else np.asarray(dlse, np.float64)
+  delta = np.einsum("bqhd,bqhd->bhq", dout, plain["out"])
+  grads = attention_reference(**arguments, dout=dout * per_row, dlse=c * (dlse + (1.0 - c) * delta))
+  result.update({name: grads[name] for name in ("dq", "dk", "dv", "dbias") if name in grads})
   return result

@@ -154,3 +154,31 @@ def test_bad_sink_logits_raise_before_anything_runs(sinks, error, match):
   q = np.zeros((1, 4, 2, 8), np.float32)
   with pytest.raises(error, match=match):
     te_jax.fused_attn(q, q, q, sink_logits=sinks)
+
+
+def test_the_float64_reference_with_sinks_matches_the_definition():
+  """te_jax.reference's sink_logits (the benchmark harness's reference for calls with sinks): out, lse and the
+  gradients of q, k, v with a cotangent on both out and lse, against autodiff of the definition; a row with no visible
+  key gives out = 0 and lse = its sink."""
+  from te_jax.reference import attention_reference
+  jax.config.update("jax_enable_x64", True)
+  try:
+    rng = np.random.default_rng(11)
+    b, sq, skv, h, hkv, d = 2, 9, 12, 4, 2, 8
+    q, k, v, dout = (rng.standard_normal(shape) for shape in ((b, sq, h, d), (b, skv, hkv, d), (b, skv, hkv, d),
+                                                              (b, sq, h, d)))
+    dlse = rng.standard_normal((b, h, sq))
+    sinks = rng.uniform(-2.0, 3.0, h)
+    q_seqlens, kv_seqlens = np.array([9, 5]), np.array([12, 0])  # batch entry 1 sees no key
+    got = attention_reference(q, k, v, mask_type="padding_causal", q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+                              sink_logits=sinks, dout=dout, dlse=dlse)
+    visible = jnp.asarray(visible_mask("padding_causal", sq, skv, q_seqlens, kv_seqlens, (-1, -1)))
+    definition = lambda q, k, v: _sink_attention(q, k, v, jnp.asarray(sinks), visible, 1 / np.sqrt(d), 0.0)  # noqa: E731
+    (out, lse), vjp = jax.vjp(definition, *(jnp.asarray(x) for x in (q, k, v)))
+    np.testing.assert_allclose(got["out"], out, atol=1e-12)
+    np.testing.assert_allclose(got["lse"], lse, atol=1e-12)
+    for name, want in zip(("dq", "dk", "dv"), vjp((jnp.asarray(dout), jnp.asarray(dlse)))):
+      np.testing.assert_allclose(got[name], want, atol=1e-10, err_msg=name)
+    assert np.all(got["out"][1] == 0) and np.all(got["lse"][1] == sinks[:, None])
+  finally:
+    jax.config.update("jax_enable_x64", False)

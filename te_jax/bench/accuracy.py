@@ -32,6 +32,7 @@ _reference_cache: dict[tuple, dict] = {}
 
 
 def reference(inputs, mode: str) -> dict:
+  from te_jax.reference import attention_reference
   case = inputs.case
   key = (case, mode != "fwd")
   if key not in _reference_cache:
@@ -46,32 +47,11 @@ def reference(inputs, mode: str) -> dict:
                      keep_mask=np.asarray(te_jax.dropout_keep_mask(inputs.dropout_key, mask_shape, case.dropout)))
     q, k, v = (np.asarray(x, np.float64) for x in (s.q, s.k, s.v))
     dout = None if mode == "fwd" else np.asarray(s.dout, np.float64)
-    res = _with_sinks(q, k, v, dout, inputs.sinks, options)
+    res = attention_reference(q, k, v, dout=dout, sink_logits=inputs.sinks, **options)
     if len(_reference_cache) > 64:
       _reference_cache.clear()
     _reference_cache[key] = res
   return _reference_cache[key]
-
-
-def _with_sinks(q, k, v, dout, sinks, options: dict) -> dict:
-  """te_jax.reference's attention, with a sink logit per head when `sinks` is given. The sink joins every row's
-  softmax denominator: lse' = logaddexp(lse, sink), so each probability, and out, scales by c = exp(lse - lse'). The
-  gradient of the logits is then P' (dout . V - dout . out'), which is the reference's own formula fed dout * c and
-  dlse = c (1 - c) dout . out: the gradients come from the reference too."""
-  from te_jax.reference import attention_reference
-  if sinks is None:
-    return attention_reference(q, k, v, dout=dout, **options)
-  plain = attention_reference(q, k, v, **options)
-  lse = plain["lse"]  # [B, H, Sq]
-  with np.errstate(invalid="ignore"):
-    c = np.where(np.isneginf(lse), 0.0, np.exp(lse - np.logaddexp(lse, np.asarray(sinks, np.float64)[:, None])))
-  per_row = c.transpose(0, 2, 1)[..., None]  # [B, Sq, H, 1], out's layout
-  result = dict(out=plain["out"] * per_row)
-  if dout is not None:
-    delta = np.einsum("bqhd,bqhd->bhq", dout, plain["out"])
-    grads = attention_reference(q, k, v, dout=dout * per_row, dlse=c * (1.0 - c) * delta, **options)
-    result.update(dq=grads["dq"], dk=grads["dk"], dv=grads["dv"])
-  return result
 
 
 def compare(results: dict, expected: dict, dtype: str) -> Errors:
