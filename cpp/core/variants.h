@@ -24,19 +24,38 @@ struct NoBias {
   static constexpr int kBytes = 0;
 };
 
-// tanh(s / cap), the soft-cap's. The GPU takes 1 - 2 / (2^(2 log2(e) s / cap) + 1) on the special-function unit
-// (ex2.approx and an approximate reciprocal, the cap's reciprocal hoisted out of the loops; absolute error ~3e-7):
-// tanhf and an IEEE division are ~40 instructions a logit with slow paths, which made the soft-capped sm90 forward
-// 3.4x slower than plain attention on an H200. Infinities give +-1, NaN stays NaN. The CPU keeps tanhf.
+// tanh(s / cap), the soft-cap's. The GPU takes tanh |y| = (1 - e) / (1 + e) with e = 2^(-2 log2(e) |y|) in (0, 1]: one
+// ex2.approx on the special-function unit (the cap's reciprocal hoisted out of the loops), and 1 / (1 + e), in
+// [1/2, 1], on the FMA pipe: a quadratic within 1% (the minimax one on [1, 2]) and two Newton steps, within 1e-7. The
+// special-function unit already takes exp2 once per logit; a second op there (rcp.approx) made the soft-cap cost +61%
+// over plain attention in the sm90 forward, and tanhf with an IEEE division was ~40 instructions with slow paths.
+// Absolute error ~2e-7; +-inf give +-1, NaN stays NaN, -0 stays -0. The CPU keeps tanhf.
 TE_JAX_HOST_DEVICE float SoftcapTanh(float s, float cap) {
 #if defined(__CUDA_ARCH__)
   float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(s * __fdividef(2.8853900817779268f, cap)));
-  return 1.0f - __fdividef(2.0f, e + 1.0f);
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fabsf(s) * __fdividef(-2.8853900817779268f, cap)));
+  const float d = 1.0f + e;
+  float r = fmaf(fmaf(32.0f / 99.0f, d, -16.0f / 11.0f), d, 70.0f / 33.0f);
+  r = fmaf(r, fmaf(-d, r, 1.0f), r);
+  r = fmaf(r, fmaf(-d, r, 1.0f), r);
+  return copysignf((1.0f - e) * r, s);
 #else
   return tanhf(s / cap);
 #endif
 }
+
+// The integer type of the positions a kernel hands Logit. Row and column indices (with a diagonal offset) are int:
+// their distance fits in 32 bits and converts in one instruction. Packed sequences' positions are any int32 each, so
+// their distance takes 64 bits, and its conversion (I2F.S64; one per logit of the sm90 forward when every kernel took
+// int64 positions) is the slow one.
+template <bool kTokensOn>
+struct PositionType {
+  using Type = int;
+};
+template <>
+struct PositionType<true> {
+  using Type = int64_t;
+};
 
 template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false, bool kDropoutOn = false,
           typename BiasElement = NoBias>
@@ -47,11 +66,13 @@ struct LogitsVariant {
   static constexpr bool kHasDropout = kDropoutOn;
   static constexpr bool kHasBias = BiasElement::kBytes > 0;
   using Bias = BiasElement;
+  using Position = typename PositionType<kTokensOn>::Type;  // what the CUDA kernels hand Logit
   float scale;
   float cap;    // read only with kHasSoftcap
   float slope;  // read only with kHasAlibi; per (batch, head)
 
-  TE_JAX_HOST_DEVICE float Logit(float x, int64_t p, int64_t j) const {
+  template <typename Position>
+  TE_JAX_HOST_DEVICE float Logit(float x, Position p, Position j) const {
     float s = scale * x;
     if constexpr (kHasSoftcap) s = cap * SoftcapTanh(s, cap);
     if constexpr (kHasAlibi) s += slope * static_cast<float>(j - p);
@@ -66,6 +87,19 @@ struct LogitsVariant {
       return scale;
     }
   }
+};
+
+// ALiBi's term over the scale, slope / scale * (j - p), for kernels that keep q.k unscaled and take the scale in their
+// exp2 (no soft-cap, no bias, index positions): one thread's keys sit at compile-time offsets from its first column, so
+// a row converts its distance from that column once per tile and each element costs one FFMA and the add.
+struct AlibiOverScale {
+  float step;  // slope / scale
+  float base;  // step * (first column - p)
+
+  TE_JAX_HOST_DEVICE static AlibiOverScale At(float step, int first_column_minus_p) {
+    return {step, step * static_cast<float>(first_column_minus_p)};
+  }
+  TE_JAX_HOST_DEVICE float Term(int offset) const { return base + step * static_cast<float>(offset); }
 };
 
 using ScaledDot = LogitsVariant<false, false>;

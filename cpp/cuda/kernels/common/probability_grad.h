@@ -20,8 +20,9 @@ struct ProbabilityGrad {
   // additive bias the logit is Logit(x) + bias. With dropout, `keep` is the element's factor (1 / (1 - rate) or 0;
   // dropout.h): x_to_p becomes p * keep (what dV takes) and the logit's gradient p * (keep * dp - delta'); without it
   // keep is the constant 1 and folds away. Returns the logit's gradient (and so the bias's).
-  static __device__ __forceinline__ float Apply(const Variant& variant, float& x_to_p, float& dp_to_ds, int64_t pos,
-                                                int key, bool visible, float lse, float delta, float bias = 0.0f,
+  static __device__ __forceinline__ float Apply(const Variant& variant, float& x_to_p, float& dp_to_ds,
+                                                typename Variant::Position pos, typename Variant::Position key,
+                                                bool visible, float lse, float delta, float bias = 0.0f,
                                                 float keep = 1.0f) {
     const float x = x_to_p;
     float p;
@@ -41,7 +42,8 @@ struct ProbabilityGrad {
     return dlogit;
   }
 
-  static __device__ __forceinline__ float Logit(const Variant& variant, float x, int64_t pos, int key, float bias) {
+  static __device__ __forceinline__ float Logit(const Variant& variant, float x, typename Variant::Position pos,
+                                                typename Variant::Position key, float bias) {
     if constexpr (Variant::kHasBias) return variant.Logit(x, pos, key) + bias;
     return variant.Logit(x, pos, key);
   }

@@ -185,8 +185,10 @@ struct ForwardKernel {
       }
       const int2* stage_keys = key_tokens + stage * kBlockN;
       // The positions the variant sees: the tokens' with packed sequences, else the diagonal's and the key's index.
-      auto row_position = [&](int local) { return kTokens ? row_tokens[local].w : m0 + local + diag; };
-      auto key_position = [&](int col) { return kTokens ? stage_keys[col - n0].y : col; };
+      auto row_position = [&](int local) -> typename Variant::Position {
+        return kTokens ? row_tokens[local].w : m0 + local + diag;
+      };
+      auto key_position = [&](int col) -> typename Variant::Position { return kTokens ? stage_keys[col - n0].y : col; };
       // The bias of row `local`'s key col, added after the variant's logit.
       auto bias_at = [&](int local, int col) {
         if constexpr (kBias) return BiasStage::Value(bias_tile(stage).Row(bias, m0, local), col - n0);

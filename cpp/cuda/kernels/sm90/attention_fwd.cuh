@@ -107,8 +107,9 @@ struct ForwardKernel {
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
   // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h); a
-  // bias adds to natural-unit logits.
-  static constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi && !kBias;
+  // bias adds to natural-unit logits. ALiBi over index positions adds its term over the scale (AlibiOverScale).
+  static constexpr bool kRawAlibi = Variant::kHasAlibi && !Variant::kHasSoftcap && !kBias && !kTokens;
+  static constexpr bool kRawScores = (!Variant::kHasSoftcap && !Variant::kHasAlibi && !kBias) || kRawAlibi;
 
   // The shared-memory map, from the 1024-byte-aligned base.
   struct Smem {
@@ -480,6 +481,7 @@ struct ForwardKernel {
     if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[cta.b * s.num_heads + cta.head];
     const int diag = static_cast<int>(cta.mask.diag_offset);
     const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
+    [[maybe_unused]] const float alibi_step = kRawAlibi ? variant.slope / s.scale : 0.0f;
     // A bias: the rows of its stages the thread reads (a query-broadcast bias's one-row boxes: row 0).
     [[maybe_unused]] int bias_rows[2];
     if constexpr (kBias) {
@@ -487,7 +489,7 @@ struct ForwardKernel {
       for (int r = 0; r < 2; ++r) bias_rows[r] = args.bias.query_stride == 0 ? 0 : local_row + 8 * r;
     }
     // The row position the variant sees: the token's with packed sequences, else the diagonal's.
-    auto row_position = [&](int r) {
+    auto row_position = [&](int r) -> typename Variant::Position {
       if constexpr (kTokens) {
         return row_token(r).w;
       } else {
@@ -527,7 +529,7 @@ struct ForwardKernel {
         const int4 pair = pairs[4 * j + t];
         return e & 1 ? make_int2(pair.z, pair.w) : make_int2(pair.x, pair.y);
       };
-      auto key_position = [&](int j, int e) {
+      auto key_position = [&](int j, int e) -> typename Variant::Position {
         if constexpr (kTokens) {
           return key_token(j, e).y;
         } else {
@@ -557,11 +559,22 @@ struct ForwardKernel {
           release(sm.BiasEmpty(StageOf(at)));
         }
       };
-      // A tile every row fully sees: the variant alone (raw scores need nothing).
+      // ALiBi on raw scores: row r's term from the thread's first column of the tile.
+      [[maybe_unused]] AlibiOverScale alibi[2];
+      if constexpr (kRawAlibi) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) alibi[r] = AlibiOverScale::At(alibi_step, n0 + 2 * t - row_position(r));
+      }
+      // A tile every row fully sees: the variant alone (raw scores need nothing but ALiBi's term).
       auto interior_tile = [&]() {
         if constexpr (kTokens) row_seen(0) = row_seen(1) = 1;
         if constexpr (kBias) {
           biased_logits();
+        } else if constexpr (kRawAlibi) {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[j][e] += alibi[e >> 1].Term(8 * j + (e & 1));
         } else if constexpr (!kRawScores) {
 #pragma unroll
           for (int j = 0; j < kBlockN / 8; ++j)
@@ -594,6 +607,7 @@ struct ForwardKernel {
               const int r = e >> 1, col = n0 + 8 * j + 2 * t + (e & 1);
               float logit = sc[j][e];
               if constexpr (!kRawScores && !kBias) logit = variant.Logit(logit, row_position(r), key_position(j, e));
+              if constexpr (kRawAlibi) logit += alibi[r].Term(8 * j + (e & 1));
               bool visible;
               if constexpr (kTokens) {
                 visible = sees(j, e, rows);
