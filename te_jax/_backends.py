@@ -26,6 +26,9 @@ class Backend:
   # (core params, direction, AttentionConfig) -> Choice: resolves config.engine for this platform, raising
   # EngineUnavailableError for an explicit engine that cannot serve the call.
   choose_engine: Callable[[dict, str, Any], Choice] = lambda params, direction, config: _te_only(config)
+  # Whether the backend serves FP8 attention (AttentionConfig.fp8): the CPU attends over the dequantized values in
+  # float32, the reference; a backend without FP8 kernels refuses such a call at lowering.
+  serves_fp8: bool = False
 
   def target_name(self, direction: str, path: str) -> str:
     return f"te_jax_attention_{direction}_{self.platform}_{path}"
@@ -69,7 +72,7 @@ _registered_platforms: set[str] = set()
 _registered_targets: list[str] = []
 
 _BACKENDS: dict[str, Backend] = {
-    "cpu": Backend(platform="cpu", code=0, extension_name="_te_jax_cpu", legacy_api_version=3),
+    "cpu": Backend(platform="cpu", code=0, extension_name="_te_jax_cpu", legacy_api_version=3, serves_fp8=True),
 }
 
 

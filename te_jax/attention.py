@@ -15,6 +15,7 @@ from te_jax.arguments import (alibi_operand, as_array, bias_operand, check_bool,
                               check_window, dropout_operand, seqlens_operand, sink_operand, token_operands)
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
+from te_jax.fp8 import fp8_operands
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_slope_gradient
@@ -26,7 +27,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                context_parallel_axis: str | None = None, context_parallel_strategy: str = "all_gather",
                context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
                q_positions=None, kv_positions=None, sink_logits=None, bias=None, dropout_rate: float = 0.0,
-               dropout_rng=None):
+               dropout_rng=None, q_descale=None, k_descale=None, v_descale=None, fp8=False, fp8_amax=None,
+               out_dtype=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -84,11 +86,25 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       are natural sequence positions. Under vmap over N examples the mapped axis joins the batch: example n's batch
       entry b uses mask entry b * N + n, so each example gets its own mask from one key (which must not be mapped).
 
+    q_descale, k_descale, v_descale: FP8 attention with pre-quantized operands: q, k and v of one FP8 dtype
+      (jnp.float8_e4m3fn or float8_e5m2), each with its float32 descale, a scalar or one per head ([H] for q, [Hkv] for
+      k and v), so that x.astype(float32) * descale is the value (te_jax.quantize_fp8 returns both). Differentiating an
+      FP8 operand or a descale is an error.
+    fp8: FP8 attention for training: False (default), True (one descale per tensor) or "per_head": bfloat16, float16
+      or float32 q, k, v quantized to float8_e4m3fn inside exactly as te_jax.quantize_fp8 does (current scaling), and
+      their gradients are those with respect to the dequantized values, in their own dtypes (straight-through).
+    fp8_amax: with fp8, (q_amax, k_amax, v_amax), float32 scalars (or [H] / [Hkv] per head): the magnitudes mapped
+      onto e4m3's max instead of the operands' own (delayed scaling from an amax history); values beyond saturate.
+    out_dtype: an FP8 call's out dtype, bfloat16, float16 or float32; defaults to bfloat16 for FP8 operands and to the
+      operands' dtype with fp8=. An FP8 call attends over the dequantized values in float32: te_jax's CPU backend is
+      the reference for the FP8 GPU kernels, which do not exist yet; a GPU refuses FP8 calls (te_jax/fp8.py).
+
   Returns:
-    out [B, Sq, H, Dv] in q's dtype, and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
+    out [B, Sq, H, Dv] in q's dtype (an FP8 call's: out_dtype), and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
     Gradients flow to q, k and v (and through lse when it is returned).
   """
   q, k, v = (as_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  q, k, v, out_dtype, is_fp8 = fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype)
   check_qkv(q, k, v)
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv = k.shape[1]
@@ -110,7 +126,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            has_segment_ids=has_ids, has_positions=has_positions, has_bias=bias is not None,
                            dropout_threshold=threshold,
                            # context parallelism merges the sinks after its blocks' merge (_attention)
-                           has_sinks=sink_logits is not None and cp is None)
+                           has_sinks=sink_logits is not None and cp is None, fp8=is_fp8)
   alibi = alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias = bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))
@@ -118,6 +134,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
   out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
+  if out_dtype is not None:
+    out = out.astype(out_dtype)
   return (out, lse) if return_lse else out
 
 

@@ -42,6 +42,9 @@ class AttentionConfig:
   # [num_pages, page_size, Hkv, D(v)] read through the page table int32 [B, max_pages_per_seq], and Skv is the
   # capacity max_pages_per_seq * page_size.
   page_size: int = 0
+  # FP8 attention (te_jax/fp8.py): q, k and v are the float32 dequantized values of FP8 operands; a backend without FP8
+  # kernels refuses the call rather than attend at another precision (Backend.serves_fp8).
+  fp8: bool = False
 
   def ffi_attributes(self, engine_code: int) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering

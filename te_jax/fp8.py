@@ -1,0 +1,193 @@
+"""FP8 attention's operands: te_jax.quantize_fp8 and the conventions fused_attn's FP8 arguments follow.
+
+An FP8 array x8 (float8_e4m3fn or float8_e5m2) with its float32 descale stands for `x8.astype(float32) * descale`; the
+descale is a scalar, or one per head along axis 2 of a [B, S, H, D] operand ([H] for q, [Hkv] for k and v). Current
+scaling maps a tensor's (or a head's) largest magnitude onto the format's largest finite value: descale = amax / max.
+
+fused_attn takes FP8 two ways (te_jax/attention.py): pre-quantized q, k, v with their descales, where differentiating
+an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on bfloat16/float16/float32 q, k, v, quantized
+inside exactly as quantize_fp8 does, whose gradients are those with respect to the dequantized values, returned in the
+operands' dtype (the straight-through convention of FP8 training). Either way the attention runs on the dequantized
+values in float32: the CPU backend is the reference the FP8 kernels are measured against; a GPU refuses the call
+until it has FP8 kernels (te_jax/_backends.py: Backend.serves_fp8), never computing it at another precision silently.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.symbolic_zeros import primal_values
+
+# The formats and their largest finite values.
+FORMAT_MAX = {np.dtype(jnp.float8_e4m3fn): 448.0, np.dtype(jnp.float8_e5m2): 57344.0}
+# The output dtypes an FP8 call may ask for.
+OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+MODES = (False, True, "per_head")
+
+
+def is_fp8(dtype) -> bool:
+  return np.dtype(dtype) in FORMAT_MAX
+
+
+def _format(dtype):
+  try:
+    if is_fp8(dtype):
+      return np.dtype(dtype)
+  except TypeError:
+    pass
+  raise TypeError(f"dtype must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}")
+
+
+def _heads(x, per_head: bool, name: str) -> int | None:
+  if not per_head:
+    return None
+  if x.ndim != 4:
+    raise ValueError(f"{name}: per-head scaling takes a [B, S, H, D] array, got shape {tuple(x.shape)}")
+  return x.shape[2]
+
+
+def _check_scale_shape(value, heads: int | None, name: str, what: str):
+  value = jnp.asarray(value)
+  want = () if heads is None else (heads,)
+  if value.shape != want or value.dtype != jnp.float32:
+    raise ValueError(f"{name} must be a float32 {'scalar' if heads is None else f'[{heads}]'} ({what}), got "
+                     f"{value.dtype} {tuple(value.shape)}")
+  return value
+
+
+def _per_head(scale, ndim: int):
+  """A descale (scalar or [H]) shaped to broadcast against a [B, S, H, D] operand (or any operand, when scalar)."""
+  return scale if scale.ndim == 0 else scale.reshape((1, 1, -1) + (1,) * (ndim - 3))
+
+
+def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, per_head: bool = False, amax=None):
+  """Quantizes x to FP8 with current scaling: returns (x8, descale) with x ~= x8.astype(float32) * descale.
+
+  Args:
+    x: a floating array; with per_head, [B, S, H, D].
+    dtype: jnp.float8_e4m3fn (max 448) or jnp.float8_e5m2 (max 57344).
+    per_head: one descale per head (axis 2), [H]; else one float32 scalar for the tensor.
+    amax: the largest magnitude to map onto the format's max (delayed scaling from an amax history), float32 of the
+      descale's shape; defaults to max |x| (over the tensor, or per head over B, S and D). Values beyond it saturate.
+
+  Returns:
+    x8 in dtype, and the float32 descale: amax / the format's max, or 1 where amax is 0 (an all-zero tensor or
+    head). A NaN or inf in x makes amax (and so every value scaled by it) NaN, as current scaling's formula says.
+  """
+  fmt = _format(dtype)
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or is_fp8(x.dtype):
+    raise TypeError(f"quantize_fp8: x must be a float32, bfloat16 or float16 array, got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
+  heads = _heads(x, per_head, "quantize_fp8")
+  x32 = jnp.asarray(x, jnp.float32)
+  if amax is None:
+    amax = jnp.max(jnp.abs(x32)) if heads is None else jnp.max(jnp.abs(x32), axis=(0, 1, 3))
+  else:
+    amax = _check_scale_shape(amax, heads, "quantize_fp8: amax", "the magnitude mapped onto the format's max")
+  top = FORMAT_MAX[fmt]
+  descale = jnp.where(amax == 0, jnp.float32(1), amax / jnp.float32(top))
+  # e4m3fn has no infinity (out-of-range values would become NaN): saturate at the format's max.
+  x8 = jnp.clip(x32 / _per_head(descale, x32.ndim), -top, top).astype(fmt)
+  return x8, descale
+
+
+def dequantize_fp8(x8, descale, dtype=jnp.float32):
+  """x8.astype(float32) * descale (a scalar or [H] along axis 2), in dtype."""
+  return (x8.astype(jnp.float32) * _per_head(descale, x8.ndim)).astype(dtype)
+
+
+# Pre-quantized operands: dequantized for the float32 attention; an FP8 operand or a descale being differentiated is an
+# error, not a silent zero (an FP8 gradient is of no use, and te_jax computes none for the descales).
+def _refusing_fwd(name, x8, descale):
+  if x8.perturbed:
+    raise ValueError(f"{name} is an FP8 operand being differentiated: te_jax computes no FP8 gradient. Train with "
+                     f"fp8=True on {name} in bfloat16/float16/float32 (quantized inside, gradients in its dtype), or "
+                     f"pass jax.lax.stop_gradient({name})")
+  if descale.perturbed:
+    raise ValueError(f"{name}_descale is being differentiated, but te_jax computes no gradient for descales (it would "
+                     f"be a silent zero): pass jax.lax.stop_gradient({name}_descale)")
+  x8, descale = primal_values((x8, descale))
+  return dequantize_fp8(x8, descale), None
+
+
+def _dequantized_named(name):
+  f = jax.custom_vjp(lambda x8, descale: dequantize_fp8(x8, descale))
+  f.defvjp(partial(_refusing_fwd, name), lambda _, ct: (None, None), symbolic_zeros=True)
+  return f
+
+
+_DEQUANTIZE = {name: _dequantized_named(name) for name in ("q", "k", "v")}
+
+
+# The training entry: x quantized as quantize_fp8 does and dequantized; the gradient passes straight through, in x's
+# dtype.
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fake_quantized(x, amax, fmt, per_head):
+  return dequantize_fp8(*quantize_fp8(x, dtype=fmt, per_head=per_head, amax=amax))
+
+
+def _fake_quantized_fwd(x, amax, fmt, per_head):
+  return _fake_quantized(x, amax, fmt, per_head), jnp.zeros((0,), x.dtype)
+
+
+def _fake_quantized_bwd(fmt, per_head, x_dtype, ct):
+  return ct.astype(x_dtype.dtype), None
+
+
+_fake_quantized.defvjp(_fake_quantized_fwd, _fake_quantized_bwd)
+
+
+def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype):
+  """fused_attn's FP8 arguments checked and applied: returns (q, k, v, out_dtype, is_fp8_call), where an FP8 call's
+  q, k, v are the float32 dequantized values and out_dtype the dtype its out is cast to (None: no cast)."""
+  if not any(x is not None for x in (q_descale, k_descale, v_descale, fp8_amax, out_dtype)) and fp8 is False and \
+      not any(is_fp8(x.dtype) for x in (q, k, v)):
+    return q, k, v, None, False
+  if fp8 not in MODES or isinstance(fp8, (int, np.integer)) and not isinstance(fp8, bool):
+    raise ValueError(f"fp8 must be False, True (one descale per tensor) or 'per_head', got {fp8!r}")
+  if out_dtype is not None and np.dtype(out_dtype) not in OUT_DTYPES:
+    raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype!r}")
+  descales = (q_descale, k_descale, v_descale)
+  if any(is_fp8(x.dtype) for x in (q, k, v)):
+    if not (is_fp8(q.dtype) and q.dtype == k.dtype == v.dtype):
+      raise TypeError(f"FP8 attention takes q, k and v in one FP8 dtype (float8_e4m3fn or float8_e5m2), got "
+                      f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if fp8 is not False or fp8_amax is not None:
+      raise ValueError("fp8= and fp8_amax= quantize bfloat16/float16/float32 operands inside; q, k and v are already "
+                       "FP8 (pass their descales instead)")
+    if any(d is None for d in descales):
+      missing = ", ".join(f"{n}_descale" for n, d in zip("qkv", descales) if d is None)
+      raise ValueError(f"FP8 q, k and v need their descales (x8.astype(float32) * descale is the value): {missing} "
+                       "missing; te_jax.quantize_fp8 returns them")
+    values = []
+    for x, d, name in zip((q, k, v), descales, "qkv"):
+      if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
+      d = jnp.asarray(d)
+      heads = x.shape[2] if d.ndim == 1 else None
+      what = "the tensor's descale, or one per head" + (" of q" if name == "q" else " of k/v")
+      values.append(_DEQUANTIZE[name](x, _check_scale_shape(d, heads, f"{name}_descale", what)))
+    return (*values, np.dtype(out_dtype or jnp.bfloat16), True)
+  if any(d is not None for d in descales):
+    raise ValueError("q_descale, k_descale and v_descale go with FP8 q, k and v (float8_e4m3fn or float8_e5m2); got "
+                     f"{q.dtype} operands (fp8=True quantizes them inside)")
+  if fp8 is False:
+    raise ValueError("fp8_amax and out_dtype go with FP8 attention: FP8 q, k, v with descales, or fp8=True | "
+                     "'per_head'")
+  per_head = fp8 == "per_head"
+  if fp8_amax is not None:
+    if not isinstance(fp8_amax, (tuple, list)) or len(fp8_amax) != 3:
+      raise ValueError("fp8_amax must be a tuple (q_amax, k_amax, v_amax) of float32 "
+                       f"{'[H] / [Hkv]' if per_head else 'scalars'}")
+  amaxes = fp8_amax or (None, None, None)
+  values = []
+  for x, amax, name in zip((q, k, v), amaxes, "qkv"):
+    if amax is not None:
+      heads = _heads(x, per_head, name)
+      amax = jax.lax.stop_gradient(_check_scale_shape(amax, heads, f"fp8_amax for {name}", "its amax"))
+    values.append(_fake_quantized(x, amax, np.dtype(jnp.float8_e4m3fn), per_head))
+  return (*values, np.dtype(out_dtype or q.dtype), True)

@@ -1,0 +1,233 @@
+"""FP8 attention on the CPU (te_jax/fp8.py): te_jax.quantize_fp8's current scaling, fused_attn on pre-quantized q, k, v
+against the float64 reference over the dequantized values, the training entry fp8= (straight-through gradients in the
+operands' dtype), and the refusals: missing or misshaped descales, gradients of FP8 operands or descales, and a GPU
+lowering (no FP8 kernels there yet)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+from te_jax import dequantize_fp8, quantize_fp8
+from te_jax.reference import attention_reference
+
+from helpers import PATHS, assert_close
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# Relative spacing of the formats' normal values (3 and 2 mantissa bits): round to nearest is within half of it.
+HALF_SPACING = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+# Their smallest subnormal step, in units of the descale.
+SUBNORMAL_STEP = {E4M3: 2.0**-9, E5M2: 2.0**-16}
+
+
+def values(x8, descale):
+  """What an FP8 operand stands for, computed here in float64 (independently of te_jax's dequantize_fp8)."""
+  d = np.asarray(descale, np.float64)
+  return np.asarray(x8.astype(jnp.float32), np.float64) * (d.reshape(1, 1, -1, 1) if d.ndim else d)
+
+
+def normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_quantize_round_trip_and_descales(fmt, per_head):
+  x = normal(1, (2, 33, 3, 16)) * jnp.asarray([1.0, 50.0, 1e-3])[None, None, :, None]  # heads of different scale
+  x8, descale = quantize_fp8(x, dtype=fmt, per_head=per_head)
+  assert x8.dtype == fmt and x8.shape == x.shape and descale.dtype == jnp.float32
+  amax = np.abs(np.asarray(x)).max(axis=(0, 1, 3) if per_head else None)
+  np.testing.assert_allclose(np.asarray(descale), amax / float(jnp.finfo(fmt).max), rtol=1e-6)
+  assert float(jnp.abs(x8.astype(jnp.float32)).max()) == float(jnp.finfo(fmt).max)  # amax lands on the format's max
+  back = np.asarray(dequantize_fp8(x8, descale), np.float64)
+  np.testing.assert_array_equal(back, values(x8, descale).astype(np.float32))
+  d = np.asarray(descale, np.float64).reshape((1, 1, -1, 1) if per_head else ())
+  err = np.abs(back - np.asarray(x, np.float64))
+  assert np.all(err <= HALF_SPACING[fmt] * np.abs(np.asarray(x)) + SUBNORMAL_STEP[fmt] * d * 0.5 * 1.0001)
+
+
+def test_quantize_amax_saturates_and_zero_tensor():
+  x = jnp.asarray([[[[0.5, -3.0, 1000.0, -1000.0]]]], jnp.float32)
+  x8, descale = quantize_fp8(x, amax=jnp.float32(4.0))
+  np.testing.assert_allclose(float(descale), 4.0 / 448.0)
+  np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32))[0, 0, 0, 2:], [448.0, -448.0])  # saturated
+  z8, zd = quantize_fp8(jnp.zeros((1, 4, 2, 8), jnp.bfloat16), per_head=True)
+  np.testing.assert_array_equal(np.asarray(zd), [1.0, 1.0])
+  assert not np.any(np.asarray(z8.astype(jnp.float32)))
+
+
+def test_quantize_nan_poisons_the_tensor_as_its_formula_says():
+  x = normal(2, (1, 4, 2, 8)).at[0, 1, 0, 3].set(jnp.nan)
+  _, descale = quantize_fp8(x)
+  assert np.isnan(float(descale))
+  _, per_head = quantize_fp8(x, per_head=True)
+  assert np.isnan(float(per_head[0])) and np.isfinite(float(per_head[1]))  # only the NaN's head
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(dtype=jnp.bfloat16), "float8_e4m3fn or jnp.float8_e5m2"),
+    (dict(per_head=True, x_shape=(4, 8)), r"\[B, S, H, D\]"),
+    (dict(amax=jnp.ones((3,), jnp.float32)), "float32 scalar"),
+    (dict(per_head=True, amax=jnp.float32(1.0)), r"float32 \[2\]"),
+])
+def test_quantize_refuses(bad, message):
+  bad = dict(bad)
+  x = jnp.ones(bad.pop("x_shape", (1, 4, 2, 8)), jnp.float32)
+  with pytest.raises((TypeError, ValueError), match=message):
+    quantize_fp8(x, **bad)
+  with pytest.raises(TypeError, match="x must be"):
+    quantize_fp8(jnp.ones((2,), jnp.int32))
+
+
+def _prequantized(seed, b, sq, skv, h, hkv, d, dv, fmt, per_head, outliers=False):
+  q, k, v = normal(seed, (b, sq, h, d)), normal(seed + 1, (b, skv, hkv, d)), normal(seed + 2, (b, skv, hkv, dv))
+  if outliers:  # 0.1% of the entries x 20: the case FP8 recipes fear
+    q, k, v = (jnp.where(jax.random.uniform(jax.random.key(seed + 10 + i), x.shape) < 1e-3, 20 * x, x)
+               for i, x in enumerate((q, k, v)))
+  return [quantize_fp8(x, dtype=fmt, per_head=per_head) for x in (q, k, v)]
+
+
+CASES = [  # b, sq, skv, h, hkv, d, dv, mask, window, fmt, per_head, outliers
+    (2, 37, 37, 4, 2, 32, 32, "causal", (-1, -1), E4M3, False, False),
+    (2, 29, 41, 2, 2, 16, 24, "padding_causal_bottom_right", (-1, -1), E4M3, True, True),
+    (1, 64, 64, 4, 1, 64, 64, "no_mask", (8, 0), E5M2, True, False),
+    (2, 1, 77, 4, 2, 32, 32, "causal_bottom_right", (-1, -1), E4M3, True, False),  # decode
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[7]}-{jnp.dtype(c[9]).name}-{'head' if c[10] else 'tensor'}")
+def test_prequantized_against_the_reference_over_dequantized_values(case, path):
+  b, sq, skv, h, hkv, d, dv, mask, window, fmt, per_head, outliers = case
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(3, b, sq, skv, h, hkv, d, dv, fmt, per_head, outliers)
+  lengths = {}
+  if mask.startswith("padding"):
+    lengths = dict(q_seqlens=jnp.asarray([sq, sq - 9], jnp.int32), kv_seqlens=jnp.asarray([skv - 5, skv], jnp.int32))
+  with te_jax.custom_call_path(path):
+    out, lse = jax.jit(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type=mask, window_size=window, q_descale=qd,
+                                                         k_descale=kd, v_descale=vd, return_lse=True, **lengths))(
+                                                             q8, k8, v8)
+  assert out.dtype == jnp.bfloat16 and out.shape == (b, sq, h, dv)
+  ref = attention_reference(*(values(x, s) for x, s in ((q8, qd), (k8, kd), (v8, vd))),
+                            mask_type=mask, window_size=window,
+                            **{n: np.asarray(x) for n, x in lengths.items()})
+  # The same math on exactly representable values: float32 attention, out rounded once to bfloat16.
+  assert_close("out", out, ref["out"], 2.0**-8)
+  assert_close("lse", lse, ref["lse"], 1e-5)
+
+
+def test_prequantized_ffi_and_legacy_agree_bitwise_and_out_dtype():
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(7, 2, 40, 40, 4, 2, 32, 32, E4M3, True)
+  outs = []
+  for path in PATHS:
+    with te_jax.custom_call_path(path):
+      outs.append(te_jax.fused_attn(q8, k8, v8, mask_type="causal", q_descale=qd, k_descale=kd, v_descale=vd,
+                                    out_dtype=jnp.float32))
+  assert outs[0].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+  half = te_jax.fused_attn(q8, k8, v8, mask_type="causal", q_descale=qd, k_descale=kd, v_descale=vd,
+                           out_dtype=jnp.float16)
+  np.testing.assert_array_equal(np.asarray(half), np.asarray(outs[0].astype(jnp.float16)))
+
+
+def test_prequantized_under_vmap():
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(9, 2, 24, 24, 2, 2, 16, 16, E4M3, False)
+  call = lambda q: te_jax.fused_attn(q, k8, v8, mask_type="causal", q_descale=qd, k_descale=kd, v_descale=vd)
+  stacked = jnp.stack([q8, q8[::-1]])
+  mapped = jax.vmap(call)(stacked)
+  np.testing.assert_array_equal(np.asarray(mapped[1]), np.asarray(call(q8[::-1])))
+
+
+@pytest.mark.parametrize("mode", [True, "per_head"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_training_entry_is_attention_of_the_dequantized_values_with_straight_through_gradients(mode, dtype):
+  b, s, h, hkv, d = 2, 33, 4, 2, 32
+  q, k, v = normal(11, (b, s, h, d), dtype), normal(12, (b, s, hkv, d), dtype), normal(13, (b, s, hkv, d), dtype)
+  dout = normal(14, (b, s, h, d), jnp.float32)
+  per_head = mode == "per_head"
+
+  def loss(q, k, v):
+    return (te_jax.fused_attn(q, k, v, mask_type="causal", fp8=mode).astype(jnp.float32) * dout).sum()
+
+  out = te_jax.fused_attn(q, k, v, mask_type="causal", fp8=mode)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+  deq = [values(*quantize_fp8(x, per_head=per_head)) for x in (q, k, v)]
+  ref = attention_reference(*deq, mask_type="causal", dout=np.asarray(dout, np.float64))
+  tol = 2.0**-8 if dtype == jnp.bfloat16 else 1e-5
+  assert_close("out", out, ref["out"], tol)
+  for name, got in zip(("dq", "dk", "dv"), grads):  # the gradient at the dequantized values, in the operand's dtype
+    assert_close(name, got, ref[name], 2 * tol)
+
+
+def test_training_entry_with_delayed_scaling_amax():
+  q, k, v = (normal(20 + i, (1, 16, 2, 16)) for i in range(3))
+  amax = tuple(jnp.float32(a) for a in (1.0, 2.0, 3.0))  # below q's own amax: q saturates
+  out = te_jax.fused_attn(q, k, v, fp8=True, fp8_amax=amax)
+  deq = [values(*quantize_fp8(x, amax=a)) for x, a in zip((q, k, v), amax)]
+  assert_close("out", out, attention_reference(*deq)["out"], 1e-5)
+  assert float(jnp.abs(jnp.asarray(deq[0])).max()) == pytest.approx(1.0)
+
+
+def _fp8_args(per_head=False):
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(30, 1, 8, 8, 2, 2, 16, 16, E4M3, per_head)
+  return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def test_gradients_of_fp8_operands_and_descales_are_errors():
+  q8, k8, v8, descales = _fp8_args()
+  loss = lambda q, k, v, **d: te_jax.fused_attn(q, k, v, **d).astype(jnp.float32).sum()
+  with pytest.raises(ValueError, match="k is an FP8 operand being differentiated"):
+    jax.grad(loss, argnums=1)(q8, k8, v8, **descales)
+  with pytest.raises(ValueError, match="v_descale is being differentiated"):
+    jax.grad(lambda vd: loss(q8, k8, v8, q_descale=descales["q_descale"], k_descale=descales["k_descale"],
+                             v_descale=vd))(descales["v_descale"])
+  # Nothing differentiated through them: fine.
+  jax.grad(lambda x: loss(q8, k8, v8, **descales) * x)(1.0)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(drop="v_descale"), ValueError, "v_descale missing"),
+    (dict(k_descale=jnp.ones((3,), jnp.float32)), ValueError, r"k_descale must be a float32 \[2\]"),
+    (dict(q_descale=jnp.ones((), jnp.bfloat16)), ValueError, "q_descale must be a float32 scalar"),
+    (dict(v_dtype=jnp.float8_e5m2), TypeError, "one FP8 dtype"),
+    (dict(fp8=True), ValueError, "already FP8"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be"),
+])
+def test_prequantized_refusals(change, error, message):
+  q8, k8, v8, kwargs = _fp8_args()
+  change = dict(change)
+  if "drop" in change:
+    del kwargs[change.pop("drop")]
+  if "v_dtype" in change:
+    v8 = v8.astype(jnp.float32).astype(change.pop("v_dtype"))
+  kwargs.update(change)
+  with pytest.raises(error, match=message):
+    te_jax.fused_attn(q8, k8, v8, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(q_descale=jnp.float32(1)), "go with FP8 q, k and v"),
+    (dict(fp8="per_tensor"), "fp8 must be False, True"),
+    (dict(fp8=1), "fp8 must be False, True"),
+    (dict(fp8_amax=(jnp.float32(1),) * 3), "go with FP8 attention"),
+    (dict(out_dtype=jnp.float32), "go with FP8 attention"),
+    (dict(fp8=True, fp8_amax=(jnp.float32(1),) * 2), r"fp8_amax must be a tuple \(q_amax, k_amax, v_amax\)"),
+    (dict(fp8="per_head", fp8_amax=(jnp.float32(1),) * 3), r"fp8_amax for q must be a float32 \[2\]"),
+])
+def test_training_entry_refusals(kwargs, message):
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match=message):
+    te_jax.fused_attn(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("fp8_call", ["prequantized", "training"])
+def test_gpu_lowering_refuses_fp8_instead_of_another_precision(fp8_call):
+  if fp8_call == "prequantized":
+    q8, k8, v8, descales = _fp8_args()
+    fn, args = (lambda q: te_jax.fused_attn(q, k8, v8, **descales)), (q8,)
+  else:
+    fn, args = (lambda q: te_jax.fused_attn(q, q, q, fp8=True)), (jnp.ones((1, 8, 2, 16), jnp.bfloat16),)
+  with pytest.raises(Exception, match="FP8 attention .* has no cuda kernels in te_jax yet"):
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
