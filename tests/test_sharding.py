@@ -275,6 +275,17 @@ def test_sinks_shard_with_the_batch_and_heads():
 
 
 @in_process
+@pytest.mark.parametrize("mode", [True, "per_head"])
+def test_fp8_training_entry_shards_with_the_batch_and_heads(mode):
+  """fp8=: the quantization's amax is the whole tensor's (or head's) however it is sharded, so the sharded call equals
+  the unsharded one (the amax's reduction is the one collective the forward adds)."""
+  q, k, v, dout = inputs(batch=8, seqlen=32, kv_heads=2)
+  kwargs = dict(mask_type="causal", fp8=mode)
+  results, _ = run_sharded(make_mesh((2, 2, 2)), P(("dp", "cp"), None, "tp"), q, k, v, dout, **kwargs)
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
+
+
+@in_process
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa2", "mqa"])
 def test_paged_attention_shards_with_its_batch(kv_heads):
   """te_jax.paged_attention with q, the page table and the lengths sharded over the batch and the pools over the kv
@@ -400,6 +411,13 @@ def test_context_parallel(strategy, mask, mesh_shape, load_balanced, kv_heads):
   check_against_unsharded(results, q, k, v, dout, **kwargs)
   check_against_reference(results, q, k, v, dout, **kwargs)
   check_cp_collectives(hlo, strategy, mesh_shape, kv_heads)
+
+
+@in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_fp8_training_entry(strategy):
+  results, _, (q, k, v, dout), kwargs = sharded_cp_call(strategy, "causal", (2, 2, 2), True, fp8="per_head")
+  check_against_unsharded(results, q, k, v, dout, **kwargs)
 
 
 @in_process
