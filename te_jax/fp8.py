@@ -59,8 +59,23 @@ def _check_scale_shape(value, heads: int | None, name: str, what: str):
   return value
 
 
+def descale_operand(descale, heads: int, name: str, pages: int | None = None):
+  """An operand's descale checked: a float32 scalar, one per head ([heads]) or, for a page pool of `pages` pages, one
+  per page and head ([pages, heads])."""
+  d = jnp.asarray(descale)
+  shapes = [(), (heads,)] + ([] if pages is None else [(pages, heads)])
+  if d.shape not in shapes or d.dtype != jnp.float32:
+    allowed = " or ".join("a scalar" if not s else str(list(s)) for s in shapes)
+    raise ValueError(f"{name}_descale must be float32, {allowed} (the tensor's descale, or one per head"
+                     f"{'' if pages is None else ', or one per page and head'}), got {d.dtype} {tuple(d.shape)}")
+  return d
+
+
 def _per_head(scale, ndim: int):
-  """A descale (scalar or [H]) shaped to broadcast against a [B, S, H, D] operand (or any operand, when scalar)."""
+  """A descale (scalar, [H], or [num_pages, H] of a page pool) shaped to broadcast against a [B or num_pages, S, H, D]
+  operand (or any operand, when scalar)."""
+  if scale.ndim == 2:
+    return scale[:, None, :, None]
   return scale if scale.ndim == 0 else scale.reshape((1, 1, -1) + (1,) * (ndim - 3))
 
 
@@ -78,16 +93,37 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, per_head: bool = False, amax=Non
     x8 in dtype, and the float32 descale: amax / the format's max, or 1 where amax is 0 (an all-zero tensor or
     head). A NaN or inf in x makes amax (and so every value scaled by it) NaN, as current scaling's formula says.
   """
-  fmt = _format(dtype)
+  heads = _heads(_floating(x, "quantize_fp8: x"), per_head, "quantize_fp8")
+  if amax is not None:
+    amax = _check_scale_shape(amax, heads, "quantize_fp8: amax", "the magnitude mapped onto the format's max")
+  return _quantize(x, _format(dtype), None if heads is None else (0, 1, 3), amax)
+
+
+def quantize_kv_pages(pages, *, dtype=jnp.float8_e4m3fn, granularity: str = "head"):
+  """Quantizes a KV cache's page pool [num_pages, page_size, Hkv, D] for te_jax.paged_attention: returns (pages8,
+  descale) with current scaling, the descale float32 of one granularity: "tensor" (a scalar), "head" ([Hkv], the
+  default) or "page" ([num_pages, Hkv]: each page and head its own, as a cache that quantizes pages as they fill keeps
+  them). An all-zero page or head gets descale 1."""
+  _floating(pages, "quantize_kv_pages: pages")
+  if pages.ndim != 4:
+    raise ValueError(f"quantize_kv_pages: pages must be [num_pages, page_size, Hkv, D], got shape {tuple(pages.shape)}")
+  axes = {"tensor": None, "head": (0, 1, 3), "page": (1, 3)}
+  if granularity not in axes:
+    raise ValueError(f"granularity must be 'tensor', 'head' or 'page', got {granularity!r}")
+  return _quantize(pages, _format(dtype), axes[granularity], None)
+
+
+def _floating(x, name: str):
   if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or is_fp8(x.dtype):
-    raise TypeError(f"quantize_fp8: x must be a float32, bfloat16 or float16 array, got "
-                    f"{getattr(x, 'dtype', type(x).__name__)}")
-  heads = _heads(x, per_head, "quantize_fp8")
+    raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {getattr(x, 'dtype', type(x).__name__)}")
+  return x
+
+
+def _quantize(x, fmt, axes, amax):
+  """Current scaling over `axes` (None: the whole tensor) or with the given amax."""
   x32 = jnp.asarray(x, jnp.float32)
   if amax is None:
-    amax = jnp.max(jnp.abs(x32)) if heads is None else jnp.max(jnp.abs(x32), axis=(0, 1, 3))
-  else:
-    amax = _check_scale_shape(amax, heads, "quantize_fp8: amax", "the magnitude mapped onto the format's max")
+    amax = jnp.max(jnp.abs(x32), axis=axes)
   top = FORMAT_MAX[fmt]
   descale = jnp.where(amax == 0, jnp.float32(1), amax / jnp.float32(top))
   # e4m3fn has no infinity (out-of-range values would become NaN): saturate at the format's max.
@@ -96,7 +132,7 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, per_head: bool = False, amax=Non
 
 
 def dequantize_fp8(x8, descale, dtype=jnp.float32):
-  """x8.astype(float32) * descale (a scalar or [H] along axis 2), in dtype."""
+  """x8.astype(float32) * descale (a scalar, [H] along axis 2, or a page pool's [num_pages, H]), in dtype."""
   return (x8.astype(jnp.float32) * _per_head(descale, x8.ndim)).astype(dtype)
 
 
@@ -153,25 +189,30 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype!r}")
   descales = (q_descale, k_descale, v_descale)
   if any(is_fp8(x.dtype) for x in (q, k, v)):
-    if not (is_fp8(q.dtype) and q.dtype == k.dtype == v.dtype):
-      raise TypeError(f"FP8 attention takes q, k and v in one FP8 dtype (float8_e4m3fn or float8_e5m2), got "
-                      f"{q.dtype}, {k.dtype}, {v.dtype}")
+    # All three FP8, or k and v alone (an FP8 KV cache; q stays bfloat16/float16/float32 and out takes its dtype).
+    kv_cache = not is_fp8(q.dtype)
+    if not (is_fp8(k.dtype) and k.dtype == v.dtype and (kv_cache or q.dtype == k.dtype)):
+      raise TypeError(f"FP8 attention takes q, k and v in one FP8 dtype (float8_e4m3fn or float8_e5m2), or k and v "
+                      f"in one with q in bfloat16, float16 or float32 (an FP8 KV cache); got {q.dtype}, {k.dtype}, "
+                      f"{v.dtype}")
     if fp8 is not False or fp8_amax is not None:
-      raise ValueError("fp8= and fp8_amax= quantize bfloat16/float16/float32 operands inside; q, k and v are already "
+      raise ValueError("fp8= and fp8_amax= quantize bfloat16/float16/float32 operands inside; the operands are already "
                        "FP8 (pass their descales instead)")
-    if any(d is None for d in descales):
-      missing = ", ".join(f"{n}_descale" for n, d in zip("qkv", descales) if d is None)
-      raise ValueError(f"FP8 q, k and v need their descales (x8.astype(float32) * descale is the value): {missing} "
-                       "missing; te_jax.quantize_fp8 returns them")
-    values = []
+    names = "kv" if kv_cache else "qkv"
+    if kv_cache and q_descale is not None:
+      raise ValueError(f"q_descale goes with an FP8 q; q is {q.dtype}")
+    missing = [f"{n}_descale" for n, d in zip("qkv", descales) if n in names and d is None]
+    if missing:
+      raise ValueError(f"FP8 {', '.join(names)} need their descales (x8.astype(float32) * descale is the value): "
+                       f"{', '.join(missing)} missing; te_jax.quantize_fp8 returns them")
+    values = [q.astype(jnp.float32)] if kv_cache else []
     for x, d, name in zip((q, k, v), descales, "qkv"):
+      if name not in names:
+        continue
       if x.ndim != 4:
         raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
-      d = jnp.asarray(d)
-      heads = x.shape[2] if d.ndim == 1 else None
-      what = "the tensor's descale, or one per head" + (" of q" if name == "q" else " of k/v")
-      values.append(_DEQUANTIZE[name](x, _check_scale_shape(d, heads, f"{name}_descale", what)))
-    return (*values, np.dtype(out_dtype or jnp.bfloat16), True)
+      values.append(_DEQUANTIZE[name](x, descale_operand(d, x.shape[2], name)))
+    return (*values, np.dtype(out_dtype or (q.dtype if kv_cache else jnp.bfloat16)), True)
   if any(d is not None for d in descales):
     raise ValueError("q_descale, k_descale and v_descale go with FP8 q, k and v (float8_e4m3fn or float8_e5m2); got "
                      f"{q.dtype} operands (fp8=True quantizes them inside)")
@@ -191,3 +232,27 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
       amax = jax.lax.stop_gradient(_check_scale_shape(amax, heads, f"fp8_amax for {name}", "its amax"))
     values.append(_fake_quantized(x, amax, np.dtype(jnp.float8_e4m3fn), per_head))
   return (*values, np.dtype(out_dtype or q.dtype), True)
+
+
+def fp8_pools(q, k_pages, v_pages, k_descale, v_descale):
+  """te_jax.paged_attention's FP8 KV cache checked and applied: returns (q, k_pages, v_pages, out_dtype, is_fp8_call)
+  where an FP8 call's are float32 (q as given, the pools dequantized with descales of any granularity of
+  quantize_kv_pages) and out_dtype is q's."""
+  if not (is_fp8(k_pages.dtype) or is_fp8(v_pages.dtype)):
+    if k_descale is not None or v_descale is not None:
+      raise ValueError(f"k_descale and v_descale go with an FP8 KV cache (float8_e4m3fn or float8_e5m2 pages); the "
+                       f"pages are {k_pages.dtype}")
+    return q, k_pages, v_pages, None, False
+  if not (k_pages.dtype == v_pages.dtype and not is_fp8(q.dtype)):
+    raise TypeError(f"an FP8 KV cache takes k_pages and v_pages in one FP8 dtype and q in bfloat16, float16 or float32, "
+                    f"got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if pages.ndim != 4:
+      raise ValueError(f"{name} must have shape [num_pages, page_size, Hkv, D], got {tuple(pages.shape)}")
+  missing = [f"{n}_descale" for n, d in (("k", k_descale), ("v", v_descale)) if d is None]
+  if missing:
+    raise ValueError(f"FP8 pages need their descales (pages.astype(float32) * descale is the value): "
+                     f"{', '.join(missing)} missing; te_jax.quantize_kv_pages returns them")
+  pools = [_DEQUANTIZE[name](pages, descale_operand(d, pages.shape[2], name, pages=pages.shape[0]))
+           for pages, d, name in ((k_pages, k_descale, "k"), (v_pages, v_descale, "v"))]
+  return (q.astype(jnp.float32), *pools, np.dtype(q.dtype), True)

@@ -10,6 +10,7 @@ program serves both. Gradients always differentiate the gather formulation (see 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -20,9 +21,10 @@ from te_jax import _primitives
 from te_jax import sharding as _sharding
 from te_jax.arguments import (alibi_operand, as_array, check_bool, check_qkv, check_scale, check_softcap, check_window,
                               saturate_to_int32)
-from te_jax.attention import fused_attn
+from te_jax.attention import _attention
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
+from te_jax.fp8 import fp8_pools
 from te_jax.mask_type import MaskType
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_slope_gradient
 
@@ -32,7 +34,8 @@ _MASKS = {MaskType.CAUSAL_BOTTOM_RIGHT: MaskType.PADDING_CAUSAL_BOTTOM_RIGHT, Ma
 
 
 def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="causal_bottom_right",
-                    window_size=(-1, -1), scale=None, softcap=0.0, alibi_slopes=None, return_lse=False, engine=None):
+                    window_size=(-1, -1), scale=None, softcap=0.0, alibi_slopes=None, return_lse=False, engine=None,
+                    k_descale=None, v_descale=None):
   """Attention of q over a paged KV cache.
 
   Args:
@@ -45,6 +48,10 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
     mask_type: "causal_bottom_right" (default: query i sees keys up to kv_length - Sq + i) or "no_mask" (every key of
       the sequence).
     window_size, scale, softcap, alibi_slopes, return_lse, engine: as in te_jax.fused_attn.
+    k_descale, v_descale: an FP8 KV cache: k_pages and v_pages of one FP8 dtype (float8_e4m3fn or float8_e5m2) with q
+      in bfloat16, float16 or float32, each pool with its float32 descale: a scalar, one per kv head [Hkv], or one per
+      page and kv head [num_pages, Hkv] (te_jax.quantize_kv_pages returns them). Attends over the dequantized pages in
+      float32, out in q's dtype; on the CPU only so far (te_jax/fp8.py). The pages and descales get no gradient.
 
   Returns:
     out [B, Sq, H, Dv] (and lse float32 [B, H, Sq] if return_lse), as fused_attn over the sequence's keys.
@@ -59,6 +66,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
                      f"of their sequence), got {mask.name.lower()!r}")
   q, k_pages, v_pages = (jnp.asarray(as_array(x, name)) for x, name in ((q, "q"), (k_pages, "k_pages"),
                                                                          (v_pages, "v_pages")))
+  q, k_pages, v_pages, out_dtype, is_fp8 = fp8_pools(q, k_pages, v_pages, k_descale, v_descale)
   num_pages, page_size = _check_pools(q, k_pages, v_pages)
   batch = q.shape[0]
   page_table, kv_lengths = _page_operands(page_table, kv_lengths, batch, num_pages, page_size)
@@ -69,9 +77,12 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   config = AttentionConfig(mask_type=_MASKS[mask], window_left=window_left, window_right=window_right,
                            scale=check_scale(scale, q.shape[3]), softcap=check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, engine=requested_engine(engine),
-                           lse_cotangent=bool(return_lse), page_size=page_size)
+                           lse_cotangent=bool(return_lse), page_size=page_size, fp8=is_fp8)
   alibi = alibi_operand(alibi_slopes, batch, q.shape[2])
-  return _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, kv_lengths, alibi)
+  result = _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, kv_lengths, alibi)
+  if out_dtype is None:
+    return result
+  return (result[0].astype(out_dtype), result[1]) if return_lse else result.astype(out_dtype)
 
 
 # The CUDA backend reads pages in place in its decode kernels, for at most this many query positions
@@ -159,15 +170,15 @@ def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
 
 def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
   """Each sequence's pages gathered into contiguous K/V (one XLA gather, of the page ids clamped into the pool as the
-  kernels clamp them), then fused_attn."""
+  kernels clamp them), then fused_attn's attention on them, with the paged call's configuration (its arguments are
+  checked, and an FP8 call stays one: AttentionConfig.fp8)."""
   batch, capacity = q.shape[0], pages.shape[1] * config.page_size
   pages = jnp.clip(pages, 0, k_pages.shape[0] - 1)
   gather = lambda pool: pool[pages].reshape(batch, capacity, *pool.shape[2:])
-  return fused_attn(q, gather(k_pages), gather(v_pages), mask_type=config.mask_type,
-                    q_seqlens=jnp.full((batch,), q.shape[1], jnp.int32), kv_seqlens=kv_lengths,
-                    window_size=(config.window_left, config.window_right), scale=config.scale,
-                    softcap=config.softcap, alibi_slopes=alibi if config.has_alibi else None,
-                    return_lse=return_lse, engine=config.engine)
+  out, lse = _attention(dataclasses.replace(config, page_size=0), None, q, gather(k_pages), gather(v_pages),
+                        jnp.full((batch,), q.shape[1], jnp.int32), kv_lengths, alibi, _primitives.no_tokens(),
+                        _primitives.no_bias(), _primitives.no_dropout(), None)
+  return (out, lse) if return_lse else out
 
 
 def _check_pools(q, k_pages, v_pages) -> tuple[int, int]:

@@ -189,8 +189,8 @@ def test_gradients_of_fp8_operands_and_descales_are_errors():
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(drop="v_descale"), ValueError, "v_descale missing"),
-    (dict(k_descale=jnp.ones((3,), jnp.float32)), ValueError, r"k_descale must be a float32 \[2\]"),
-    (dict(q_descale=jnp.ones((), jnp.bfloat16)), ValueError, "q_descale must be a float32 scalar"),
+    (dict(k_descale=jnp.ones((3,), jnp.float32)), ValueError, r"k_descale must be float32, a scalar or \[2\]"),
+    (dict(q_descale=jnp.ones((), jnp.bfloat16)), ValueError, "q_descale must be float32, a scalar or"),
     (dict(v_dtype=jnp.float8_e5m2), TypeError, "one FP8 dtype"),
     (dict(fp8=True), ValueError, "already FP8"),
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be"),
@@ -231,3 +231,98 @@ def test_gpu_lowering_refuses_fp8_instead_of_another_precision(fp8_call):
     fn, args = (lambda q: te_jax.fused_attn(q, q, q, fp8=True)), (jnp.ones((1, 8, 2, 16), jnp.bfloat16),)
   with pytest.raises(Exception, match="FP8 attention .* has no cuda kernels in te_jax yet"):
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+# An FP8 KV cache: k and v in FP8 with q in bfloat16/float16/float32, contiguous (fused_attn) or paged.
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "page"])
+def test_quantize_kv_pages_granularities(granularity):
+  pages = normal(40, (6, 8, 2, 16)) * jnp.arange(1, 7, dtype=jnp.float32)[:, None, None, None]
+  pages8, descale = te_jax.quantize_kv_pages(pages, granularity=granularity)
+  amax = np.abs(np.asarray(pages)).max(axis={"tensor": None, "head": (0, 1, 3), "page": (1, 3)}[granularity])
+  np.testing.assert_allclose(np.asarray(descale), amax / 448.0, rtol=1e-6)
+  d = np.asarray(descale, np.float64)
+  d = d[:, None, :, None] if granularity == "page" else d.reshape(1, 1, -1, 1) if d.ndim else d
+  back = np.asarray(pages8.astype(jnp.float32), np.float64) * d
+  np.testing.assert_allclose(back, np.asarray(pages), rtol=2.0**-4, atol=float(np.max(d)) * 2.0**-10)
+  with pytest.raises(ValueError, match="granularity must be"):
+    te_jax.quantize_kv_pages(pages, granularity="token")
+
+
+def test_fp8_kv_cache_contiguous_decode_against_the_reference():
+  q = normal(41, (2, 1, 8, 32), jnp.bfloat16)
+  (k8, kd), (v8, vd) = (quantize_fp8(normal(42 + i, (2, 96, 2, 32)), per_head=True) for i in range(2))
+  lengths = jnp.asarray([96, 50], jnp.int32)
+  out = te_jax.fused_attn(q, k8, v8, mask_type="padding_causal_bottom_right", q_seqlens=jnp.ones(2, jnp.int32),
+                          kv_seqlens=lengths, k_descale=kd, v_descale=vd)
+  assert out.dtype == jnp.bfloat16
+  ref = attention_reference(np.asarray(q, np.float64), values(k8, kd), values(v8, vd),
+                            mask_type="padding_causal_bottom_right", q_seqlens=np.ones(2), kv_seqlens=np.asarray(lengths))
+  assert_close("out", out, ref["out"], 2.0**-8)
+  # q's gradient flows (in q's dtype); the FP8 cache's is refused.
+  dq = jax.grad(lambda q: te_jax.fused_attn(q, k8, v8, k_descale=kd, v_descale=vd).astype(jnp.float32).sum())(q)
+  assert dq.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="q_descale goes with an FP8 q"):
+    te_jax.fused_attn(q, k8, v8, q_descale=jnp.float32(1), k_descale=kd, v_descale=vd)
+
+
+def _paged_case(granularity, seed=50, batch=3, page_size=16, max_pages=4, hkv=2, d=32, dtype=jnp.bfloat16):
+  num_pages = batch * max_pages + 1
+  k_pool, v_pool = normal(seed, (num_pages, page_size, hkv, d)), normal(seed + 1, (num_pages, page_size, hkv, d))
+  (k8, kd), (v8, vd) = (te_jax.quantize_kv_pages(p, granularity=granularity) for p in (k_pool, v_pool))
+  table = jnp.asarray(np.random.default_rng(seed).permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages),
+                      jnp.int32)
+  lengths = jnp.asarray([64, 17, 40][:batch], jnp.int32)
+  return k8, kd, v8, vd, table, lengths
+
+
+def _gathered(pages8, descale, table):
+  d = np.asarray(descale, np.float64)
+  d = d[:, None, :, None] if d.ndim == 2 else d.reshape(1, 1, -1, 1) if d.ndim else d
+  pool = np.asarray(pages8.astype(jnp.float32), np.float64) * d
+  b, m = table.shape
+  return pool[np.asarray(table)].reshape(b, m * pool.shape[1], *pool.shape[2:])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("granularity", ["tensor", "head", "page"])
+@pytest.mark.parametrize("sq", [1, 5])
+def test_fp8_paged_attention_against_the_reference(granularity, sq, path):
+  k8, kd, v8, vd, table, lengths = _paged_case(granularity)
+  q = normal(60, (3, sq, 8, 32), jnp.bfloat16)
+  with te_jax.custom_call_path(path):
+    out, lse = jax.jit(lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd,
+                                                        return_lse=True))(q)
+  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  k, v = _gathered(k8, kd, table), _gathered(v8, vd, table)
+  ref = attention_reference(np.asarray(q, np.float64), k, v, mask_type="padding_causal_bottom_right",
+                            q_seqlens=np.full(3, sq), kv_seqlens=np.asarray(lengths))
+  assert_close("out", out, ref["out"], 2.0**-8)
+  assert_close("lse", lse, ref["lse"], 1e-5)
+
+
+def test_fp8_paged_attention_gradient_of_q_and_refusals():
+  k8, kd, v8, vd, table, lengths = _paged_case("page")
+  q = normal(61, (3, 1, 8, 32), jnp.bfloat16)
+  call = lambda q, k=k8, **kw: te_jax.paged_attention(q, k, v8, table, lengths, **{**dict(k_descale=kd, v_descale=vd),
+                                                                                    **kw})
+  dq = jax.grad(lambda q: call(q).astype(jnp.float32).sum())(q)
+  assert dq.dtype == jnp.bfloat16 and np.isfinite(np.asarray(dq, np.float32)).all()
+  with pytest.raises(ValueError, match="k is an FP8 operand being differentiated"):
+    jax.grad(lambda k: call(q, k).astype(jnp.float32).sum())(k8)
+  with pytest.raises(ValueError, match="v_descale missing"):
+    call(q, v_descale=None)
+  with pytest.raises(ValueError, match=r"k_descale must be float32, a scalar or \[2\] or \[13, 2\]"):
+    call(q, k_descale=jnp.ones((13,), jnp.float32))
+  with pytest.raises(ValueError, match="go with an FP8 KV cache"):
+    te_jax.paged_attention(q, k8.astype(jnp.bfloat16), v8.astype(jnp.bfloat16), table, lengths, k_descale=kd)
+  with pytest.raises(TypeError, match="one FP8 dtype"):
+    call(q.astype(jnp.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("sq", [1, 20], ids=["in-place", "gathered"])
+def test_fp8_paged_attention_gpu_lowering_refuses(sq):
+  k8, kd, v8, vd, table, lengths = _paged_case("head")
+  fn = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd)
+  with pytest.raises(Exception, match="FP8 attention .* has no cuda kernels in te_jax yet"):
+    jax.jit(fn).trace(normal(62, (3, sq, 8, 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
