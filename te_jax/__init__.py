@@ -8,7 +8,7 @@ from te_jax.dropout import dropout_keep_mask
 from te_jax.packing import (positions_from_cu_seqlens, positions_from_lengths, segment_ids_from_cu_seqlens,
                             segment_ids_from_lengths)
 from te_jax.engine import EngineUnavailableError
-from te_jax.fp8 import dequantize_fp8, quantize_fp8, quantize_kv_pages
+from te_jax.fp8 import append_kv_pages, dequantize_fp8, quantize_fp8, quantize_kv_pages
 from te_jax.export_checks import disabled_export_checks
 from te_jax.legacy_failures import raise_legacy_failures
 from te_jax.load_balancing import inverse_reorder_for_load_balancing, reorder_for_load_balancing
@@ -34,7 +34,7 @@ __all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_le
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
            "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",
            "inverse_reorder_for_load_balancing", "cpu_isa", "disabled_export_checks", "quantize_fp8", "dequantize_fp8",
-           "quantize_kv_pages"]
+           "quantize_kv_pages", "append_kv_pages"]
 __version__ = "0.1.0"
 
 

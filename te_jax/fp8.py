@@ -76,7 +76,7 @@ def _per_head(scale, ndim: int):
   operand (or any operand, when scalar)."""
   if scale.ndim == 2:
     return scale[:, None, :, None]
-  return scale if scale.ndim == 0 else scale.reshape((1, 1, -1) + (1,) * (ndim - 3))
+  return scale if scale.ndim == 0 else scale.reshape((1,) * (ndim - 2) + (-1, 1))
 
 
 def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, per_head: bool = False, amax=None):
@@ -256,3 +256,72 @@ def fp8_pools(q, k_pages, v_pages, k_descale, v_descale):
   pools = [_DEQUANTIZE[name](pages, descale_operand(d, pages.shape[2], name, pages=pages.shape[0]))
            for pages, d, name in ((k_pages, k_descale, "k"), (v_pages, v_descale, "v"))]
   return (q.astype(jnp.float32), *pools, np.dtype(q.dtype), True)
+
+
+def append_kv_pages(pages, descale, values, page_table, positions):
+  """Writes new tokens into a KV cache's page pool, so a serving loop never dequantizes the cache: returns (pages,
+  descale).
+
+  Args:
+    pages: the pool [num_pages, page_size, Hkv, D], FP8 (float8_e4m3fn / float8_e5m2) or bfloat16/float16/float32.
+    descale: an FP8 pool's float32 descale (None for another pool): a scalar or [Hkv], with which the new tokens are
+      quantized (values beyond it saturate: a static or delayed scale), or [num_pages, Hkv], where every page that
+      receives tokens is quantized anew with current scaling over its tokens (those already there included, so its
+      descale follows what it holds, and a page written from its first slot forgets what it held before).
+    values: [B, T, Hkv, D] (float32, bfloat16 or float16): the tokens at positions[b] .. positions[b] + T - 1 of
+      sequence b.
+    page_table: int32 [B, max_pages_per_seq]: sequence b's pages in order. The pages one call writes must be distinct
+      pages of the pool (positions past the table's capacity or page ids outside the pool are not written).
+    positions: int32 [B], where each sequence's new tokens start (its length before them).
+  """
+  pages, values = jnp.asarray(pages), jnp.asarray(values)
+  page_table, positions = jnp.asarray(page_table, jnp.int32), jnp.asarray(positions, jnp.int32)
+  if pages.ndim != 4 or values.ndim != 4 or values.shape[2:] != pages.shape[2:]:
+    raise ValueError(f"append_kv_pages: pages [num_pages, page_size, Hkv, D] and values [B, T, Hkv, D] must agree on "
+                     f"Hkv and D, got {tuple(pages.shape)} and {tuple(values.shape)}")
+  if page_table.ndim != 2 or positions.shape != (values.shape[0],) or page_table.shape[0] != values.shape[0]:
+    raise ValueError(f"append_kv_pages: page_table must be [B, max_pages] and positions [B] with B = {values.shape[0]}, "
+                     f"got {tuple(page_table.shape)} and {tuple(positions.shape)}")
+  _floating(values, "append_kv_pages: values")
+  num_pages, page_size, heads = pages.shape[:3]
+  if is_fp8(pages.dtype):
+    if descale is None:
+      raise ValueError("append_kv_pages: an FP8 pool needs its descale (te_jax.quantize_kv_pages returns it)")
+    descale = descale_operand(descale, heads, "append_kv_pages: the pool's", pages=num_pages)
+  elif descale is not None:
+    raise ValueError(f"append_kv_pages: descale goes with an FP8 pool; the pool is {pages.dtype}")
+  batch, count = values.shape[:2]
+  # The pages the new tokens touch: at most this many per sequence, from the one holding its first new token.
+  touched = (count + page_size - 1) // page_size + 1
+  index = positions[:, None] // page_size + jnp.arange(touched, dtype=jnp.int32)[None, :]  # [B, touched]
+  start = index * page_size  # each touched page's first position
+  used = (start < (positions + count)[:, None]) & (index < page_table.shape[1])
+  ids = jnp.take_along_axis(page_table, jnp.clip(index, 0, page_table.shape[1] - 1), axis=1)
+  used &= (ids >= 0) & (ids < num_pages)
+  ids = jnp.where(used, ids, num_pages)  # not written: out of the pool, dropped by the scatters
+  # The touched pages' contents: the new tokens where they fall, the pool's (dequantized) tokens elsewhere.
+  slot_position = start[:, :, None] + jnp.arange(page_size, dtype=jnp.int32)  # [B, touched, page_size]
+  new = (slot_position >= positions[:, None, None]) & (slot_position < (positions + count)[:, None, None])
+  token = jnp.clip(slot_position - positions[:, None, None], 0, count - 1)
+  incoming = jnp.take_along_axis(values.astype(jnp.float32), token.reshape(batch, -1)[:, :, None, None],
+                                 axis=1).reshape(batch, touched, page_size, heads, -1)
+  safe_ids = jnp.clip(ids, 0, num_pages - 1)
+  old = pages[safe_ids].astype(jnp.float32)
+  if descale is not None:
+    old_scale = descale[safe_ids] if descale.ndim == 2 else descale
+    old = old * (_per_head(old_scale, 5) if descale.ndim < 2 else old_scale[:, :, None, :, None])
+  page = jnp.where(new[..., None, None], incoming, old)  # [B, touched, page_size, Hkv, D]
+  if descale is None:
+    return pages.at[ids].set(page.astype(pages.dtype), mode="drop"), None
+  fmt, top = np.dtype(pages.dtype), FORMAT_MAX[np.dtype(pages.dtype)]
+  if descale.ndim == 2:
+    # Current scaling over each written page's tokens: those before its first new one (none when the page starts at or
+    # after the sequence's first new token) and the new ones.
+    live = (slot_position < (positions + count)[:, None, None]) & \
+        ((slot_position >= positions[:, None, None]) | (start < positions[:, None])[:, :, None])
+    amax = jnp.max(jnp.where(live[..., None, None], jnp.abs(page), 0.0), axis=(2, 4))  # [B, touched, Hkv]
+    scale = jnp.where(amax == 0, jnp.float32(1), amax / jnp.float32(top))
+    page8 = jnp.clip(page / scale[:, :, None, :, None], -top, top).astype(fmt)
+    return pages.at[ids].set(page8, mode="drop"), descale.at[ids].set(scale, mode="drop")
+  page8 = jnp.clip(page / _per_head(descale, 5), -top, top).astype(fmt)
+  return pages.at[ids].set(page8, mode="drop"), descale

@@ -326,3 +326,61 @@ def test_fp8_paged_attention_gpu_lowering_refuses(sq):
   fn = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd)
   with pytest.raises(Exception, match="FP8 attention .* has no cuda kernels in te_jax yet"):
     jax.jit(fn).trace(normal(62, (3, sq, 8, 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "page", None])
+def test_append_kv_pages_builds_the_cache_a_serving_loop_reads(granularity):
+  """A prefill of 21 tokens, then three decode steps of one, into pages of 8: the cache read back equals the tokens
+  written (exactly for a bfloat16 pool; within the format's rounding of each token's scale for FP8), and paged
+  attention over it matches the reference over those tokens."""
+  batch, page_size, hkv, d, steps = 2, 8, 2, 16, (21, 1, 1, 1)
+  total = sum(steps)
+  tokens = normal(70, (batch, total, hkv, d)) * jnp.asarray([1.0, 30.0])[None, None, :, None]
+  num_pages, max_pages = 9, 4
+  table = jnp.asarray([[3, 0, 7, 5], [1, 8, 2, 6]], jnp.int32)
+  pool = jnp.full((num_pages, page_size, hkv, d), 7.0, jnp.float32)  # stale contents
+  if granularity is None:
+    pages, descale = pool.astype(jnp.bfloat16), None
+  else:
+    pages, descale = te_jax.quantize_kv_pages(pool, granularity=granularity)
+    if granularity != "page":  # a static scale that covers the tokens
+      descale = jnp.broadcast_to(jnp.float32(200.0 / 448.0), descale.shape)
+  position = 0
+  for count in steps:
+    new = tokens[:, position:position + count]
+    pages, descale = jax.jit(te_jax.append_kv_pages)(pages, descale, new, table,
+                                                      jnp.full((batch,), position, jnp.int32))
+    position += count
+  got = _gathered(pages, descale if descale is not None else jnp.float32(1), table)[:, :total]
+  want = np.asarray(tokens, np.float64)
+  if granularity is None:
+    np.testing.assert_array_equal(got, np.asarray(tokens.astype(jnp.bfloat16), np.float64))
+  else:
+    np.testing.assert_allclose(got, want, rtol=2.0**-3, atol=200.0 / 448.0 * 2.0**-9)  # requantized pages round twice
+  if granularity == "page":  # each written page's descale is current scaling over what it holds
+    held = np.abs(np.asarray(tokens)).reshape(batch, -1, page_size, hkv, d)  # total = 24 = 3 whole pages
+    np.testing.assert_allclose(np.asarray(descale)[np.asarray(table)[:, :3]], held.max(axis=(2, 4)) / 448.0, rtol=1e-6)
+  q = normal(71, (batch, 1, 4, d), jnp.float32 if descale is not None else jnp.bfloat16)
+  kw = {} if descale is None else dict(k_descale=descale, v_descale=descale)
+  out = te_jax.paged_attention(q, pages, pages, table,
+                               jnp.full((batch,), total, jnp.int32), **kw)
+  ref = attention_reference(np.asarray(q, np.float64), got, got)
+  assert_close("out", out, ref["out"], 2.0**-7 if descale is None else 1e-5)
+
+
+def test_append_kv_pages_leaves_other_pages_and_refuses():
+  pages, descale = te_jax.quantize_kv_pages(normal(80, (5, 8, 1, 8)), granularity="page")
+  table = jnp.asarray([[2, 9]], jnp.int32)  # its second page id is outside the pool: not written
+  new_pages, new_descale = te_jax.append_kv_pages(pages, descale, normal(81, (1, 12, 1, 8)), table,
+                                                  jnp.asarray([0], jnp.int32))
+  untouched = np.array([0, 1, 3, 4])
+  np.testing.assert_array_equal(np.asarray(new_pages.astype(jnp.float32))[untouched],
+                                np.asarray(pages.astype(jnp.float32))[untouched])
+  np.testing.assert_array_equal(np.asarray(new_descale)[untouched], np.asarray(descale)[untouched])
+  with pytest.raises(ValueError, match="an FP8 pool needs its descale"):
+    te_jax.append_kv_pages(pages, None, normal(81, (1, 2, 1, 8)), table, jnp.asarray([0], jnp.int32))
+  with pytest.raises(ValueError, match="descale goes with an FP8 pool"):
+    te_jax.append_kv_pages(pages.astype(jnp.bfloat16), descale, normal(81, (1, 2, 1, 8)), table,
+                           jnp.asarray([0], jnp.int32))
+  with pytest.raises(ValueError, match="must agree on Hkv and D"):
+    te_jax.append_kv_pages(pages, descale, normal(81, (1, 2, 2, 8)), table, jnp.asarray([0], jnp.int32))
