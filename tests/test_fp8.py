@@ -384,3 +384,11 @@ def test_append_kv_pages_leaves_other_pages_and_refuses():
                            jnp.asarray([0], jnp.int32))
   with pytest.raises(ValueError, match="must agree on Hkv and D"):
     te_jax.append_kv_pages(pages, descale, normal(81, (1, 2, 2, 8)), table, jnp.asarray([0], jnp.int32))
+
+
+def test_nan_in_an_fp8_key_reaches_the_rows_that_see_it():
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(90, 1, 16, 16, 2, 2, 16, 16, E4M3, True)
+  k8 = k8.at[0, 5, 1, 3].set(jnp.nan)  # e4m3fn has a NaN; key 5 of kv head 1
+  out = te_jax.fused_attn(q8, k8, v8, mask_type="causal", q_descale=qd, k_descale=kd, v_descale=vd)
+  nan = np.isnan(np.asarray(out, np.float32))
+  assert nan[0, 5:, 1].all() and not nan[0, :5].any() and not nan[0, :, 0].any()  # rows that see it, its head only
