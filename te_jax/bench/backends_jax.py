@@ -474,6 +474,53 @@ class TokamaxBackend(JaxBackend):
     return fn
 
 
+class CudnnFp8Backend(JaxBackend):
+  """cuDNN's FP8 forward through JAX's private call (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention with
+  use_fp8=True), the peer of te_jax's FP8 forward: q, k and v quantized to e4m3 per tensor in setup (te_jax.quantize_fp8),
+  the probabilities quantized by cuDNN with scale 448 (p in [0, 1] onto e4m3's max), out e4m3 with v's descale (|out|
+  <= max |v|), dequantized for the error check only. No mask but causal; forward only (its backward wants FP8
+  gradients' scales, which the harness's modes do not model)."""
+  name = "jax-cudnn-fp8"
+  label = "JAX's private cuDNN FP8 attention"
+  url = "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)"
+  caps = Capabilities(platforms={"gpu": ("bfloat16",)}, modes=("fwd",), causal_cross=False)
+
+  def __init__(self):
+    self._out_descale = {}  # per case: its input set 0's (the one the error check reads)
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    try:
+      from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError as e:
+      return f"this JAX has no private cuDNN attention module: {e}"
+    return None if hasattr(cudnn, "FP8Params") else "this JAX's private cuDNN attention has no FP8"
+
+  def fwd_operands(self, case: Case, q, k, v) -> tuple:
+    import te_jax
+    (q8, qd), (k8, kd), (v8, vd) = (te_jax.quantize_fp8(x) for x in (q, k, v))
+    self._out_descale.setdefault(case, float(vd))
+    return q8, k8, v8, qd, kd, vd
+
+  def restore(self, case: Case, x):
+    return x * self._out_descale[case]
+
+  def attention_fn(self, case: Case):
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    mask = cudnn.MaskType.CAUSAL if case.causal else cudnn.MaskType.NO_MASK
+    scale = 1.0 / math.sqrt(case.head_dim)
+
+    def fn(q8, k8, v8, qd, kd, vd):
+      one = jnp.ones((1, 1, 1, 1), jnp.float32)
+      params = {key: one for key in cudnn.FP8Params.__annotations__}
+      params.update(descale_q=qd.reshape(one.shape), descale_k=kd.reshape(one.shape), descale_v=vd.reshape(one.shape),
+                    descale_s=one / 448.0, scale_s=one * 448.0, scale_o=(1.0 / vd).reshape(one.shape))
+      out, _, _ = cudnn.dot_product_attention(q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask,
+                                              use_fp8=True)
+      return out
+    return fn
+
+
 class KvReadBackend(JaxBackend):
   """Not attention: XLA reads the case's K and V once (a max over each), the bytes a forward of the case reads at least.
   Its bandwidth is the ceiling a memory-bound forward (decoding) is held to on this device, timed the same way on the
@@ -498,5 +545,6 @@ for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi"
                  DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
-                 TokamaxBackend("triton"), TokamaxBackend("xla"), KvReadBackend(), RingPermutesBackend()):
+                 TokamaxBackend("triton"), TokamaxBackend("xla"), KvReadBackend(), RingPermutesBackend(),
+                 CudnnFp8Backend()):
   register(_backend)
