@@ -366,6 +366,39 @@ class PagedBackend(JaxBackend):
     return fn
 
 
+class PagedFp8Backend(PagedBackend):
+  """te_jax.paged_attention over an FP8 KV cache: the paged layout's pools quantized to e4m3 with a descale per page
+  and kv head in setup (te_jax.quantize_kv_pages), q in the case's dtype. Its K/V bytes are the FP8 pools'. On the CPU
+  only until te_jax has FP8 kernels on the GPU (te_jax/fp8.py)."""
+
+  def __init__(self, page_size: int):
+    super().__init__(page_size)
+    self.name = f"te_jax-paged{page_size}-fp8"
+    self.label = f"te_jax paged attention, FP8 cache ({page_size}-token pages)"
+    self.url = "te_jax.paged_attention(k_descale=..., v_descale=...) on te_jax.quantize_kv_pages(granularity='page')"
+    self.caps = dataclasses.replace(self.caps, platforms={"cpu": ALL})
+    self.fp8 = True
+
+  def fwd_operands(self, case: Case, q, k, v) -> tuple:
+    import te_jax
+    q, k_pages, v_pages, page_table, kv_lengths = super().fwd_operands(case, q, k, v)
+    (k8, k_descale), (v8, v_descale) = (te_jax.quantize_kv_pages(p, granularity="page") for p in (k_pages, v_pages))
+    return q, k8, v8, page_table, kv_lengths, k_descale, v_descale
+
+  def attention_fn(self, case: Case):
+    paged = super().attention_fn(case)
+
+    def fn(q, k_pages, v_pages, page_table, kv_lengths, k_descale, v_descale, **operands):
+      return paged(q, k_pages, v_pages, page_table, kv_lengths, k_descale=k_descale, v_descale=v_descale, **operands)
+    return fn
+
+  def workload(self, case: Case, mode: str) -> dict:
+    charged = super().workload(case, mode)
+    if charged.get("kv_bytes"):  # one byte an element instead of the case dtype's
+      charged = dict(charged, kv_bytes=charged["kv_bytes"] / np.dtype(case.dtype).itemsize)
+    return charged
+
+
 class JaxNNBackend(JaxBackend):
   def __init__(self, implementation: str):
     self.implementation = implementation
@@ -484,6 +517,7 @@ class CudnnFp8Backend(JaxBackend):
   label = "JAX's private cuDNN FP8 attention"
   url = "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)"
   caps = Capabilities(platforms={"gpu": ("bfloat16",)}, modes=("fwd",), causal_cross=False)
+  fp8 = True
 
   def __init__(self):
     self._out_descale = {}  # per case: its input set 0's (the one the error check reads)
@@ -543,7 +577,8 @@ class KvReadBackend(JaxBackend):
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
                  DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
-                 ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), JaxNNBackend("cudnn"),
+                 ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
+                 JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
                  TokamaxBackend("triton"), TokamaxBackend("xla"), KvReadBackend(), RingPermutesBackend(),
                  CudnnFp8Backend()):

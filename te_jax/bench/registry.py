@@ -68,6 +68,9 @@ class Backend:
   # False for a row that times the case's data movement, not attention (a bandwidth ceiling, a ring's communication):
   # it is measured only when named, charged no FLOPs, and proven available by running, with no error check.
   computes_attention: bool = True
+  # True for a row whose K/V (or q, k and v) the backend quantizes to FP8 e4m3: its errors against the float64
+  # reference on the case's inputs include the quantization's, and are judged by accuracy.FP8_TOLERANCE.
+  fp8: bool = False
 
   def not_installed(self) -> str | None:
     """A reason when a needed package is missing, without importing it."""
