@@ -103,10 +103,12 @@ def packed_rows(tokens: np.ndarray, seq_len: int, newline: int) -> tuple[np.ndar
 
 
 # --------------------------------------------------------------------------------------------------------------- model
-def attention_function(name: str):
+def attention_function(name: str, fp8: bool = False):
   """The attention_fn given to nnx.MultiHeadAttention."""
   if name == "te_jax":
-    return te_jax.flax.attention_fn
+    return te_jax.flax.make_attention_fn(fp8=True) if fp8 else te_jax.flax.attention_fn
+  if fp8:
+    raise ValueError("--fp8 is te_jax's (fused_attn(fp8=True)); use it with --attention te_jax")
   if name == "jax":
     return nnx.dot_product_attention  # Flax's default: jax.nn.dot_product_attention, XLA's implementation
   if name == "jax-cudnn":
@@ -223,6 +225,9 @@ def main(argv=None) -> dict:
   p.add_argument("--packing", choices=("documents", "rows"),
                  help="documents: each token sees only its own document (segment ids); rows: each row is one causal "
                       "sequence. Default: documents; rows with --attention jax-cudnn (cuDNN's fused causal kernel)")
+  p.add_argument("--fp8", action="store_true",
+                 help="te_jax's FP8 attention: q, k, v quantized to e4m3 inside, current scaling per step, "
+                      "straight-through gradients (te_jax serves it on the CPU only so far)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default="train_lm_loss.png", help="where the loss curve PNG goes ('' for none)")
   p.add_argument("--summary-json", help="also write the summary as JSON here")
@@ -244,12 +249,13 @@ def main(argv=None) -> dict:
   batches = rows[: num_batches * size.batch].reshape(num_batches, size.batch, size.seq_len + 1)
   batch_ids = segment_ids[: num_batches * size.batch].reshape(num_batches, size.batch, size.seq_len)
 
-  model = DecoderLM(tokenizer.vocab_size, size, attention_function(args.attention), dtype, nnx.Rngs(args.seed))
+  model = DecoderLM(tokenizer.vocab_size, size, attention_function(args.attention, args.fp8), dtype,
+                    nnx.Rngs(args.seed))
   warmup = max(1, size.steps // 20)
   schedule = optax.warmup_cosine_decay_schedule(0.0, size.lr, warmup, size.steps, size.lr / 10)
   optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
   params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  print(f"train_lm: attention {args.attention}, {backend} ({jax.devices()[0].device_kind}), {dtype.name}, "
+  print(f"train_lm: attention {args.attention}{' fp8' if args.fp8 else ''}, {backend} ({jax.devices()[0].device_kind}), {dtype.name}, "
         f"{size.layers} layers, d_model {size.d_model}, {size.heads} heads (head dim {size.d_model // size.heads}), "
         f"seq {size.seq_len}, batch {size.batch}, {size.steps} steps, {params:,} parameters, vocab "
         f"{tokenizer.vocab_size}, {len(rows)} packed rows, packing {packing}", flush=True)
@@ -273,7 +279,7 @@ def main(argv=None) -> dict:
     progress.close()
   total_s = time.perf_counter() - start
   timed_steps = size.steps - 1
-  summary = dict(attention=args.attention, backend=backend, dtype=dtype.name, packing=packing,
+  summary = dict(attention=args.attention, fp8=args.fp8, backend=backend, dtype=dtype.name, packing=packing,
                  size=dataclasses.asdict(size),
                  parameters=params, first_loss=losses[0], last_loss=float(np.mean(losses[-10:])),
                  tokens_per_s=(timed_steps * size.batch * size.seq_len / (total_s - first_step_s)

@@ -36,7 +36,7 @@ from te_jax.mask_type import MaskType
 # fused_attn's options that make_attention_fn takes: its static keywords (and the ALiBi slopes, fixed per model); not
 # per-batch data such as lengths (a Flax module passes none), nor return_lse (an attention_fn returns one array).
 _OPTIONS = ("mask_type", "window_size", "scale", "softcap", "alibi_slopes", "deterministic", "engine",
-            "context_parallel_axis", "context_parallel_strategy", "context_parallel_load_balanced")
+            "context_parallel_axis", "context_parallel_strategy", "context_parallel_load_balanced", "fp8")
 
 
 @jax.tree_util.register_dataclass
@@ -83,7 +83,8 @@ def make_attention_fn(*, ignore_mask: bool = False, **te_jax_options):
     te_jax_options: fused_attn's keyword options: mask_type ("no_mask", "causal", "causal_bottom_right"; the padding
       masks need lengths, which a Flax module does not pass), window_size, scale, softcap, alibi_slopes,
       deterministic (fused_attn's: a bitwise reproducible backward; not Flax's dropout flag), engine,
-      context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced.
+      context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced, fp8 (True or "per_head":
+      q, k and v quantized to FP8 inside, current scaling each call, straight-through gradients).
 
   Returns:
     A function with the signature of flax's dot_product_attention (see attention_fn).
