@@ -1,15 +1,16 @@
 """FP8 attention's operands: te_jax.quantize_fp8 and the conventions fused_attn's FP8 arguments follow.
 
 An FP8 array x8 (float8_e4m3fn or float8_e5m2) with its float32 descale stands for `x8.astype(float32) * descale`; the
-descale is a scalar, or one per head along axis 2 of a [B, S, H, D] operand ([H] for q, [Hkv] for k and v). Current
-scaling maps a tensor's (or a head's) largest magnitude onto the format's largest finite value: descale = amax / max.
+descale is a scalar, one per head along axis 2 of a [B, S, H, D] operand ([H] for q, [Hkv] for k and v), or for a KV
+cache's page pool [num_pages, page_size, Hkv, D] one per page and kv head. Current scaling maps a tensor's (a head's, a
+page's) largest magnitude onto the format's largest finite value: descale = amax / max.
 
-fused_attn takes FP8 two ways (te_jax/attention.py): pre-quantized q, k, v with their descales, where differentiating
-an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on bfloat16/float16/float32 q, k, v, quantized
+fused_attn takes FP8 two ways (te_jax/attention.py): pre-quantized q, k, v (or k and v alone, an FP8 KV cache) with
+their descales, where differentiating an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on bfloat16/float16/float32 q, k, v, quantized
 inside exactly as quantize_fp8 does, whose gradients are those with respect to the dequantized values, returned in the
 operands' dtype (the straight-through convention of FP8 training). Either way the attention runs on the dequantized
-values in float32: the CPU backend is the reference the FP8 kernels are measured against; a GPU refuses the call
-until it has FP8 kernels (te_jax/_backends.py: Backend.serves_fp8), never computing it at another precision silently.
+values in float32 (te_jax.paged_attention's FP8 pools too): the CPU backend is the reference the FP8 kernels are
+measured against; a GPU refuses the call until it has FP8 kernels (te_jax/_backends.py: Backend.serves_fp8), never computing it at another precision silently.
 """
 
 from __future__ import annotations
@@ -50,25 +51,21 @@ def _heads(x, per_head: bool, name: str) -> int | None:
   return x.shape[2]
 
 
-def _check_scale_shape(value, heads: int | None, name: str, what: str):
+def _float32_scale(value, shapes: list[tuple[int, ...]], name: str, what: str):
+  """A descale or an amax checked: float32, of one of `shapes` (() a scalar)."""
   value = jnp.asarray(value)
-  want = () if heads is None else (heads,)
-  if value.shape != want or value.dtype != jnp.float32:
-    raise ValueError(f"{name} must be a float32 {'scalar' if heads is None else f'[{heads}]'} ({what}), got "
-                     f"{value.dtype} {tuple(value.shape)}")
+  if value.shape not in shapes or value.dtype != jnp.float32:
+    allowed = " or ".join("a scalar" if not shape else str(list(shape)) for shape in shapes)
+    raise ValueError(f"{name} must be float32, {allowed} ({what}), got {value.dtype} {tuple(value.shape)}")
   return value
 
 
 def descale_operand(descale, heads: int, name: str, pages: int | None = None):
   """An operand's descale checked: a float32 scalar, one per head ([heads]) or, for a page pool of `pages` pages, one
   per page and head ([pages, heads])."""
-  d = jnp.asarray(descale)
   shapes = [(), (heads,)] + ([] if pages is None else [(pages, heads)])
-  if d.shape not in shapes or d.dtype != jnp.float32:
-    allowed = " or ".join("a scalar" if not s else str(list(s)) for s in shapes)
-    raise ValueError(f"{name}_descale must be float32, {allowed} (the tensor's descale, or one per head"
-                     f"{'' if pages is None else ', or one per page and head'}), got {d.dtype} {tuple(d.shape)}")
-  return d
+  what = "the tensor's descale, or one per head" + ("" if pages is None else ", or one per page and head")
+  return _float32_scale(descale, shapes, f"{name}_descale", what)
 
 
 def _per_head(scale, ndim: int):
@@ -95,7 +92,8 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, per_head: bool = False, amax=Non
   """
   heads = _heads(_floating(x, "quantize_fp8: x"), per_head, "quantize_fp8")
   if amax is not None:
-    amax = _check_scale_shape(amax, heads, "quantize_fp8: amax", "the magnitude mapped onto the format's max")
+    amax = _float32_scale(amax, [() if heads is None else (heads,)], "quantize_fp8: amax",
+                          "the magnitude mapped onto the format's max")
   return _quantize(x, _format(dtype), None if heads is None else (0, 1, 3), amax)
 
 
@@ -167,11 +165,12 @@ def _fake_quantized(x, amax, fmt, per_head):
 
 
 def _fake_quantized_fwd(x, amax, fmt, per_head):
+  # The residual only carries x's dtype (an empty array of it), which the cotangent must take.
   return _fake_quantized(x, amax, fmt, per_head), jnp.zeros((0,), x.dtype)
 
 
-def _fake_quantized_bwd(fmt, per_head, x_dtype, ct):
-  return ct.astype(x_dtype.dtype), None
+def _fake_quantized_bwd(fmt, per_head, x_like, ct):
+  return ct.astype(x_like.dtype), None
 
 
 _fake_quantized.defvjp(_fake_quantized_fwd, _fake_quantized_bwd)
@@ -229,7 +228,8 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
   for x, amax, name in zip((q, k, v), amaxes, "qkv"):
     if amax is not None:
       heads = _heads(x, per_head, name)
-      amax = jax.lax.stop_gradient(_check_scale_shape(amax, heads, f"fp8_amax for {name}", "its amax"))
+      amax = jax.lax.stop_gradient(_float32_scale(amax, [() if heads is None else (heads,)], f"fp8_amax for {name}",
+                                                  "its amax"))
     values.append(_fake_quantized(x, amax, np.dtype(jnp.float8_e4m3fn), per_head))
   return (*values, np.dtype(out_dtype or q.dtype), True)
 
