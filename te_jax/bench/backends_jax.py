@@ -373,7 +373,7 @@ class PagedFp8Backend(PagedBackend):
 
   def __init__(self, page_size: int):
     super().__init__(page_size)
-    self.name = f"te_jax-paged{page_size}-fp8"
+    self.name = f"te_jax-fp8-paged{page_size}"
     self.label = f"te_jax paged attention, FP8 cache ({page_size}-token pages)"
     self.url = "te_jax.paged_attention(k_descale=..., v_descale=...) on te_jax.quantize_kv_pages(granularity='page')"
     self.caps = dataclasses.replace(self.caps, platforms={"cpu": ALL})
@@ -513,7 +513,7 @@ class CudnnFp8Backend(JaxBackend):
   the probabilities quantized by cuDNN with scale 448 (p in [0, 1] onto e4m3's max), out e4m3 with v's descale (|out|
   <= max |v|), dequantized for the error check only. No mask but causal; forward only (its backward wants FP8
   gradients' scales, which the harness's modes do not model)."""
-  name = "jax-cudnn-fp8"
+  name = "jax-fp8-cudnn"
   label = "JAX's private cuDNN FP8 attention"
   url = "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)"
   caps = Capabilities(platforms={"gpu": ("bfloat16",)}, modes=("fwd",), causal_cross=False)
