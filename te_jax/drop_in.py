@@ -17,6 +17,7 @@ from te_jax.arguments import MAX_HEAD_DIM, MAX_WINDOW, check_bool, is_head_dim, 
 from te_jax.attention import fused_attn
 from te_jax.attention_config import DTYPE_CODES
 from te_jax.engine import ENGINES
+from te_jax.fp8 import is_fp8
 
 # implementation= values: None (te_jax's default engine choice) and te_jax's engine names; "cudnn" is both jax.nn's
 # name and te_jax's engine name for cuDNN's fused attention. "xla" asks for XLA's attention, which this function does
@@ -27,7 +28,7 @@ IMPLEMENTATIONS = (None,) + ENGINES
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
                           is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
-                          return_residual: bool = False):
+                          return_residual: bool = False, q_descale=None, k_descale=None, v_descale=None, fp8=False):
   """`jax.nn.dot_product_attention` on te_jax's fused kernels: same signature, shapes, dtype rules and masking.
 
   Shapes (jax.nn's letters): query `[B, T, N, H]`, key and value `[B, S, K, H]`, N a multiple of K (GQA/MQA); or the
@@ -55,7 +56,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       serve the call). "xla" is a ValueError: this function never runs XLA's attention; call
       jax.nn.dot_product_attention for that.
     return_residual: also return the log-sum-exp of each row's logits, `[B, T, N]` (`[T, N]` unbatched) in query's
-      dtype, with no gradient (as jax.nn).
+      dtype (the output's, for FP8 operands), with no gradient (as jax.nn).
+    q_descale, k_descale, v_descale, fp8: te_jax's FP8 attention, as te_jax.fused_attn takes them (beyond jax.nn):
+      FP8 query, key and value (or key and value alone) with their descales, the output then bfloat16 (query's dtype
+      for FP8 key and value alone); or fp8=True | "per_head" on higher-precision operands.
 
   Where te_jax differs from jax.nn (implementation="xla"): a query row that sees no key at all (its key_value length
   is 0, a window that holds no valid key, a mask row with no True) gives 0 here, and -inf as its residual. jax.nn masks with a large
@@ -81,7 +85,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   query, key, value = (_ensure_4d(jnp.asarray(x)) for x in (query, key, value))
   batch, seqlen_kv, num_kv_heads, head_dim = key.shape
   _check_shape_and_dtype(value, "value", (batch, seqlen_kv, num_kv_heads, head_dim), key.dtype)
-  _check_shape_and_dtype(query, "query", (batch, -1, -1, head_dim), key.dtype)
+  # An FP8 KV cache keeps query in a higher precision.
+  kv_cache = is_fp8(key.dtype) and not is_fp8(query.dtype)
+  _check_shape_and_dtype(query, "query", (batch, -1, -1, head_dim), None if kv_cache else key.dtype)
   seqlen_q, num_heads = query.shape[1], query.shape[2]
   if num_kv_heads == 0 or num_heads % num_kv_heads:
     raise ValueError(f"the number of query heads must be a multiple of the number of key/value heads, got "
@@ -99,14 +105,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
   mask_type = {(False, False): "no_mask", (True, False): "causal", (False, True): "padding",
                (True, True): "padding_causal"}[(bool(is_causal), padding)]
 
-  logit_bias = attention_bias(bias, mask, (batch, num_heads, seqlen_q, seqlen_kv), query.dtype)
+  # FP8 operands attend in float32 (te_jax/fp8.py): a mask's bias takes that dtype, not an FP8 one.
+  logit_bias = attention_bias(bias, mask, (batch, num_heads, seqlen_q, seqlen_kv),
+                              jnp.float32 if is_fp8(query.dtype) else query.dtype)
   result = fused_attn(query, key, value, mask_type=mask_type, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
                       window_size=_window(local_window_size), scale=scale, return_lse=bool(return_residual),
-                      engine=implementation, bias=logit_bias)
+                      engine=implementation, bias=logit_bias, q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale, fp8=fp8)
   if not return_residual:
     return jnp.reshape(result, output_shape)
   out, lse = result  # lse float32 [B, N, T]
-  residual = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(query.dtype))
+  residual = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(out.dtype))
   return jnp.reshape(out, output_shape), jnp.reshape(residual, output_shape[:-1])
 
 
@@ -148,9 +157,10 @@ def _ensure_4d(x):
 
 
 def _check_shape_and_dtype(x, name: str, shape: tuple[int, ...], dtype) -> None:
+  """x's rank and shape, and its dtype unless dtype is None."""
   if x.ndim != len(shape):
     raise ValueError(f"{name} must have rank 4 [B, T|S, N|K, H] or 3 (unbatched), got shape {tuple(x.shape)}")
-  if x.dtype != dtype:
+  if dtype is not None and x.dtype != dtype:
     raise ValueError(f"{name} dtype must be key's dtype {dtype}, got {x.dtype}")
   if any(want != -1 and got != want for got, want in zip(x.shape, shape)):
     raise ValueError(f"{name} shape must be {tuple('*' if s == -1 else s for s in shape)} (from key's shape), got "

@@ -392,3 +392,22 @@ def test_nan_in_an_fp8_key_reaches_the_rows_that_see_it():
   out = te_jax.fused_attn(q8, k8, v8, mask_type="causal", q_descale=qd, k_descale=kd, v_descale=vd)
   nan = np.isnan(np.asarray(out, np.float32))
   assert nan[0, 5:, 1].all() and not nan[0, :5].any() and not nan[0, :, 0].any()  # rows that see it, its head only
+
+
+def test_drop_in_takes_fp8_operands_as_fused_attn_does():
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(95, 2, 24, 24, 4, 2, 16, 16, E4M3, True)
+  descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+  mask = jax.random.bernoulli(jax.random.key(96), 0.8, (2, 1, 24, 24)).at[..., 0].set(True)
+  out, residual = te_jax.dot_product_attention(q8, k8, v8, mask=mask, is_causal=True, return_residual=True,
+                                               **descales)
+  want, lse = te_jax.fused_attn(q8, k8, v8, mask_type="causal", bias=jnp.where(mask, 0.0, -jnp.inf), return_lse=True,
+                                **descales)
+  assert out.dtype == residual.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(residual), np.asarray(lse.transpose(0, 2, 1).astype(jnp.bfloat16)))
+  q = normal(97, (2, 24, 4, 16), jnp.bfloat16)  # an FP8 KV cache: query keeps its dtype
+  kv_cache = te_jax.dot_product_attention(q, k8, v8, is_causal=True, k_descale=kd, v_descale=vd)
+  np.testing.assert_array_equal(np.asarray(kv_cache), np.asarray(te_jax.fused_attn(q, k8, v8, mask_type="causal",
+                                                                                   k_descale=kd, v_descale=vd)))
+  trained = te_jax.dot_product_attention(q, q, q, fp8="per_head")
+  np.testing.assert_array_equal(np.asarray(trained), np.asarray(te_jax.fused_attn(q, q, q, fp8="per_head")))
