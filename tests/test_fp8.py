@@ -411,3 +411,12 @@ def test_drop_in_takes_fp8_operands_as_fused_attn_does():
                                                                                    k_descale=kd, v_descale=vd)))
   trained = te_jax.dot_product_attention(q, q, q, fp8="per_head")
   np.testing.assert_array_equal(np.asarray(trained), np.asarray(te_jax.fused_attn(q, q, q, fp8="per_head")))
+
+
+def test_training_entry_under_remat_gives_the_same_gradients():
+  q, k, v = (normal(100 + i, (1, 20, 2, 16), jnp.bfloat16) for i in range(3))
+  loss = lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", fp8="per_head").astype(jnp.float32).sum()
+  plain = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(plain, remat):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
