@@ -420,3 +420,30 @@ def test_training_entry_under_remat_gives_the_same_gradients():
   remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(plain, remat):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_append_kv_pages_mid_page_write_across_pages_requantizes_each_written_page():
+  """A write of 12 tokens starting at slot 5 of a sequence's first page spans three pages: the first keeps its 5
+  tokens (requantized with the page's new descale), the other two start fresh; a page of the other sequence and the
+  pool's unused pages are untouched."""
+  pool = normal(110, (6, 8, 1, 4))
+  pages, descale = te_jax.quantize_kv_pages(pool, granularity="page")
+  table = jnp.asarray([[4, 1, 3], [0, 5, 2]], jnp.int32)
+  new = normal(111, (2, 12, 1, 4)) * 3.0
+  positions = jnp.asarray([5, 0], jnp.int32)
+  got_pages, got_descale = te_jax.append_kv_pages(pages, descale, new, table, positions)
+  old = np.asarray(pages.astype(jnp.float32), np.float64) * np.asarray(descale, np.float64)[:, None, :, None]
+  want = old.copy()
+  for b in range(2):
+    for t in range(12):
+      pos = int(positions[b]) + t
+      want[int(table[b, pos // 8]), pos % 8] = np.asarray(new[b, t], np.float64)
+  written = {4: 8, 1: 8, 3: 1, 0: 8, 5: 4}  # page -> live slots after the write
+  for page, live in written.items():
+    amax = np.abs(want[page, :live]).max(axis=(0, 2))
+    np.testing.assert_allclose(np.asarray(got_descale[page]), amax / 448.0, rtol=1e-6)
+  got = np.asarray(got_pages.astype(jnp.float32), np.float64) * np.asarray(got_descale, np.float64)[:, None, :, None]
+  for page, live in written.items():
+    np.testing.assert_allclose(got[page, :live], want[page, :live], rtol=2.0**-3, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(got_pages.astype(jnp.float32))[2], np.asarray(pages.astype(jnp.float32))[2])
+  assert float(got_descale[2, 0]) == float(descale[2, 0])
