@@ -100,8 +100,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       the reference for the FP8 GPU kernels, which do not exist yet; a GPU refuses FP8 calls (te_jax/fp8.py).
 
   Returns:
-    out [B, Sq, H, Dv] in q's dtype (an FP8 call's: out_dtype), and lse if return_lse. Rows with no visible key give out = 0, lse = -inf.
-    Gradients flow to q, k and v (and through lse when it is returned).
+    out [B, Sq, H, Dv] in q's dtype (an FP8 call's: out_dtype), and lse if return_lse. Rows with no visible key give
+    out = 0, lse = -inf. Gradients flow to q, k and v (and through lse when it is returned).
   """
   q, k, v = (as_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   q, k, v, out_dtype, is_fp8 = fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype)
