@@ -255,7 +255,8 @@ def main(argv=None) -> dict:
   schedule = optax.warmup_cosine_decay_schedule(0.0, size.lr, warmup, size.steps, size.lr / 10)
   optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
   params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  print(f"train_lm: attention {args.attention}{' fp8' if args.fp8 else ''}, {backend} ({jax.devices()[0].device_kind}), {dtype.name}, "
+  print(f"train_lm: attention {args.attention}{' fp8' if args.fp8 else ''}, {backend} "
+        f"({jax.devices()[0].device_kind}), {dtype.name}, "
         f"{size.layers} layers, d_model {size.d_model}, {size.heads} heads (head dim {size.d_model // size.heads}), "
         f"seq {size.seq_len}, batch {size.batch}, {size.steps} steps, {params:,} parameters, vocab "
         f"{tokenizer.vocab_size}, {len(rows)} packed rows, packing {packing}", flush=True)

@@ -129,9 +129,9 @@ def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
   backend = backend_for(platform)
   if config.fp8 and not backend.serves_fp8:
-    raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=) has no {platform} kernels in te_jax yet: "
-                     "only its CPU backend serves it, the reference for those kernels; te_jax never runs an FP8 call at "
-                     "another precision silently")
+    raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=) has no {platform} kernels in te_jax "
+                     "yet: only its CPU backend serves it, the reference for those kernels; te_jax never runs an FP8 "
+                     "call at another precision silently")
   if direction == "backward":  # it is given the forward's out and lse, sinks merged
     config = dataclasses.replace(config, has_sinks=False)
   q_aval, k_aval, v_aval = ctx.avals_in[:3]

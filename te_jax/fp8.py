@@ -6,11 +6,12 @@ cache's page pool [num_pages, page_size, Hkv, D] one per page and kv head. Curre
 page's) largest magnitude onto the format's largest finite value: descale = amax / max.
 
 fused_attn takes FP8 two ways (te_jax/attention.py): pre-quantized q, k, v (or k and v alone, an FP8 KV cache) with
-their descales, where differentiating an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on bfloat16/float16/float32 q, k, v, quantized
-inside exactly as quantize_fp8 does, whose gradients are those with respect to the dequantized values, returned in the
-operands' dtype (the straight-through convention of FP8 training). Either way the attention runs on the dequantized
-values in float32 (te_jax.paged_attention's FP8 pools too): the CPU backend is the reference the FP8 kernels are
-measured against; a GPU refuses the call until it has FP8 kernels (te_jax/_backends.py: Backend.serves_fp8), never computing it at another precision silently.
+their descales, where differentiating an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on
+bfloat16/float16/float32 q, k, v, quantized inside exactly as quantize_fp8 does, whose gradients are those with respect
+to the dequantized values, returned in the operands' dtype (the straight-through convention of FP8 training). Either way
+the attention runs on the dequantized values in float32 (te_jax.paged_attention's FP8 pools too): the CPU backend is the
+reference the FP8 kernels are measured against; a GPU refuses the call until it has FP8 kernels (te_jax/_backends.py:
+Backend.serves_fp8), never computing it at another precision silently.
 """
 
 from __future__ import annotations

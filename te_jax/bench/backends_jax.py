@@ -509,8 +509,8 @@ class TokamaxBackend(JaxBackend):
 
 class CudnnFp8Backend(JaxBackend):
   """cuDNN's FP8 forward through JAX's private call (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention with
-  use_fp8=True), the peer of te_jax's FP8 forward: q, k and v quantized to e4m3 per tensor in setup (te_jax.quantize_fp8),
-  the probabilities quantized by cuDNN with scale 448 (p in [0, 1] onto e4m3's max), out e4m3 with v's descale (|out|
+  use_fp8=True), the peer of te_jax's FP8 forward: q, k and v quantized to e4m3 per tensor in setup
+  (te_jax.quantize_fp8), the probabilities quantized by cuDNN with scale 448 (p in [0, 1] onto e4m3's max), out e4m3 with v's descale (|out|
   <= max |v|), dequantized for the error check only. No mask but causal; forward only (its backward wants FP8
   gradients' scales, which the harness's modes do not model)."""
   name = "jax-fp8-cudnn"
