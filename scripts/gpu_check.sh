@@ -14,6 +14,7 @@
 #   ab          the harness on the installed kernels and on other trees' (--kernel-root), alternating processes
 #   cp_overlap  the context-parallel ring against one GPU, and its permutes alone (several GPUs)
 #   bench       the harness's fa preset: te_jax's engines against JAX's cuDNN
+#   peers       the d 128 forward and forward + backward beside tokamax (Mosaic, Triton) and cuDNN's FP8 forward
 # Usage: OUT=DIR bash scripts/gpu_check.sh [SECTION]...; each section's variables are described at the section.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
@@ -26,7 +27,7 @@ mkdir -p "$OUT"
 export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
 SECTIONS=${*:-tests sanitize jit bench}
 for s in $SECTIONS; do
-  case " smoke tests packed bias features train stress sanitize jit decode ab cp_overlap bench " in
+  case " smoke tests packed bias features train stress sanitize jit decode ab cp_overlap bench peers " in
   *" $s "*) ;;
   *) echo "unknown section '$s'; the sections are listed at the top of $0"; exit 2 ;;
   esac
@@ -165,6 +166,20 @@ PY
       --baseline te_jax-ffi ${CP_DEVICES:+--cp-devices $CP_DEVICES} --batch 1 --seq ${CP_SEQS:-32768,131072,262144} \
       --heads 32 --kv-heads 8 --head-dim 128 --causal --mode fwd --keep-going --json "$OUT/cp_overlap.json" 2>&1 \
       | tee "$OUT/cp_overlap.log" | grep -v Warning | tail -30 ;;
+  peers)
+    # tokamax is not on the GPU machine: its wheels and their pure-Python dependencies (tokamax, einshape, pydantic,
+    # pydantic-core (cp312), annotated-types, typing-inspection, qwix, immutabledict, tensorboardx, jaxtyping,
+    # wadler-lindig, absl-py, tqdm; `pip download --no-deps --only-binary=:all: --python-version 3.12`) are carried in
+    # $WHEELS (default .whl). tokamax imports xprof's kernel-stats tool at import, which the harness never calls: a
+    # stand-in module takes its place rather than the 32 MB wheel.
+    PEERS=$(mktemp -d)
+    python3 -m pip install -q --no-deps --no-index --target "$PEERS" "${WHEELS:-$REPO/.whl}"/*.whl \
+      > "$OUT/peers_deps.log" 2>&1 || { echo "peers: wheels did not install"; tail -5 "$OUT/peers_deps.log"; }
+    mkdir -p "$PEERS/xprof/cli" && touch "$PEERS/xprof/__init__.py" "$PEERS/xprof/cli/__init__.py"
+    [ -f "$PEERS/xprof/cli/tools.py" ] || echo "get_kernel_stats_tool = None" > "$PEERS/xprof/cli/tools.py"
+    PYTHONPATH="$PEERS" timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset fa --head-dim 128 \
+      --seq ${PEERS_SEQS:-2048,8192} --backends te_jax-te,te_jax-ffi,jax-cudnn,tokamax-mosaic,tokamax-triton,jax-fp8-cudnn \
+      --baseline jax-cudnn --keep-going --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" | grep -v Warning | tail -60 ;;
   bench)
     # te_jax's engines (te, cudnn, and auto: te_jax-ffi) against JAX's cuDNN on the fa grid; BENCH_ARGS are more harness
     # flags (--head-dim 128, --mode fwd, --kv-heads 4, --window 1023, ...), BENCH_BACKENDS replaces the backends (add
