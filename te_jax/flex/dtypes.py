@@ -34,11 +34,7 @@ def allowed_names() -> str:
 
 
 def is_float(dtype) -> bool:
-  return np.issubdtype(dtype, np.floating)
-
-
-def is_int(dtype) -> bool:
-  return np.issubdtype(dtype, np.integer)
+  return jnp.issubdtype(dtype, jnp.floating)  # numpy's issubdtype does not know bfloat16
 
 
 def value_type(dtype, where: str) -> str:
