@@ -51,6 +51,7 @@ nb::dict ReportDict(const cuda::JitReport& r) {
   d["path"] = r.path;
   d["origin"] = r.origin;
   d["seconds"] = r.seconds;
+  d["note"] = r.note;
   return d;
 }
 

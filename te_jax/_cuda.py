@@ -61,6 +61,8 @@ ext.set_cudnn_paths(_wheel_libraries("cudnn/lib/libcudnn.so.9"), _wheel_librarie
 
 
 def _log_report(report: dict, why: str) -> None:
+  if report.get("note"):
+    why = f"{why}; {report['note']}"
   if report["origin"] == "compiled":
     logger.info("te_jax: compiled CUDA kernel %s in %.2f s (%s); engine te: %s", report["name"], report["seconds"],
                 report["path"], why)

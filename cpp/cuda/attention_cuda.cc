@@ -43,6 +43,7 @@ struct CallModule {
   const LoadedModule* module = nullptr;
   KernelFamily family = KernelFamily::kSm80;
   Sm90ForwardKernel sm90_forward;  // the sm90 forward module's kernel the call takes
+  bool documents = false;          // the sm90 forward module has the document kernels (HasDocumentForward)
   CUdevice device = 0;
 };
 
@@ -52,6 +53,7 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
   KernelConfig config;
   TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
   call->family = config.Family();
+  call->documents = config.HasDocumentForward();
   if (direction == Direction::kForward && call->family == KernelFamily::kSm90) {
     TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &call->sm90_forward));
   }
@@ -148,17 +150,23 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
     TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &kernel));
   }
   const LoadedModule* module = nullptr;
-  return GetLoadedModule(config, device, &module, report);
+  TE_JAX_RETURN_IF_ERROR(GetLoadedModule(config, device, &module, report));
+  if (config.HasDocumentForward()) {
+    report->note = "packed rows read as documents where the ids rise in runs over keys that are the queries' tokens "
+                   "(decided on the device each call), else through the token tables";
+  }
+  return Status::Ok();
 }
 
 // The persistent sm90 forward's work counter, in the workspace of every call that may take it (the plain product; the
 // kernel is picked at run time).
 constexpr int64_t kWorkCounterBytes = 16;
 
-// te_jax's kernels: the decode kernels' partial results (or the work counter), or (never both) the token tables.
+// te_jax's kernels: the decode kernels' partial results (or the work counter), or (never both) the token tables and
+// the document table.
 int64_t ForwardWorkspaceBytes(const AttentionParams& p) {
   if (p.engine == Engine::kCudnn) return cudnn::ForwardWorkspaceBytes(p);
-  if (UsesTokens(p)) return TokenTablesBytes(p);
+  if (UsesTokens(p)) return TokenTablesBytes(p) + DocumentTableBytes(p);
   return std::max(DecodeWorkspaceBytes(p), kWorkCounterBytes);
 }
 
@@ -232,6 +240,39 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
 
 }  // namespace
 
+// The persistent kernels' CTAs take works from a counter in the workspace, from 0 each call.
+Status ZeroWorkCounter(const DriverApi* driver, unsigned* counter, CUstream stream) {
+  const CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(counter), 0u, 1, stream);
+  if (r != CUDA_SUCCESS) return Status::Internal("cannot zero the forward's work counter: " + driver->ErrorString(r));
+  return Status::Ok();
+}
+
+// A packed row read as documents (kernels/common/document_tables.cuh): the table's kernel (one CTA), then the document
+// kernel, one CTA per multiprocessor, before the token kernel, which steps aside where the table holds (else the
+// document kernel does). Entries 1 and 2 of the module (sm90_module.cc); the document kernel's tile is the plain
+// product's, whose K/V boxes the token kernel's maps share where the two tiles agree.
+constexpr int kDocumentKernelEntry = 1;
+constexpr int kDocumentTableEntry = 2;
+
+Status LaunchDocuments(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p,
+                       const TmaForwardArgs& token_call, const sm90::ForwardTile& token_tile, int multiprocessors,
+                       CUstream stream) {
+  const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv);
+  if (tile.block_m != token_tile.block_m || tile.block_n != token_tile.block_n) {
+    return Status::Internal("the document kernel's tile differs from the token kernel's (sm90/tile_size.h)");
+  }
+  TmaForwardArgs tma = token_call;
+  tma.next_work = reinterpret_cast<unsigned*>(reinterpret_cast<char*>(tma.args.tokens.documents) +
+                                              DocumentTableBytes(p) - 16);
+  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[kDocumentTableEntry], "document table", 1, 1, 1,
+                                kDocumentTableThreads, 0, stream, &tma.args));
+  TE_JAX_RETURN_IF_ERROR(ZeroWorkCounter(driver, tma.next_work, stream));
+  return Launch(driver, module->kernels[kDocumentKernelEntry], "attention forward (documents)",
+                static_cast<unsigned>(multiprocessors), 1, 1, sm90::ForwardThreads(tile),
+                module->smem_bytes[kDocumentKernelEntry], stream, &tma);
+}
+
 Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstream stream) {
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(p, Backend::kCuda));
   if (p.engine == Engine::kCudnn) {
@@ -263,6 +304,11 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
                   call.module->smem_bytes[0], stream, &args);
   }
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();  // nothing to write, and no tensor map of zero extent
+  // A packed row the document kernel may serve: the document table follows the token tables.
+  const bool documents = call.documents && DocumentTableBytes(p) > 0;
+  if (documents) {
+    args.tokens.documents = reinterpret_cast<int32_t*>(static_cast<char*>(b.workspace) + TokenTablesBytes(p));
+  }
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
   const Sm90ForwardKernel kernel = call.sm90_forward;
   const sm90::ForwardTile tile =
@@ -286,21 +332,22 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   const unsigned query_blocks = CeilDiv(p.seqlen_q, tile.block_m);
   unsigned grid[3] = {query_blocks, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)};
-  if (kernel.persistent) {
-    // One CTA per multiprocessor (a CTA's registers fill one), each taking query blocks in turn.
-    int multiprocessors = 0;
+  int multiprocessors = 0;
+  if (kernel.persistent || documents) {
     const CUresult r =
         driver->cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, call.device);
     if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's multiprocessors: " + driver->ErrorString(r));
+  }
+  if (documents) {
+    TE_JAX_RETURN_IF_ERROR(LaunchDocuments(driver, call.module, p, tma, tile, multiprocessors, stream));
+  }
+  if (kernel.persistent) {
+    // One CTA per multiprocessor (a CTA's registers fill one), each taking query blocks in turn.
     const int64_t works = static_cast<int64_t>(query_blocks) * p.num_heads * p.batch;
     grid[0] = static_cast<unsigned>(std::min<int64_t>(works, multiprocessors));
     grid[1] = grid[2] = 1;
-    // The CTAs take works from a counter in the workspace, from 0 each call.
     tma.next_work = static_cast<unsigned*>(b.workspace);
-    const CUresult zeroed = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(tma.next_work), 0u, 1, stream);
-    if (zeroed != CUDA_SUCCESS) {
-      return Status::Internal("cannot zero the forward's work counter: " + driver->ErrorString(zeroed));
-    }
+    TE_JAX_RETURN_IF_ERROR(ZeroWorkCounter(driver, tma.next_work, stream));
   }
   return Launch(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
                 sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma);

@@ -36,6 +36,21 @@ inline constexpr int kTokenGranule = 64;
 inline constexpr int kTokenSummaryInts = 8;
 inline constexpr int kTokenTableThreads = 128;  // threads per block of the token-table kernels: a warp per granule
 
+// Packed rows read as documents (the sm90 forward's document kernel, kernels/common/document_tables.cuh): the
+// document table one CTA of kDocumentTableThreads derives from the ids into the workspace, int32:
+//   [0]: 1 where the ids and positions allow the reading (document_tables.cuh says when), else 0; [1]: the number of
+//   works E; [2], [3]: unused;
+//   then DocumentTableEntries entries of 4 ints {b, m0, first, end}, the first E of them the works, longest first:
+//   query rows [m0, min(m0 + block_m, end)) of batch entry b's document of rows and keys [first, end) (first = end for
+//   a run of id 0, whose rows see nothing);
+//   then B x Sq ints of scratch (each batch entry's document starts) and B (their counts).
+inline constexpr int kDocumentTableThreads = 1024;
+inline constexpr int kDocumentTableHeaderInts = 4;
+// Entries the table has room for: a document of n rows has ceil(n / block_m) blocks, at most n / 64 + 1.
+TE_JAX_HOST_DEVICE constexpr int64_t DocumentTableEntries(int64_t batch, int64_t seqlen) {
+  return batch * ((seqlen + 63) / 64 + seqlen);
+}
+
 struct TokenArgs {
   const int32_t* q_ids;
   const int32_t* kv_ids;
@@ -50,6 +65,8 @@ struct TokenArgs {
   int32_t* kv_summary;
   int32_t* q_span;
   int32_t* kv_span;
+  // The sm90 forward's document table (above), where its module has the document kernel; else null.
+  int32_t* documents;
 };
 
 // Attention dropout (kernels/common/dropout.h): the dropout operand (uint32 [6]: the PRNG key's two words,
@@ -131,7 +148,7 @@ struct TmaForwardArgs {
   TensorMap k;
   TensorMap v;
   TensorMap bias;  // read only by kernels built with a bias (sm90/bias_tile.h)
-  // The persistent kernel's count of the works its CTAs have taken: a word of the workspace, zeroed before the launch
+  // The persistent kernels' count of the works their CTAs have taken: a word of the workspace, zeroed before the launch
   // (attention_fwd.cuh's PrefetchWork).
   unsigned* next_work;
 };

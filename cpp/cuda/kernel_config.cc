@@ -53,6 +53,11 @@ bool KernelConfig::PlainSm90Forward() const {
          !dropout && !bias;
 }
 
+bool KernelConfig::HasDocumentForward() const {
+  return direction == Direction::kForward && Family() == KernelFamily::kSm90 && tokens && !softcap && !alibi &&
+         !dropout && !bias && sm90::ForwardHasPersistentKernel(head_dim, head_dim_v, true);
+}
+
 bool KernelConfig::HasThreeConsumerForward() const {
   return PlainSm90Forward() && sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, true);
 }

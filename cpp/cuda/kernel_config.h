@@ -63,6 +63,10 @@ struct KernelConfig {
   // An sm90 forward module whose second kernel is a persistent one (sm90/tile_size.h), which calls take by their shape.
   bool HasPersistentForward() const;
   bool PlainSm90Forward() const;  // an sm90 forward without soft-cap, ALiBi, tokens, dropout or a bias
+  // An sm90 forward module of tokens and otherwise the plain product, where head dims have the persistent kernel: it
+  // also has the document kernel (the persistent one over a packed row's documents) and the document table's kernel
+  // (kernels/common/document_tables.cuh), after the token kernel.
+  bool HasDocumentForward() const;
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
 };

@@ -20,6 +20,7 @@ struct JitReport {
   std::string path;    // the cache file
   std::string origin;  // "memory", "disk" or "compiled"
   double seconds = 0;  // time to produce the cubin (compile, or read and verify)
+  std::string note;    // what the module's kernels decide per call on the device, for the log line ("" if nothing)
 };
 
 // Makes sure the cubin exists (memory, disk, or a fresh compile). Needs NVRTC only on a miss, and no GPU.
@@ -27,7 +28,7 @@ Status EnsureCubin(const KernelConfig& config, JitReport* report);
 
 struct LoadedModule {
   // The module's entries (kernel_module.h): at most 4 (decode), or 3, the dbias conversion and the 2 token-table
-  // kernels.
+  // kernels, or the forward's token kernel, document kernel, document table's kernel and the 2 token-table kernels.
   static constexpr int kMaxKernels = 6;
   CUkernel kernels[kMaxKernels] = {};
   int count = 0;

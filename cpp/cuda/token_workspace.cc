@@ -32,6 +32,13 @@ int64_t TokenTablesBytes(const AttentionParams& p) {
   return total;
 }
 
+int64_t DocumentTableBytes(const AttentionParams& p) {
+  if (!p.has_segment_ids || p.seqlen_q != p.seqlen_kv) return 0;
+  const int64_t ints = kDocumentTableHeaderInts + 4 * DocumentTableEntries(p.batch, p.seqlen_q) +
+                       p.batch * p.seqlen_q + p.batch;
+  return RoundUp(ints * 4) + 16;
+}
+
 TokenArgs MakeTokenArgs(const AttentionParams& p, const int32_t* q_ids, const int32_t* kv_ids, const int32_t* q_pos,
                         const int32_t* kv_pos, void* tables) {
   TokenArgs t{};

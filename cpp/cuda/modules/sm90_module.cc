@@ -23,12 +23,26 @@ KernelModule Forward(const KernelConfig& c) {
       "te_jax::cuda::sm90::ForwardKernel<" + args + ", " + std::to_string(consumers) + ">",
       "te_jax::cuda::TmaForwardArgs",
       sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, consumers, c.BiasBytes())));
+  const int persistent_smem = sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2,
+                                                     /*bias_bytes=*/0, /*persistent=*/true);
   if (c.HasPersistentForward()) {
-    m.entries.push_back(TmaEntry(
-        "te_jax_attention_forward_persistent", "te_jax::cuda::sm90::ForwardKernel<" + args + ", 2, true>",
-        "te_jax::cuda::TmaForwardArgs",
-        sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2, /*bias_bytes=*/0,
-                               /*persistent=*/true)));
+    m.entries.push_back(TmaEntry("te_jax_attention_forward_persistent",
+                                 "te_jax::cuda::sm90::ForwardKernel<" + args + ", 2, true>",
+                                 "te_jax::cuda::TmaForwardArgs", persistent_smem));
+  }
+  if (c.HasDocumentForward()) {
+    // The plain product's persistent kernel over the document table's works, and the table's kernel.
+    KernelConfig plain = c;
+    plain.tokens = false;
+    const sm90::ForwardTile tile = sm90::ForwardTileSize(c.head_dim, c.head_dim_v);
+    m.includes.push_back("cpp/cuda/kernels/common/document_tables.cuh");
+    m.entries.push_back(TmaEntry("te_jax_attention_forward_documents",
+                                 "te_jax::cuda::sm90::ForwardKernel<" + KernelTemplateArgs(plain) + ", 2, true, true>",
+                                 "te_jax::cuda::TmaForwardArgs", persistent_smem));
+    m.entries.push_back({"te_jax_document_table",
+                         "te_jax::cuda::DocumentTableKernel<" + std::to_string(tile.block_m) + ", " +
+                             std::to_string(tile.block_n) + ">",
+                         "te_jax::cuda::ForwardArgs"});
   }
   AddTokenKernels(c, "te_jax::cuda::ForwardArgs", &m);
   return m;

@@ -92,6 +92,33 @@ __device__ __forceinline__ QueryBlockOfCta QueryBlockOf(const ShapeArgs& s, cons
   return c;
 }
 
+// A work of the document table (packed rows read as documents, kernels/common/document_tables.cuh): entry {b, m0,
+// first, end}'s query rows of the document [first, end) under the call's mask, which with positions acts on them (the
+// table holds only where they count up by one within each document, so their differences are the indices'). The
+// block's rows past `end` belong to the next document and are never written, so the block counts as whole: the tiles
+// every row of the document's sees take no per-element mask.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ QueryBlockOfCta DocumentBlockOf(const ShapeArgs& s, const TokenArgs& t, int4 entry,
+                                                           int head) {
+  QueryBlockOfCta c;
+  c.m0 = entry.y;
+  c.head = head;
+  c.b = entry.x;
+  c.kv_head = head / (s.num_heads / s.num_kv_heads);
+  c.len = BatchLengths{entry.w, entry.w, false};
+  const bool positions = t.q_pos != nullptr;
+  const MaskType mask = positions ? (t.causal ? MaskType::kCausal : MaskType::kNoMask)
+                                  : static_cast<MaskType>(s.mask_type);
+  c.mask = MakeRowMask(mask, entry.w, entry.w, positions ? t.window_left : s.window_left,
+                       positions ? t.window_right : s.window_right);
+  c.mask.first = entry.z;
+  c.span = KeysOfRows(c.mask, c.m0, kBlockM);
+  c.span.all_rows_valid = true;
+  c.tile_begin = c.span.FirstTile(kBlockN);
+  c.tile_end = c.span.EndTile(kBlockN);
+  return c;
+}
+
 // Keys [n0, n1): the query rows [begin, end) that may see any of them (a superset is harmless: masked per element).
 struct RowSpan {
   int begin, end;

@@ -3,7 +3,8 @@
 // rings, and two consumer warpgroups of 64 query rows (three where both head dims pad to 64: tile_size.h) that issue
 // the next tile's q k^T with this tile's p v and run the softmax while both run, taking turns (ping-pong). The
 // persistent kernel (kPersistent) runs one CTA per multiprocessor that takes query blocks in turn (ForEachWork,
-// PrefetchWork). Masks, variants, packed sequences, dropout, the bias ring and the careful pass for non-finite values:
+// PrefetchWork); the document kernel (kDocuments, persistent) takes them from the document table of a packed row
+// (kernels/common/document_tables.cuh), where the token kernel of its module steps aside. Masks, variants, packed sequences, dropout, the bias ring and the careful pass for non-finite values:
 // docs/ARCHITECTURE.md, "The sm90 forward" and "NaN and inf".
 #pragma once
 
@@ -42,7 +43,8 @@ __device__ __forceinline__ void PassTurn(int wg) {
   asm volatile("bar.arrive %0, 256;" ::"r"(2 + (wg + 1) % kConsumers) : "memory");
 }
 
-template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 2, bool kPersistent = false>
+template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 2, bool kPersistent = false,
+          bool kDocuments = false>
 struct ForwardKernel {
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr bool kDropout = Variant::kHasDropout;
@@ -104,6 +106,7 @@ struct ForwardKernel {
   static_assert(kConsumers == 2 || ForwardHasThreeConsumerKernel(kD, kDv, kPlain),
                 "three consumer warpgroups only where tile_size.h gives them");
   static_assert(!kPersistent || ForwardHasPersistentKernel(kD, kDv, kPlain), "persistent only where tile_size.h says");
+  static_assert(!kDocuments || kPersistent, "the document kernel is a persistent one");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
 
   // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h); a
@@ -283,9 +286,12 @@ struct ForwardKernel {
   };
 
   static __device__ __forceinline__ Work WorkOf(const ForwardArgs& args, int m_block, int head, int b) {
+    return WorkOf(args, QueryBlockOf<kBlockM, kBlockN>(args.shape, args.q_seqlens, args.kv_seqlens, m_block, head, b));
+  }
+  static __device__ __forceinline__ Work WorkOf(const ForwardArgs& args, const QueryBlockOfCta& block) {
     const ShapeArgs& s = args.shape;
     Work w;
-    w.cta = QueryBlockOf<kBlockM, kBlockN>(s, args.q_seqlens, args.kv_seqlens, m_block, head, b);
+    w.cta = block;
     QueryBlockOfCta& cta = w.cta;
     if constexpr (kTokens) {
       // Only the key tiles the rows' tokens may meet: narrowed here, so the producer and the consumers walk the same.
@@ -314,7 +320,7 @@ struct ForwardKernel {
   template <typename F>
   static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer, F&& f) {
     if constexpr (kPersistent) {
-      const int works = PersistentWorks(args.shape);
+      const int works = PersistentWorks(args);
       for (int n = 0;; ++n) {
         const int buffer = n % kQBuffers;
         if (n > 0 && !producer) MbarrierWait(sm.QFull(buffer), (n / kQBuffers) & 1);
@@ -327,12 +333,20 @@ struct ForwardKernel {
     }
   }
 
-  // Persistent kernels: how many works there are, and the work at an index of their order.
-  static __device__ __forceinline__ int PersistentWorks(const ShapeArgs& s) {
+  // Persistent kernels: how many works there are, and the work at an index of their order. The document kernel's are
+  // the document table's works (longest first) of each head in turn.
+  static __device__ __forceinline__ int PersistentWorks(const ForwardArgs& args) {
+    const ShapeArgs& s = args.shape;
+    if constexpr (kDocuments) return args.tokens.documents[1] * s.num_heads;
     return (s.seqlen_q + kBlockM - 1) / kBlockM * s.num_heads * s.batch;
   }
   static __device__ __forceinline__ Work PersistentWork(const ForwardArgs& args, int index) {
     const ShapeArgs& s = args.shape;
+    if constexpr (kDocuments) {
+      const int blocks = args.tokens.documents[1];
+      const int4* entries = reinterpret_cast<const int4*>(args.tokens.documents + kDocumentTableHeaderInts);
+      return WorkOf(args, DocumentBlockOf<kBlockM, kBlockN>(s, args.tokens, entries[index % blocks], index / blocks));
+    }
     const int blocks = (s.seqlen_q + kBlockM - 1) / kBlockM;
     const int head_of_batch = index / blocks;
     return WorkOf(args, blocks - 1 - index % blocks, head_of_batch % s.num_heads, head_of_batch / s.num_heads);
@@ -352,7 +366,7 @@ struct ForwardKernel {
   // that buffer and its first k and v tiles into L2, so they land sooner once the rings take them. `next`'s rows and
   // key tiles are found before the waits, so their lengths' loads run under them.
   static __device__ __forceinline__ void PrefetchWork(const TmaForwardArgs& a, const Smem& sm, int n, int& next) {
-    const int works = PersistentWorks(a.args.shape);
+    const int works = PersistentWorks(a.args);
     const int buffer = n % kQBuffers;
     QueryBlockOfCta cta = PersistentWork(a.args, min(next, works - 1)).cta;
     int item = next;
@@ -385,6 +399,12 @@ struct ForwardKernel {
     const Smem sm{(SmemAddress(smem_raw) + 1023u) & ~1023u};
     const ForwardArgs& args = a.args;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
+    // A packed row: the document kernel serves it where the table says the reading holds, else the token kernel.
+    if constexpr (kDocuments) {
+      if (args.tokens.documents[0] == 0) return;
+    } else if constexpr (kTokens) {
+      if (args.tokens.documents != nullptr && args.tokens.documents[0] != 0) return;
+    }
     if (tid == 0) {
       PrefetchTensorMap(&a.q);
       PrefetchTensorMap(&a.k);
@@ -809,9 +829,11 @@ struct ForwardKernel {
     }
     MergeRowSinks(args.sinks, static_cast<int64_t>(cta.b) * s.num_heads + cta.head, inv_sum, lse);
 #pragma unroll
+    // A document work's rows end with its document (the rows past it are the next one's).
+    const int row_end = kDocuments ? static_cast<int>(cta.mask.q_len) : s.seqlen_q;
     for (int r = 0; r < 2; ++r) {
       const int row = cta.m0 + local_row + 8 * r;
-      if (row >= s.seqlen_q) continue;
+      if (row >= row_end) continue;
       uint16_t* out_row = out + row * o_stride;
 #pragma unroll
       for (int j = 0; j < kDvP / 8; ++j) {
