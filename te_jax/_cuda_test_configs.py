@@ -63,6 +63,11 @@ PACKED_CASES = [
     (("pk_d_ne_dv_mqa",         "bfloat16", 4, 200, 200, 8, 1,   192, 128, "causal",  (-1, -1), 0.0,  False, False), "ids"),
     (("pk_d256",                "bfloat16", 4, 200, 200, 2, 2,   256, 256, "causal",  (-1, -1), 0.0,  False, False), "ids+positions"),
     (("pk_d40_dv72",            "float16",  4, 150, 150, 2, 1,   40,  72,  "no_mask", (-1, -1), 0.0,  False, False), "ids"),
+    # The sm90 forward reads sorted ids as documents (kernels/common/document_tables.cuh) and must refuse these:
+    (("pk_repeated_id",         "bfloat16", 2, 400, 400, 4, 2,   128, 128, "causal",  (-1, -1), 0.0,  False, False), "repeated_id"),
+    (("pk_gapped_positions",    "bfloat16", 2, 300, 300, 2, 2,   64,  64,  "causal",  (40, -1), 0.0,  False, False), "gapped_positions"),
+    # and read these so: many short documents beside long ones, padding between them.
+    (("pk_tiny_documents",      "float16",  3, 700, 700, 4, 4,   128, 128, "no_mask", (-1, -1), 0.0,  False, False), "tiny_documents"),
 ]
 
 # Dropout cases (the CUDA kernels built with dropout), tests/test_cuda_dropout.py: the case as above and the rate.

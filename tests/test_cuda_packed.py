@@ -1,8 +1,9 @@
 """GPU tests of packed sequences (segment ids and positions; the CUDA kernels built with tokens): out, lse and every
 gradient against the float64 reference for random packings (empty rows, all-id-0 rows), unsorted ids, random and
 decode-style positions, with masks, windows, soft-cap, ALiBi, GQA/MQA, D != Dv, bf16 and fp16, both backwards; FFI and
-legacy bitwise equal; a packed row equals its documents run alone; NaN in one document stays there. Skipped without
-a GPU."""
+legacy bitwise equal; a packed row equals its documents run alone; NaN in one document stays there. The sm90 forward's
+document reading (sorted ids) on short and long documents, and the ids it must leave to the token tables (an id in
+two runs, positions with gaps). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -39,6 +40,25 @@ def _tokens(case, kind: str, rng) -> dict:
   if kind == "random_positions":  # unsorted, repeated, some before every key
     return dict(q_positions=jnp.asarray(rng.integers(-20, sq + 20, (b, sq)), jnp.int32),
                 kv_positions=jnp.asarray(rng.integers(0, skv, (b, skv)), jnp.int32))
+  if kind == "repeated_id":  # runs 1, 2, 1: the two runs of id 1 see each other, so they are not two documents
+    ids = np.ones((b, sq), np.int32)
+    ids[:, sq // 3:2 * sq // 3] = 2
+    return dict(q_segment_ids=jnp.asarray(ids))
+  if kind == "gapped_positions":  # sorted ids, positions stepping by 2: a window on them is not the one on indices
+    lengths = random_lengths(rng, b, sq)
+    return dict(q_segment_ids=segment_ids_from_lengths(lengths, sq),
+                q_positions=2 * positions_from_lengths(lengths, sq), kv_positions=2 * positions_from_lengths(lengths, sq))
+  if kind == "tiny_documents":  # documents of 1-3 tokens beside long ones, padding (id 0) runs between them
+    ids = np.zeros((b, sq), np.int32)
+    for row in range(b):
+      at, doc = 0, 1
+      while at < sq:
+        n = int(rng.choice([1, 2, 3, 129, 250]))
+        if rng.random() < 0.8:
+          ids[row, at:at + n] = doc
+          doc += 1
+        at += n
+    return dict(q_segment_ids=jnp.asarray(ids))
   if kind == "decode":  # q_positions = cache length + i, keys by index
     return dict(q_positions=jnp.asarray(np.broadcast_to(skv - sq + np.arange(sq), (b, sq)), jnp.int32))
   raise ValueError(kind)
