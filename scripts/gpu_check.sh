@@ -61,13 +61,15 @@ for s in $SECTIONS; do
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
-    # Packed sequences: the GPU tests, then one row of 8 documents of 2k against the batch of 8 (and cuDNN's batch).
+    # Packed sequences: the GPU tests, then the harness's packed preset: rows of 2, 8 and 32 documents against their
+    # batch (and cuDNN's batch), the ids rising (read as documents) and falling (the token tables).
     t0=$(date +%s)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
       "$REPO"/tests/test_cuda_packed.py 2>&1 | tee "$OUT/packed_tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -40
     echo "packed tests: $(( $(date +%s) - t0 )) s"
-    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset packed --backends te_jax-te,te_jax-packed,jax-cudnn \
-      --baseline te_jax-te --keep-going --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" | grep -v Warning | tail -20 ;;
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset packed \
+      --backends te_jax-te,te_jax-packed,te_jax-unsorted-packed,jax-cudnn --baseline te_jax-te --keep-going \
+      --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" | grep -v Warning | tail -40 ;;
   train)
     # examples/train_lm.py at --size gpu, a short run per attention. Flax and optax are not on the GPU
     # machine: their wheels (and their pure-Python dependencies) are carried in $WHEELS (default .device_out/wheels).

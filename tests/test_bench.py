@@ -129,7 +129,7 @@ def test_small_case_keeps_what_matters():
 def test_registry_has_every_backend():
   names = [b.name for b in registry.all_backends()]
   for expected in ("te_jax-ffi", "te_jax-legacy", "te_jax-te", "te_jax-cudnn", "te_jax-deterministic", "te_jax-packed",
-                   "te_jax-cp-ring", "te_jax-cp-all_gather", "te_jax-paged16", "te_jax-paged64", "kv-read",
+                   "te_jax-unsorted-packed", "te_jax-cp-ring", "te_jax-cp-all_gather", "te_jax-paged16", "te_jax-paged64", "kv-read",
                    "jax-cudnn", "jax-xla", "pallas",
                    "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn", "tokamax-mosaic",
                    "tokamax-triton", "tokamax-xla", "jax-fp8-cudnn", "te_jax-fp8-paged64"):
@@ -427,6 +427,17 @@ def test_packed_row_matches_the_batch_it_packs():
     assert e.ok and e.rel < 1e-5, (mode, e)
 
 
+def test_unsorted_packed_row_falls_and_still_matches_the_batch():
+  """te_jax-unsorted-packed's ids fall document by document, and its errors are the batch's problem's."""
+  unsorted = registry.get("te_jax-unsorted-packed")
+  c = case(batch=3, heads=2, causal=True)
+  ids = np.asarray(unsorted.segment_ids(c))[0]
+  assert list(ids[::c.seq_q]) == [3, 2, 1] and (np.diff(ids) <= 0).all()
+  for mode in ("fwd", "fwd+bwd"):
+    e = measure_errors(unsorted, c, mode)
+    assert e.ok and e.rel < 1e-5, (mode, e)
+
+
 def test_a_packed_row_without_segment_ids_is_caught():
   """Without the ids every document sees the ones before it in the row: out of tolerance."""
   from te_jax.bench.backends_jax import PackedBackend
@@ -453,7 +464,7 @@ def test_packed_preset_and_its_flags():
   from te_jax.bench.__main__ import build_sweep, parse_args
   gpu = PRESETS["packed"]("gpu").cases("gpu")
   assert [(c.batch, c.seq_q, c.heads, c.head_dim, c.causal, c.dtype) for c in gpu] == [
-      (8, 2048, 16, 128, True, "bfloat16")]
+      (b, 16384 // b, 16, 128, causal, "bfloat16") for causal in (True, False) for b in (32, 8, 2)]
   assert [(c.batch, c.seq_q, c.heads, c.head_dim) for c in PRESETS["packed"]("cpu").cases("cpu")] == [(8, 2048, 4, 64)]
   sweep = build_sweep(parse_args(["--preset", "packed", "--batch", "16", "--seq", "512,1024"]), "cpu")
   assert [(c.batch, c.seq_q) for c in sweep.cases("cpu")] == [(16, 512), (16, 1024)]

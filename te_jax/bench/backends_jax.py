@@ -273,9 +273,25 @@ class PackedBackend(TeJaxBackend):
     return x.reshape(case.batch, -1, *x.shape[2:])
 
   def fused_attn_kwargs(self, case: Case) -> dict:
+    return dict(super().fused_attn_kwargs(case), q_segment_ids=self.segment_ids(case))
+
+  def segment_ids(self, case: Case):
     import te_jax
-    ids = te_jax.segment_ids_from_lengths(np.full((1, case.batch), case.seq_q), case.batch * case.seq_q)
-    return dict(super().fused_attn_kwargs(case), q_segment_ids=ids)
+    return te_jax.segment_ids_from_lengths(np.full((1, case.batch), case.seq_q), case.batch * case.seq_q)
+
+
+class UnsortedPackedBackend(PackedBackend):
+  """te_jax-packed with the documents' ids falling (B, ..., 1): the same attention, but ids that do not rise, which the
+  sm90 forward does not read as documents, so its token tables serve the row: what sorted ids save."""
+
+  def __init__(self):
+    super().__init__()
+    self.name = "te_jax-unsorted-packed"
+    self.label = "te_jax, the batch packed into one row, ids falling"
+
+  def segment_ids(self, case: Case):
+    ids = super().segment_ids(case)
+    return (case.batch + 1 - ids).astype(ids.dtype)
 
 
 class DeterministicBackend(TeJaxBackend):
@@ -576,7 +592,7 @@ class KvReadBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 DeterministicBackend(), PackedBackend(), ContextParallelBackend("ring"),
+                 DeterministicBackend(), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
                  JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),

@@ -132,11 +132,13 @@ def cpu(platform: str) -> Sweep:
 
 
 def packed(platform: str) -> Sweep:
-  """Packed documents: 8 causal documents of 2k as the batch of 8 (te_jax-te, jax-cudnn) and as one row of 16k tokens
-  told apart by segment ids (te_jax-packed); h 16, d 128 on a GPU, h 4, d 64 on the CPU. --batch sets the number of
-  documents, --seq their length."""
-  heads, head_dim = (4, 64) if platform == "cpu" else (16, 128)
-  return Sweep(seqs=[2048], head_dims=[head_dim], causal=[True], batch=8, heads=heads)
+  """Packed documents: 2, 8 and 32 documents of 8k, 2k and 512 tokens, causal and not, as a batch (te_jax-te,
+  jax-cudnn) and as one row of 16k tokens told apart by segment ids (te_jax-packed; te_jax-unsorted-packed with the ids
+  falling); h 16, d 128. On the CPU 8 causal documents of 2k, h 4, d 64. --batch sets the number of documents, --seq
+  their length."""
+  if platform == "cpu":
+    return Sweep(seqs=[2048], head_dims=[64], causal=[True], batch=8, heads=4)
+  return Sweep(seqs=[512, 2048, 8192], head_dims=[128], causal=[True, False], tokens=16384, heads=16)
 
 
 def features(platform: str) -> CaseList:
