@@ -17,6 +17,7 @@
 #include "cpp/core/validate.h"
 #include "cpp/core/visible_keys.h"
 #include "legacy/descriptor.h"
+#include "legacy/flex_descriptor.h"
 #include "legacy/legacy_failure.h"
 
 namespace te_jax::bindings {
@@ -36,13 +37,14 @@ inline void DefineCoreFunctions(nb::module_& m) {
         if (!IsForward(direction)) ThrowIfError(ValidateBackwardParams(params, BackendFromInt(backend)));
       },
       nb::arg("fields"), nb::arg("backend"), nb::arg("direction") = "forward");
+  // The legacy path's opaque bytes: the descriptor, and a call with mods' flex block (legacy/flex_descriptor.h).
   m.def("pack_descriptor", [](const nb::dict& fields) {
-    const std::string bytes = legacy::PackDescriptor(ParamsFromDict(fields));
+    const std::string bytes = legacy::PackOpaque(ParamsFromDict(fields));
     return nb::bytes(bytes.data(), bytes.size());
   });
   m.def("unpack_descriptor", [](const nb::bytes& data) {
     AttentionParams params;
-    ThrowIfError(legacy::UnpackDescriptor(data.c_str(), data.size(), &params));
+    ThrowIfError(legacy::UnpackOpaque(data.c_str(), data.size(), &params));
     return DictFromParams(params);
   });
   m.def("take_legacy_failures", &legacy::TakeLegacyFailures);

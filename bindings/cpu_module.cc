@@ -7,6 +7,7 @@
 
 #include "bindings/core_functions.h"
 #include "bindings/params_from_python.h"
+#include "cpp/core/cache_dir.h"
 #include "cpp/cpu/attention_cpu.h"
 #include "cpp/cpu/isa_dispatch.h"
 #include "ffi/cpu_handlers.h"
@@ -38,4 +39,6 @@ NB_MODULE(_te_jax_cpu, m) {
       nb::arg("params"), nb::arg("direction"));
   // The instruction set the kernels run in (cpp/cpu/isa_dispatch.h): te_jax/cpu_isa.py.
   m.def("cpu_isa", [] { return std::string(te_jax::cpu::IsaName(te_jax::cpu::CpuIsa())); });
+  // Where the score_mod / mask_mod libraries are cached (te_jax/flex/cpu_library.py), beside the CUDA cubins.
+  m.def("cache_dir", [] { return te_jax::CacheDir(); });
 }

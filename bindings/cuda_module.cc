@@ -136,7 +136,7 @@ NB_MODULE(_te_jax_cuda, m) {
 
   m.def("set_kernel_root", &cuda::SetKernelRoot, nb::arg("root"));
   m.def("set_nvrtc_paths", &cuda::SetNvrtcSearchPaths, nb::arg("paths"));
-  m.def("cache_dir", &cuda::CacheDir);
+  m.def("cache_dir", &te_jax::CacheDir);
   m.def("nvrtc_version", [] {
     std::string v;
     bindings::ThrowIfError(cuda::NvrtcVersionString(&v));

@@ -3,10 +3,13 @@
 #pragma once
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpp/core/attention_params.h"
 #include "cpp/core/status.h"
@@ -90,6 +93,14 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   if (d.contains("num_pages")) p.num_pages = i64("num_pages");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
   p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
+  // Absent too without score_mod / mask_mod (cpp/core/flex_mods.h).
+  if (d.contains("score_mod_library")) p.flex.score_library = Field<std::string>(d, "score_mod_library");
+  if (d.contains("mask_mod_library")) p.flex.mask_library = Field<std::string>(d, "mask_mod_library");
+  if (d.contains("flex_batch_fold")) p.flex.batch_fold = i64("flex_batch_fold");
+  if (d.contains("score_mod_captures")) p.flex.score_captures = i64("score_mod_captures");
+  if (d.contains("flex_capture_shapes")) {
+    p.flex.capture_shapes = Field<std::vector<std::vector<int64_t>>>(d, "flex_capture_shapes");
+  }
   return p;
 }
 
@@ -120,6 +131,11 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["dropout_threshold"] = p.dropout_threshold;
   d["page_size"] = p.page_size;
   d["num_pages"] = p.num_pages;
+  d["score_mod_library"] = p.flex.score_library;
+  d["mask_mod_library"] = p.flex.mask_library;
+  d["flex_batch_fold"] = p.flex.batch_fold;
+  d["score_mod_captures"] = p.flex.score_captures;
+  d["flex_capture_shapes"] = p.flex.capture_shapes;
   return d;
 }
 

@@ -3,6 +3,8 @@
 // (thread pool or stream) and `kRun`, so the two cannot decode a call differently.
 #pragma once
 
+#include <vector>
+
 #include "cpp/core/attention_params.h"
 #include "cpp/core/status.h"
 #include "ffi/ffi_params.h"
@@ -19,15 +21,19 @@ xla::ffi::Error AttentionForward(Context context, xla::ffi::AnyBuffer q, xla::ff
                                  xla::ffi::AnyBuffer q_positions, xla::ffi::AnyBuffer kv_positions,
                                  xla::ffi::AnyBuffer page_table,
                                  xla::ffi::AnyBuffer bias, xla::ffi::AnyBuffer dropout,
-                                 xla::ffi::Result<xla::ffi::AnyBuffer> out, xla::ffi::Result<xla::ffi::AnyBuffer> lse,
+                                 xla::ffi::RemainingArgs captures, xla::ffi::Result<xla::ffi::AnyBuffer> out,
+                                 xla::ffi::Result<xla::ffi::AnyBuffer> lse,
                                  xla::ffi::Result<xla::ffi::AnyBuffer> workspace, AttentionAttrs attrs) {
   AttentionParams params;
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
-  const Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
-                                      dropout, attrs, &params);
+  std::vector<const void*> capture_data;
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
+                                dropout, attrs, &params);
+  if (status.ok()) status = FlexFromFfi(captures, attrs, &params.flex, &capture_data);
   if (!status.ok()) return ToFfiError(status);
-  const AttentionOperands operands =
+  AttentionOperands operands =
       OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout);
+  operands.flex_captures = capture_data.data();
   return ToFfiError(kRun(params, ForwardBuffersFromFfi(operands, *out, *lse, *workspace), context));
 }
 
@@ -40,17 +46,21 @@ xla::ffi::Error AttentionBackward(Context context, xla::ffi::AnyBuffer q, xla::f
                                   xla::ffi::AnyBuffer kv_segment_ids, xla::ffi::AnyBuffer q_positions,
                                   xla::ffi::AnyBuffer kv_positions, xla::ffi::AnyBuffer page_table,
                                   xla::ffi::AnyBuffer bias, xla::ffi::AnyBuffer dropout,
-                                  xla::ffi::Result<xla::ffi::AnyBuffer> dq, xla::ffi::Result<xla::ffi::AnyBuffer> dk,
+                                  xla::ffi::RemainingArgs captures, xla::ffi::Result<xla::ffi::AnyBuffer> dq,
+                                  xla::ffi::Result<xla::ffi::AnyBuffer> dk,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dv, xla::ffi::Result<xla::ffi::AnyBuffer> dbias,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> workspace, AttentionAttrs attrs) {
   AttentionParams params;
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
+  std::vector<const void*> capture_data;
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
                                 dropout, attrs, &params);
+  if (status.ok()) status = FlexFromFfi(captures, attrs, &params.flex, &capture_data);
   if (status.ok()) status = ExpectDbiasLikeBias(bias, *dbias);
   if (!status.ok()) return ToFfiError(status);
-  const AttentionOperands operands =
+  AttentionOperands operands =
       OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout);
+  operands.flex_captures = capture_data.data();
   return ToFfiError(
       kRun(params, BackwardBuffersFromFfi(operands, out, lse, dout, dlse, *dq, *dk, *dv, *dbias, *workspace), context));
 }

@@ -19,20 +19,26 @@
 #define TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()
 
+// The operands after dropout in both directions: the arrays score_mod / mask_mod capture, as many as the call has
+// (none without mods). Variadic rather than a fixed maximum of placeholders: a mod may capture any number of arrays,
+// and a call without mods passes nothing more than before.
+#define TE_JAX_FFI_FLEX_CAPTURE_ARGS .RemainingArgs()
+
 // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-// page_table, bias, dropout -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
+// page_table, bias, dropout, *captures -> out, lse, workspace (uint8 [n], the backend's ForwardWorkspaceBytes)
 #define TE_JAX_FFI_FORWARD_SIGNATURE                                                                            \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS     \
-          TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()          \
-      .Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
+          TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS TE_JAX_FFI_FLEX_CAPTURE_ARGS.Ret<xla::ffi::AnyBuffer>()          \
+      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
 
 // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, q_segment_ids, kv_segment_ids,
-// q_positions, kv_positions, page_table, bias, dropout -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's
+// q_positions, kv_positions, page_table, bias, dropout, *captures -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's
 // BackwardWorkspaceBytes)
 #define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS     \
-          TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS.Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>()          \
-      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
+          TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS TE_JAX_FFI_FLEX_CAPTURE_ARGS.Ret<xla::ffi::AnyBuffer>()          \
+      .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() \
+          TE_JAX_FFI_ATTENTION_ATTRS

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "cpp/core/attention_params.h"
 #include "cpp/core/bias.h"
@@ -29,6 +31,11 @@ struct AttentionAttrs {
   bool has_bias;
   int64_t dropout_threshold;  // cpp/core/attention_params.h; 0: no dropout
   int64_t page_size;          // cpp/core/attention_params.h; 0: k and v contiguous, the page table a placeholder
+  // score_mod / mask_mod (cpp/core/flex_mods.h: FlexSpec); empty libraries: none.
+  std::string_view score_mod_library;
+  std::string_view mask_mod_library;
+  int64_t flex_batch_fold;
+  int64_t score_mod_captures;
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -204,6 +211,26 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   return Status::Ok();
 }
 
+// The call's FlexSpec from the attributes and its captures, the operands after dropout (every one of them: a call
+// without mods has none); `data` gets their addresses, which AttentionOperands::flex_captures points at.
+inline Status FlexFromFfi(const xla::ffi::RemainingArgs& captures, const AttentionAttrs& attrs, FlexSpec* flex,
+                          std::vector<const void*>* data) {
+  flex->score_library = std::string(attrs.score_mod_library);
+  flex->mask_library = std::string(attrs.mask_mod_library);
+  flex->batch_fold = attrs.flex_batch_fold;
+  flex->score_captures = attrs.score_mod_captures;
+  for (size_t i = 0; i < captures.size(); ++i) {
+    const auto buffer = captures.get<xla::ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) {
+      return Status::InvalidArgument("score_mod/mask_mod capture " + std::to_string(i) + " is not an array");
+    }
+    const auto dims = buffer->dimensions();
+    flex->capture_shapes.emplace_back(dims.begin(), dims.end());
+    data->push_back(buffer->untyped_data());
+  }
+  return Status::Ok();
+}
+
 // The operands both directions read (AttentionOperands) from their FFI buffers.
 inline AttentionOperands OperandsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
                                          const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
@@ -269,4 +296,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(te_jax::ffi_handlers::AttentionAttrs, Stru
                                       StructMember<bool>("deterministic"),
                                       StructMember<int64_t>("engine"), StructMember<bool>("has_segment_ids"),
                                       StructMember<bool>("has_positions"), StructMember<bool>("has_bias"),
-                                      StructMember<int64_t>("dropout_threshold"), StructMember<int64_t>("page_size"));
+                                      StructMember<int64_t>("dropout_threshold"), StructMember<int64_t>("page_size"),
+                                      StructMember<std::string_view>("score_mod_library"),
+                                      StructMember<std::string_view>("mask_mod_library"),
+                                      StructMember<int64_t>("flex_batch_fold"),
+                                      StructMember<int64_t>("score_mod_captures"));

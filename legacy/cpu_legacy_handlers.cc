@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "cpp/cpu/attention_cpu.h"
-#include "legacy/descriptor.h"
+#include "legacy/flex_descriptor.h"
 #include "legacy/legacy_buffers.h"
 #include "legacy/legacy_failure.h"
 
@@ -14,7 +14,7 @@ template <int kNumOutputs, typename OutputBytes, typename Run>
 void RunLegacyCpu(const char* target, void* out, const char* opaque, size_t opaque_len, OutputBytes output_bytes,
                   Run run) {
   AttentionParams params;
-  Status status = UnpackDescriptor(opaque, opaque_len, &params);
+  Status status = UnpackOpaque(opaque, opaque_len, &params);
   if (!status.ok()) {
     RecordLegacyFailure(target, status);  // without params the output sizes are unknown: nothing can be poisoned
     return;

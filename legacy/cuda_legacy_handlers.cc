@@ -2,7 +2,7 @@
 
 #include "cpp/cuda/attention_cuda.h"
 #include "cpp/cuda/dynamic_libs.h"
-#include "legacy/descriptor.h"
+#include "legacy/flex_descriptor.h"
 #include "legacy/legacy_buffers.h"
 #include "legacy/legacy_failure.h"
 
@@ -13,7 +13,7 @@ template <int kNumInputs, int kNumOutputs, typename OutputBytes, typename Run>
 void RunLegacyCuda(const char* target, CUstream stream, void** buffers, const char* opaque, size_t opaque_len,
                    OutputBytes output_bytes, Run run) {
   AttentionParams params;
-  Status status = UnpackDescriptor(opaque, opaque_len, &params);
+  Status status = UnpackOpaque(opaque, opaque_len, &params);
   if (!status.ok()) {
     RecordLegacyFailure(target, status);  // without params the output sizes are unknown: nothing can be poisoned
     return;

@@ -5,63 +5,9 @@
 #include <cstring>
 
 #include "cpp/core/bias.h"
+#include "legacy/wire_format.h"
 
 namespace te_jax::legacy {
-namespace {
-
-uint32_t Fnv1a(const char* data, size_t size) {
-  uint32_t hash = 2166136261u;
-  for (size_t i = 0; i < size; ++i) {
-    hash ^= static_cast<uint8_t>(data[i]);
-    hash *= 16777619u;
-  }
-  return hash;
-}
-
-bool LittleEndian() {
-  const uint16_t one = 1;
-  uint8_t first;
-  std::memcpy(&first, &one, 1);
-  return first == 1;
-}
-
-// Byte-order-explicit field I/O, so the format does not depend on the host's struct layout or endianness.
-class Writer {
- public:
-  template <typename T>
-  void Put(T value) {
-    uint8_t bytes[sizeof(T)];
-    std::memcpy(bytes, &value, sizeof(T));
-    if (!LittleEndian()) std::reverse(bytes, bytes + sizeof(T));
-    out_.append(reinterpret_cast<const char*>(bytes), sizeof(T));
-  }
-  const std::string& bytes() const { return out_; }
-
- private:
-  std::string out_;
-};
-
-// Reads fields in order from a buffer whose total size the caller has already checked against the format.
-class Reader {
- public:
-  explicit Reader(const char* data) : data_(data) {}
-  template <typename T>
-  T Get() {
-    uint8_t bytes[sizeof(T)];
-    std::memcpy(bytes, data_ + pos_, sizeof(T));
-    if (!LittleEndian()) std::reverse(bytes, bytes + sizeof(T));
-    pos_ += sizeof(T);
-    T value;
-    std::memcpy(&value, bytes, sizeof(T));
-    return value;
-  }
-
- private:
-  const char* data_;
-  size_t pos_ = 0;
-};
-
-}  // namespace
 
 std::string PackDescriptor(const AttentionParams& p) {
   Writer w;
@@ -93,7 +39,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
     return Status::InvalidArgument("legacy descriptor is truncated: " + std::to_string(size) +
                                    " bytes, the header alone needs 8");
   }
-  Reader header(data);
+  Reader header(data, size);
   const uint32_t magic = header.Get<uint32_t>();
   const uint16_t version = header.Get<uint16_t>();
   const uint16_t declared_size = header.Get<uint16_t>();
@@ -110,7 +56,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
                                    " bytes (header says " + std::to_string(declared_size) + "), expected " +
                                    std::to_string(kDescriptorSize));
   }
-  Reader r(data + 8);
+  Reader r(data + 8, size - 8);
   AttentionParams out;
   int64_t* dims[] = {&out.batch,     &out.seqlen_q,     &out.seqlen_kv,    &out.num_heads, &out.num_kv_heads,
                      &out.head_dim,  &out.head_dim_v,   &out.window_left,  &out.window_right,

@@ -14,7 +14,8 @@ namespace te_jax::legacy {
 // Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
 // kv_positions ([1, 1] placeholders when the descriptor's flags say they are absent), then page_table (int32
 // [B, max_pages_per_seq]; an int32 [1, 1] placeholder when page_size is 0), then bias (a placeholder without one), then
-// dropout (uint32 [6], key and offsets; zeros without dropout).
+// dropout (uint32 [6], key and offsets; zeros without dropout), then the arrays score_mod / mask_mod capture, as many
+// as the call has (legacy/flex_descriptor.h; none without mods).
 inline constexpr int kTokenInputs = 4;
 inline constexpr int kForwardInputs = 10 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks,
                                                            // tokens, page_table, bias, dropout
@@ -24,7 +25,7 @@ inline constexpr int kBackwardInputs = 14 + kTokenInputs;  // q, k, v, out, lse,
 inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
 // q, k, v from in[0..2]; the options from in[first]: q_seqlens, kv_seqlens, alibi_slopes, sinks, the four tokens,
-// page_table, bias, dropout.
+// page_table, bias, dropout, then the captures.
 inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
   AttentionOperands o;
   o.q = in[0];
@@ -41,6 +42,7 @@ inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
   o.page_table = static_cast<const int32_t*>(in[first + 4 + kTokenInputs]);
   o.bias = in[first + 5 + kTokenInputs];
   o.dropout = static_cast<const uint32_t*>(in[first + 6 + kTokenInputs]);
+  o.flex_captures = in + first + 7 + kTokenInputs;
   return o;
 }
 

@@ -7,6 +7,7 @@
 
 #include "cpp/core/dtype.h"
 #include "cpp/core/engine.h"
+#include "cpp/core/flex_mods.h"
 #include "cpp/core/mask_type.h"
 
 namespace te_jax {
@@ -25,6 +26,8 @@ namespace te_jax {
 //   [1, 1, 1, 1] placeholders (bias_broadcast kBroadcastAll).
 //   dropout uint32 [6]: the PRNG key's two words, then the global (b, h, i, j) of this call's element [0, 0, 0, 0]
 //   (read only when dropout_threshold > 0; cpp/core/philox.h).
+//   flex_captures: the arrays score_mod / mask_mod capture (flex.capture_shapes, row-major; the score_mod's first),
+//   read only when flex.active() (cpp/core/flex_mods.h); the custom call's last operands, as many as the call has.
 //   page_table int32 [B, max_pages_per_seq] (read only when page_size > 0; an int32 [1, 1] placeholder without
 //   paging). With page_size > 0 (a paged KV cache) k is the page pool [num_pages, page_size, Hkv, D] and v
 //   [num_pages, page_size, Hkv, Dv], seqlen_kv is the logical capacity max_pages_per_seq * page_size, and key j of
@@ -71,6 +74,9 @@ struct AttentionParams {
   // follows the thread scheduling unless this is set (then in chunks of key tiles fixed by the problem alone).
   bool deterministic = false;
   Engine engine = Engine::kTe;  // resolved at lowering; the CPU backend serves kTe only
+  // score_mod / mask_mod (te_jax.flex; the CPU backend only so far): s = mask(score_mod(the logit above)), where the
+  // mask is every built-in mask and the mask_mod (cpp/core/flex_mods.h).
+  FlexSpec flex;
 };
 
 // The operands both directions read: q, k, v and the call's array options (layouts above).
@@ -90,6 +96,7 @@ struct AttentionOperands {
   const uint32_t* dropout = nullptr;
   // The backward refuses paging (ValidateBackwardParams): present so both directions share one operand list.
   const int32_t* page_table = nullptr;
+  const void* const* flex_captures = nullptr;  // params.flex.num_captures() addresses
 };
 
 struct ForwardBuffers : AttentionOperands {

@@ -73,6 +73,46 @@ Status CheckPaging(const AttentionParams& p, Backend backend) {
   return Status::Ok();
 }
 
+// score_mod / mask_mod (cpp/core/flex_mods.h): the CPU backend serves them so far; their captures' shapes, the batch
+// fold and a paged call, whose keys are no positions in k, are checked here.
+Status CheckFlex(const AttentionParams& p, Backend backend) {
+  const FlexSpec& f = p.flex;
+  if (!f.active()) {
+    if (f.num_captures() != 0 || f.batch_fold != 1) {
+      return Status::InvalidArgument("a call without score_mod and mask_mod has no captures and batch_fold 1, got " +
+                                     Str(f.num_captures()) + " captures and batch_fold " + Str(f.batch_fold));
+    }
+    return Status::Ok();
+  }
+  if (backend == Backend::kCuda) {
+    return Status::InvalidArgument("score_mod/mask_mod are served by the CPU backend so far: run the call on the CPU "
+                                   "(jax.default_device(jax.devices('cpu')[0])), or write it with fused_attn's "
+                                   "built-in options (mask_type, window_size, bias, softcap, alibi_slopes)");
+  }
+  if (p.page_size != 0) {
+    return Status::InvalidArgument("score_mod/mask_mod take no paged KV cache (page_size must be 0)");
+  }
+  if (f.batch_fold < 1 || p.batch % f.batch_fold != 0) {
+    return Status::InvalidArgument("batch_fold must be a positive divisor of batch " + Str(p.batch) + ", got " +
+                                   Str(f.batch_fold));
+  }
+  if (f.score_captures < 0 || f.score_captures > f.num_captures() ||
+      (!f.has_score_mod() && f.score_captures != 0) || (!f.has_mask_mod() && f.score_captures != f.num_captures())) {
+    return Status::InvalidArgument("score_captures " + Str(f.score_captures) + " does not split the " +
+                                   Str(f.num_captures()) + " captures between the call's mods");
+  }
+  for (const std::vector<int64_t>& shape : f.capture_shapes) {
+    if (static_cast<int64_t>(shape.size()) > kMaxFlexCaptureRank) {
+      return Status::InvalidArgument("a score_mod/mask_mod capture has rank " + Str(shape.size()) + "; at most " +
+                                     Str(kMaxFlexCaptureRank) + " dims");
+    }
+    for (int64_t extent : shape) {
+      if (extent < 0) return Status::InvalidArgument("a score_mod/mask_mod capture has a negative dim");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
@@ -109,6 +149,7 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
   TE_JAX_RETURN_IF_ERROR(CheckPaging(p, backend));
+  TE_JAX_RETURN_IF_ERROR(CheckFlex(p, backend));
   const bool packed = p.has_segment_ids || p.has_positions;
   if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
     return Status::InvalidArgument(

@@ -75,11 +75,13 @@ struct BackwardScratch {
   explicit BackwardScratch(const AttentionParams& p)
       : q(kTileQ * p.head_dim), q_t(p.head_dim * kTileQ), dout(kTileQ * p.head_dim_v), dout_t(p.head_dim_v * kTileQ),
         dots(kTileKV * kTileQ), probs(kTileKV * kTileQ), dscores(kTileKV * kTileQ), k(kTileKV * p.head_dim),
-        v(kTileKV * p.head_dim_v), dk(kTileKV * p.head_dim), dv(kTileKV * p.head_dim_v) {}
+        v(kTileKV * p.head_dim_v), dk(kTileKV * p.head_dim), dv(kTileKV * p.head_dim_v),
+        unmodded(p.flex.has_score_mod() ? kTileKV * kTileQ : 0) {}
   std::vector<float> q, q_t, dout, dout_t;  // the Q tile row-major (a float32 copy, key_rows.h) and transposed
   std::vector<float> dots, probs, dscores;  // key-major [kTileKV, kTileQ]
   std::vector<float> k, v;                  // float32 copies of the K/V tile (key_rows.h)
   std::vector<float> dk, dv;                // this KV tile's gradients
+  std::vector<float> unmodded;              // with a score_mod, the logits it was given, key-major (for DScore)
   alignas(32) float lse2[kTileQ];           // lse in log2 units; +inf in the lanes past the tile so P = 0 there
   alignas(32) float delta[kTileQ];          // the tile rows' RowDeltas; 0 in the lanes past them
   TileKeyRanges<kTileQ> ranges;
@@ -134,17 +136,23 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
     scores = probs;
   }
   if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
+  if (args.flex.has_score()) std::copy(scores, scores + keys * kTileQ, s.unmodded.data());
+  if (args.flex.active()) args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys);
   if (!s.ranges.AllSee(key0, key0 + keys, key_tokens)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
   RecomputeProbabilities(scores, s.lse2, kTileQ, keys, lanes, probs);
 
   // dS^T = P^T * (dP^T - delta) * dLogit/dDot, with dP^T = V dO^T.
   TileGemm(keys, lanes, dv, {v_tile.data, v_tile.row_stride, 1}, {s.dout_t.data(), kTileQ}, {dscores, kTileQ},
            Accumulate::kNo);
-  // With a bias, dS is first taken in logit units for dbias, then scaled to the dot's.
-  const bool linear_scale_later = kIsLinear<Variant> && args.bias.active();
+  // With a bias or a score_mod, dS is first taken in logit units (through the score_mod's DScore, for dbias), then
+  // scaled to the dot's.
+  const bool linear_scale_later = kIsLinear<Variant> && (args.bias.active() || args.flex.has_score());
   if (args.dropout.active()) ApplyDropout(args.dropout, b, h, first_row, rows, key0, keys, kTileQ, dscores);
   SoftmaxGradient(probs, s.delta, kIsLinear<Variant> && !linear_scale_later ? p.scale : 1.0f, kTileQ, keys, lanes,
                   dscores);
+  if (args.flex.has_score()) {
+    args.flex.DScore(kLog2e, s.unmodded.data(), dscores, kTileQ, b, h, first_row, rows, key0, keys);
+  }
   if (args.bias.active()) {
     AddBiasGradient(args.bias.layout, b, h, first_row, rows, key0, keys, dscores, kTileQ, dbias_copy);
   }
@@ -357,10 +365,12 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
+  FlexTiles flex;
+  TE_JAX_RETURN_IF_ERROR(LoadFlexTiles(params.flex, buffers.flex_captures, &flex));
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, TokenOperandsOf(buffers));
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const BackwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens),
+    const BackwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens, flex),
                                static_cast<const T*>(buffers.out),
                                buffers.lse,
                                static_cast<const T*>(buffers.dout),

@@ -93,7 +93,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
   const int64_t b = tile.batch, kv_head = tile.kv_head, rows = tile.rows;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t lanes = RoundUpToLanes(rows);
-  // The bias and dropout address the rows as (h, first_row + r): only unpacked tiles have them (PacksHeads).
+  // The bias, dropout and mods address the rows as (h, first_row + r): only unpacked tiles have them (PacksHeads).
   const int64_t h = tile.head[0], first_row = tile.position[0];
   const RowMask mask = BatchMask(p, args.q_seqlens, args.kv_seqlens, b);
   const TokenMask tokens = BatchTokens(p, args.tokens, b);
@@ -150,6 +150,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     if (key_lanes) s.key_lane_scores.Scores(keys, rows, lanes, s.q_t.data(), kTileQ, scores, kTileQ);
     if constexpr (!kIsLinear<Variant>) ApplyLogits(variant, s.logits, scores, scores, keys, lanes, key0, tokens);
     if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
+    if (args.flex.active()) args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys);
     if (!all_see) {
       s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
     } else if (tokens.active()) {
@@ -180,9 +181,10 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     // A row that sees no key gives out = 0 and lse = -inf whatever its accumulator holds. A row that sees keys follows
     // the formula in IEEE arithmetic: a NaN anywhere in it, or a sum of 0 (all its logits -inf, from inf inputs),
     // comes out as NaN. With a bias, a row whose every logit is -inf (a -inf bias on each key it sees, the bias used
-    // as a mask) counts as a row that sees no key: its sum is 0, which a NaN logit would have made NaN.
+    // as a mask) counts as a row that sees no key: its sum is 0, which a NaN logit would have made NaN. So does a row
+    // whose every key the mask_mod hides or the score_mod makes -inf.
     const float sum = s.softmax.sum[r];
-    const bool sees_keys = s.ranges.RowSeesKeys(r) && !(args.bias.active() && sum == 0.0f);
+    const bool sees_keys = s.ranges.RowSeesKeys(r) && !((args.bias.active() || args.flex.active()) && sum == 0.0f);
     float out_scale = sees_keys ? 1.0f / sum : 0.0f;
     float lse = sees_keys ? s.softmax.max[r] * kLn2 + std::log(sum) : -INFINITY;
     if (args.sinks != nullptr) MergeSink(args.sinks[b * p.num_heads + tile.head[r]], lse, out_scale);
@@ -199,10 +201,11 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
 // 3.4x at Sq = 1, 2.5x at 4, 1.1-1.4x at 16, 1.25x at 32, 1.02-1.05x at 63; MQA (kv 1) 5.5-7x at Sq = 1. From Sq =
 // kTileQ on a head fills its tiles and packing would save nothing. Only for calls without segment ids, positions,
 // bias or dropout, whose operands address the rows of one head (and which decoding does not use); and only with more
-// than one head per group, as one head's rows already share their K/V tiles.
+// than one head per group, as one head's rows already share their K/V tiles. Nor with score_mod / mask_mod, whose
+// tiles are one head's rows too.
 bool PacksHeads(const AttentionParams& p) {
   return p.num_heads > p.num_kv_heads && p.seqlen_q < kTileQ && !p.has_segment_ids && !p.has_positions &&
-         !p.has_bias && p.dropout_threshold == 0;
+         !p.has_bias && p.dropout_threshold == 0 && !p.flex.active();
 }
 
 // How the forward cuts the query rows into work items (batch, unit, tile): a unit is a query head whose Sq rows take
@@ -292,10 +295,12 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
   TE_JAX_RETURN_IF_ERROR(ValidateAttentionParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
   TE_JAX_RETURN_IF_ERROR(ValidatePageTable(params, buffers.page_table, buffers.kv_seqlens));
+  FlexTiles flex;
+  TE_JAX_RETURN_IF_ERROR(LoadFlexTiles(params.flex, buffers.flex_captures, &flex));
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, TokenOperandsOf(buffers));
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const ForwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens), static_cast<T*>(buffers.out),
+    const ForwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens, flex), static_cast<T*>(buffers.out),
                               buffers.lse, params.has_sinks ? buffers.sinks : nullptr};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Forward<T, decltype(variant_tag)>(params, args, scheduler);

@@ -10,6 +10,7 @@
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
 #include "cpp/cpu/dropout_tile.h"
+#include "cpp/cpu/flex_tiles.h"
 #include "cpp/cpu/tile_token_bounds.h"
 
 namespace te_jax::cpu {
@@ -28,12 +29,13 @@ struct OperandArgs {
   const KeyTokenBounds* kv_tile_tokens;  // KVTileTokens; null without segment ids and positions
   BiasOperand bias;
   DropoutOperand dropout;
+  const FlexTiles& flex;  // score_mod / mask_mod; inactive without them
 };
 
-// `kv_tile_tokens` must outlive the result (it points into it).
+// `kv_tile_tokens` and `flex` must outlive the result (it points into them).
 template <typename T>
 OperandArgs<T> OperandArgsOf(const AttentionParams& params, const AttentionOperands& o,
-                             const std::vector<KeyTokenBounds>& kv_tile_tokens) {
+                             const std::vector<KeyTokenBounds>& kv_tile_tokens, const FlexTiles& flex) {
   return {params,
           static_cast<const T*>(o.q),
           static_cast<const T*>(o.k),
@@ -46,7 +48,8 @@ OperandArgs<T> OperandArgsOf(const AttentionParams& params, const AttentionOpera
           TokenOperandsOf(o),
           kv_tile_tokens.empty() ? nullptr : kv_tile_tokens.data(),
           MakeBiasOperand(params, o.bias),
-          MakeDropoutOperand(params, o.dropout)};
+          MakeDropoutOperand(params, o.dropout),
+          flex};
 }
 
 }  // namespace te_jax::cpu

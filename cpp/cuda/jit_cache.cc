@@ -21,17 +21,6 @@ constexpr size_t kHeaderSize = 8 + 8 + 64;
 
 }  // namespace
 
-std::string CacheDir() {
-  if (const char* dir = std::getenv("TE_JAX_CACHE_DIR"); dir != nullptr && *dir != '\0') return dir;
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
-    return std::string(xdg) + "/te_jax/cubin";
-  }
-  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
-    return std::string(home) + "/.cache/te_jax/cubin";
-  }
-  return "/tmp/te_jax_cache/cubin";
-}
-
 std::string CachePath(const std::string& name, const std::string& key) {
   return CacheDir() + "/" + name + "-" + key.substr(0, 24) + ".cubin";
 }

@@ -1,0 +1,73 @@
+#include "cpp/cpu/flex_tiles.h"
+
+#include <dlfcn.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace te_jax::cpu {
+namespace {
+
+// The libraries are never closed: a call's tile functions must stay valid for every later call, and they are small.
+Status OpenLibrary(const std::string& path, void** handle) {
+  static std::mutex mutex;
+  static std::map<std::string, void*> opened;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = opened.find(path); it != opened.end()) {
+    *handle = it->second;
+    return Status::Ok();
+  }
+  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* error = dlerror();
+    return Status::InvalidArgument("cannot load the score_mod/mask_mod library " + path + " (" +
+                                   (error != nullptr ? error : "unknown error") +
+                                   "); te_jax compiles it when it lowers the call: if the cache directory was "
+                                   "cleared, lower the call again (a fresh jax.jit) in this process");
+  }
+  opened.emplace(path, library);
+  *handle = library;
+  return Status::Ok();
+}
+
+template <typename Function>
+Status FindTile(const std::string& path, const char* symbol, Function* function) {
+  void* library = nullptr;
+  TE_JAX_RETURN_IF_ERROR(OpenLibrary(path, &library));
+  *function = reinterpret_cast<Function>(dlsym(library, symbol));
+  if (*function == nullptr) {
+    return Status::InvalidArgument("the score_mod/mask_mod library " + path + " exports no " + symbol);
+  }
+  return Status::Ok();
+}
+
+FlexCapture CaptureOf(const void* data, const std::vector<int64_t>& shape) {
+  FlexCapture capture{data, static_cast<int64_t>(shape.size()), {}, {}};
+  int64_t stride = 1;
+  for (int64_t axis = capture.rank - 1; axis >= 0; --axis) {
+    capture.shape[axis] = shape[axis];
+    capture.strides[axis] = stride;
+    stride *= shape[axis];
+  }
+  return capture;
+}
+
+}  // namespace
+
+Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTiles* tiles) {
+  if (!spec.active()) return Status::Ok();
+  if (spec.has_score_mod()) {
+    TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexScoreTileSymbol, &tiles->score_));
+    TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexDScoreTileSymbol, &tiles->dscore_));
+  }
+  if (spec.has_mask_mod()) TE_JAX_RETURN_IF_ERROR(FindTile(spec.mask_library, kFlexMaskTileSymbol, &tiles->mask_));
+  for (int64_t i = 0; i < spec.num_captures(); ++i) {
+    tiles->captures_.push_back(CaptureOf(captures[i], spec.capture_shapes[i]));
+  }
+  tiles->score_captures_ = spec.score_captures;
+  tiles->batch_fold_ = spec.batch_fold;
+  return Status::Ok();
+}
+
+}  // namespace te_jax::cpu

@@ -1,0 +1,56 @@
+// score_mod / mask_mod on the CPU's key-major score tiles: the tile functions of the call's compiled libraries
+// (cpp/core/flex_mods.h), loaded once per process, with the call's captures. A call without mods has none and the
+// kernels test `active()` once per tile.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpp/core/attention_params.h"
+#include "cpp/core/flex_mods.h"
+#include "cpp/core/status.h"
+
+namespace te_jax::cpu {
+
+class FlexTiles {
+ public:
+  bool active() const { return score_ != nullptr || mask_ != nullptr; }
+  bool has_score() const { return score_ != nullptr; }
+
+  // The tiles hold `unit` * the logit; rows first_row.. of batch entry b (of the folded batch) and query head h.
+  void Score(float unit, float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows,
+             int64_t key0, int64_t keys) const {
+    score_(captures_.data(), unit, scores, ld, b / batch_fold_, h, first_row, rows, key0, keys);
+  }
+  // dscores *= DScore(logits before Score) where dscores != 0.
+  void DScore(float unit, const float* scores, float* dscores, int64_t ld, int64_t b, int64_t h, int64_t first_row,
+              int64_t rows, int64_t key0, int64_t keys) const {
+    dscore_(captures_.data(), unit, scores, dscores, ld, b / batch_fold_, h, first_row, rows, key0, keys);
+  }
+  void Mask(float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows, int64_t key0,
+            int64_t keys) const {
+    mask_(captures_.data() + score_captures_, scores, ld, b / batch_fold_, h, first_row, rows, key0, keys);
+  }
+  // Score and Mask where the call has them.
+  void Apply(float unit, float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows,
+             int64_t key0, int64_t keys) const {
+    if (score_ != nullptr) Score(unit, scores, ld, b, h, first_row, rows, key0, keys);
+    if (mask_ != nullptr) Mask(scores, ld, b, h, first_row, rows, key0, keys);
+  }
+
+  friend Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTiles* tiles);
+
+ private:
+  FlexScoreTile score_ = nullptr;
+  FlexDScoreTile dscore_ = nullptr;
+  FlexMaskTile mask_ = nullptr;
+  std::vector<FlexCapture> captures_;  // the score_mod's, then the mask_mod's
+  int64_t score_captures_ = 0;
+  int64_t batch_fold_ = 1;
+};
+
+// The tile functions of spec's libraries (dlopen'ed once per process and kept) and the captures at `captures`
+// (spec.num_captures() addresses, row-major with spec.capture_shapes). Nothing without mods.
+Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTiles* tiles);
+
+}  // namespace te_jax::cpu
