@@ -8,6 +8,7 @@ from te_jax.dropout import dropout_keep_mask
 from te_jax.packing import (positions_from_cu_seqlens, positions_from_lengths, segment_ids_from_cu_seqlens,
                             segment_ids_from_lengths)
 from te_jax.engine import EngineUnavailableError
+from te_jax.flex_attention import flex_attention
 from te_jax.fp8 import append_kv_pages, dequantize_fp8, quantize_fp8, quantize_kv_pages
 from te_jax.export_checks import disabled_export_checks
 from te_jax.legacy_failures import raise_legacy_failures
@@ -29,7 +30,7 @@ except ImportError as error:
 from te_jax import _backends  # noqa: E402  after the CUDA backend's registration
 _backends.register_available_targets()
 
-__all__ = ["fused_attn", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
+__all__ = ["fused_attn", "flex_attention", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
            "segment_ids_from_cu_seqlens", "positions_from_cu_seqlens",
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
            "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 
 from te_jax.engine import Choice, EngineUnavailableError
+from te_jax.flex.cpu_library import library_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Backend:
   # Whether the backend serves FP8 attention (AttentionConfig.fp8): the CPU attends over the dequantized values in
   # float32, the reference; a backend without FP8 kernels refuses such a call at lowering.
   serves_fp8: bool = False
+  # (te_jax.flex.ModSpec) -> the path of the library serving the mod, compiled or found in the disk cache; None: the
+  # backend serves no score_mod / mask_mod and refuses such a call at lowering.
+  flex_library: Callable[[Any], str] | None = None
 
   def target_name(self, direction: str, path: str) -> str:
     return f"te_jax_attention_{direction}_{self.platform}_{path}"
@@ -60,6 +64,10 @@ class Backend:
     _registered_platforms.add(self.platform)
 
 
+def _cpu_flex_library(spec) -> str:
+  return library_path(spec, _BACKENDS["cpu"].extension.cache_dir())
+
+
 def _te_only(config) -> Choice:
   """A platform with te_jax's kernels alone (the CPU)."""
   if config.engine == "cudnn":
@@ -72,7 +80,8 @@ _registered_platforms: set[str] = set()
 _registered_targets: list[str] = []
 
 _BACKENDS: dict[str, Backend] = {
-    "cpu": Backend(platform="cpu", code=0, extension_name="_te_jax_cpu", legacy_api_version=3, serves_fp8=True),
+    "cpu": Backend(platform="cpu", code=0, extension_name="_te_jax_cpu", legacy_api_version=3, serves_fp8=True,
+                   flex_library=_cpu_flex_library),
 }
 
 

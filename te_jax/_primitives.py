@@ -2,10 +2,10 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias, dropout
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias, dropout, *captures
             -> out, lse, workspace
   backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias,
-            dropout -> dq, dk, dv, dbias, workspace
+            dropout, *captures -> dq, dk, dv, dbias, workspace
 q_seqlens and kv_seqlens are int32 [B] with a padding mask (a paged call's q_seqlens a placeholder: its queries are the
 last Sq tokens of every sequence). alibi_slopes is float32 [B, H] with config.has_alibi.
 sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
@@ -23,6 +23,9 @@ bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32, bfloat16 or float16; its s
 the PRNG key's two words, then the global (b, h, i, j) of the call's element [0, 0, 0, 0] in the keep-mask of
 te_jax/dropout.py (nonzero for a batch or head shard); a placeholder without config.dropout_threshold. It is one per
 call: vmap never batches it.
+captures are the arrays the call's score_mod and mask_mod capture (config.num_captures of them, the score_mod's
+first; none without mods), passed as they are: the FFI handler takes them as its remaining operands, the legacy
+handler after dropout (split_captures separates them).
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -110,6 +113,13 @@ def dropout_operand(key_words):
   return jnp.concatenate([jnp.stack(key_words), jnp.zeros((4,), jnp.uint32)])
 
 
+def split_captures(values, config: AttentionConfig):
+  """(the operands before the captures, the captures): the mods' captures end the operand list."""
+  values = list(values)
+  split = len(values) - config.num_captures
+  return values[:split], values[split:]
+
+
 def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens_bias_dropout,
                            config: AttentionConfig):
   del k, q_seqlens, kv_seqlens, alibi_slopes, tokens_bias_dropout, config
@@ -121,8 +131,8 @@ def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens
 
 def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens_bias_dropout,
                             config: AttentionConfig):
-  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, config
-  bias = tokens_bias_dropout[-2]
+  del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes
+  bias = split_captures(tokens_bias_dropout, config)[0][-2]
   return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
 
 
@@ -134,10 +144,13 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
                      "call at another precision silently")
   if direction == "backward":  # it is given the forward's out and lse, sinks merged
     config = dataclasses.replace(config, has_sinks=False)
-  q_aval, k_aval, v_aval = ctx.avals_in[:3]
-  page_table_aval, bias_aval = ctx.avals_in[-3:-1]
+  avals, capture_avals = split_captures(ctx.avals_in, config)
+  q_aval, k_aval, v_aval = avals[:3]
+  page_table_aval, bias_aval = avals[-3:-1]
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
                               bias_dtype=bias_aval.dtype, page_table_shape=page_table_aval.shape)
+  flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals])
+  params.update(flex)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code, direction)
   choice = backend.choose_engine(params, direction, config)
@@ -150,7 +163,7 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
   path = current_custom_call_path()
   target = backend.target_name(direction, path)
   if path == "ffi":
-    lowering, attributes = jax.ffi.ffi_lowering(target), config.ffi_attributes(params["engine"])
+    lowering, attributes = jax.ffi.ffi_lowering(target), config.ffi_attributes(params["engine"], flex)
   else:
     descriptor = backend.extension.pack_descriptor(params)
     lowering = jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)
@@ -161,6 +174,18 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
     merge_ctx = ctx.replace(avals_in=[*ctx.avals_out, ctx.avals_in[_SINKS]])
     results = mlir.lower_fun(apply_sinks, multiple_results=True)(merge_ctx, *results, operands[_SINKS])
   return results
+
+
+def _mod_libraries(config: AttentionConfig, backend) -> tuple[str, str]:
+  """The paths of the libraries serving the call's score_mod and mask_mod ("" for none), compiled for the backend or
+  found in its disk cache; a backend that serves no mods refuses the call."""
+  if not config.has_mods:
+    return "", ""
+  if backend.flex_library is None:
+    raise ValueError(f"score_mod/mask_mod are served by the CPU backend so far; this call lowers for "
+                     f"{backend.platform}: run it on the CPU, or write it with fused_attn's built-in options "
+                     "(mask_type, window_size, segment ids, bias, softcap, alibi_slopes)")
+  return tuple(backend.flex_library(mod) if mod is not None else "" for mod in (config.score_mod, config.mask_mod))
 
 
 def register_lowering(platform: str) -> None:
@@ -233,14 +258,24 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
   gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero gradient) stay as they
   are: unbatched, one element. The dropout operand stays one per call: example n of batch entry b becomes batch entry
   b * N + n of the folded call, so it gets that entry's part of the one key's mask. A paged call's pools are the
-  exception to batch-major k and v (_stack_pools); its page table folds like q_seqlens."""
-  *args, dropout = args
-  *dims, dropout_dim = dims
+  exception to batch-major k and v (_stack_pools); its page table folds like q_seqlens. The mods' captures stay one
+  per call too (a mapped capture is an error), and the mods see b // flex_batch_fold, each example's own b."""
+  config = params["config"]
+  (*args, dropout), captures = split_captures(args, config)
+  (*dims, dropout_dim), capture_dims = split_captures(dims, config)
+  batched_capture = next((i for i, d in enumerate(capture_dims) if d is not None), None)
+  if batched_capture is not None:
+    raise ValueError(f"fused_attn under vmap: score_mod/mask_mod capture {batched_capture} "
+                     f"({captures[batched_capture].dtype}{list(captures[batched_capture].shape)}) is mapped by vmap, "
+                     "and te_jax cannot batch captured arrays yet: capture arrays that are the same for every example "
+                     "(the mods see the example's own b, h, q_idx, kv_idx), or call fused_attn per example")
   if dropout_dim is not None:
     raise ValueError("fused_attn under vmap: dropout_rng must be one key for the whole vmapped call (each example "
                      "gets its own part of its mask), not mapped")
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  config = params["config"]
+  if config.has_mods:  # the mods see each example's own batch index: b // flex_batch_fold of the folded batch
+    config = dataclasses.replace(config, flex_batch_fold=config.flex_batch_fold * size)
+    params = dict(params, config=config)
   lengths = 7 if returns_dbias else 3  # q_seqlens' index
   keep = tuple(lengths + i for i in placeholder_operands(config, backward=returns_dbias))
   if config.page_size:
@@ -253,7 +288,7 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
     operands = _fold_into_batch([*args[:-1], bias], dims, size, keep)
   else:
     operands = [*_fold_into_batch(args[:-1], dims[:-1], size, keep), args[-1]]
-  outs = prim.bind(*operands, dropout, **params)
+  outs = prim.bind(*operands, dropout, *captures, **params)
   batched = len(outs) - (returns_dbias and not has_bias)
   outs = [o.reshape((o.shape[0] // size, size) + o.shape[1:]) if i < batched else o for i, o in enumerate(outs)]
   if returns_dbias and has_bias and expanded:  # the bias was broadcast over the batch: its gradient sums over it

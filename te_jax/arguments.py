@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax import _primitives
+from te_jax import _primitives, flex
 from te_jax.attention_config import DTYPE_CODES
 from te_jax.dropout import check_rate, drop_threshold, key_words
 from te_jax.mask_type import MaskType
@@ -233,3 +233,21 @@ def _token_array(x, name: str, batch: int, seqlen: int, seq_name: str):
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer (int32) array, got {x.dtype}")
   return saturate_to_int32(jnp.asarray(x))
+
+
+def mod_operands(score_mod, mask_mod):
+  """(the score_mod's ModSpec or None, the mask_mod's, their captures: the score_mod's then the mask_mod's) of
+  fused_attn's score_mod= / mask_mod= (te_jax.flex translates them; docs/flex_attention.md)."""
+  specs, captures = [], []
+  for mod, name, translate, contract in (
+      (score_mod, "score_mod", flex.translate_score_mod, "score_mod(score, b, h, q_idx, kv_idx) -> score"),
+      (mask_mod, "mask_mod", flex.translate_mask_mod, "mask_mod(b, h, q_idx, kv_idx) -> bool")):
+    if mod is None:
+      specs.append(None)
+      continue
+    if not callable(mod):
+      raise TypeError(f"{name} must be a function {contract} or None, got {type(mod).__name__}")
+    translated = translate(mod)
+    specs.append(translated.spec())
+    captures += translated.captures
+  return specs[0], specs[1], tuple(captures)

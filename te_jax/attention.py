@@ -12,13 +12,14 @@ from te_jax import _primitives
 from te_jax import context_parallel as _context_parallel
 from te_jax import sharding as _sharding
 from te_jax.arguments import (alibi_operand, as_array, bias_operand, check_bool, check_qkv, check_scale, check_softcap,
-                              check_window, dropout_operand, seqlens_operand, sink_operand, token_operands)
+                              check_window, dropout_operand, mod_operands, seqlens_operand, sink_operand,
+                              token_operands)
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
 from te_jax.fp8 import fp8_operands
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
-from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_slope_gradient
+from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_capture_gradient, refuse_slope_gradient
 
 
 def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None, kv_seqlens=None,
@@ -28,7 +29,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
                q_positions=None, kv_positions=None, sink_logits=None, bias=None, dropout_rate: float = 0.0,
                dropout_rng=None, q_descale=None, k_descale=None, v_descale=None, fp8=False, fp8_amax=None,
-               out_dtype=None):
+               out_dtype=None, score_mod=None, mask_mod=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -99,6 +100,15 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       operands' dtype with fp8=. An FP8 call attends over the dequantized values in float32: te_jax's CPU backend is
       the reference for the FP8 GPU kernels, which do not exist yet; a GPU refuses FP8 calls (te_jax/fp8.py).
 
+    score_mod: a function score_mod(score, b, h, q_idx, kv_idx) -> score of scalars (PyTorch FlexAttention's; score
+      float32, the indices int32) written with jax.numpy / lax, possibly closing over arrays (a relative-position
+      table, per-head temperatures): it rewrites each logit after the built-in ones (scale, softcap, ALiBi, + bias),
+      before the masks. b, h (the query head), q_idx and kv_idx are global indices. Its derivative in score comes with
+      it; differentiating an array it captures is an error (no gradient is computed for captures yet). The CPU backend
+      serves it so far (docs/flex_attention.md).
+    mask_mod: a function mask_mod(b, h, q_idx, kv_idx) -> bool: False hides the key, like the built-in masks, which
+      it combines with (a key must pass them all). A row it leaves no key gives out = 0, lse = -inf. CPU so far.
+
   Returns:
     out [B, Sq, H, Dv] in q's dtype (an FP8 call's: out_dtype), and lse if return_lse. Rows with no visible key give
     out = 0, lse = -inf. Gradients flow to q, k and v (and through lse when it is returned).
@@ -119,6 +129,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                                                   batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced,
                               (q, k, v))
+  score_spec, mask_spec, captures = mod_operands(score_mod, mask_mod)
+  if cp is not None and (score_spec is not None or mask_spec is not None):
+    raise ValueError("score_mod/mask_mod do not go with context parallelism yet (the mods see global indices, which "
+                     "the blocks would need offsets for); pass context_parallel_axis=None")
   config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
                            scale=check_scale(scale, head_dim), softcap=check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
@@ -126,14 +140,15 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            has_segment_ids=has_ids, has_positions=has_positions, has_bias=bias is not None,
                            dropout_threshold=threshold,
                            # context parallelism merges the sinks after its blocks' merge (_attention)
-                           has_sinks=sink_logits is not None and cp is None, fp8=is_fp8)
+                           has_sinks=sink_logits is not None and cp is None, fp8=is_fp8, score_mod=score_spec,
+                           mask_mod=mask_spec)
   alibi = alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias = bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
   if out_dtype is not None:
     out = out.astype(out_dtype)
   return (out, lse) if return_lse else out
@@ -147,32 +162,36 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # the sink softmax's out and lse, and the sinks' gradient comes from those (sink_gradient). k and v are contiguous: the
 # page table operand is a placeholder (a paged call is te_jax/paged_attention.py's). `bias` is the bias operand (the
 # placeholder of _primitives.no_bias when absent), whose gradient the backward kernel returns. `dropout` is the dropout
-# operand (key and offsets; te_jax/_primitives.py), which gets no gradient.
+# operand (key and offsets; te_jax/_primitives.py), which gets no gradient. `captures` is the tuple of arrays the
+# score_mod and mask_mod capture (empty without mods); they get no gradient, and differentiating a float one is an
+# error (refuse_capture_gradient).
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks):
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures):
   per_head = _primitives.no_sinks() if sinks is None else jnp.broadcast_to(sinks, (q.shape[0], q.shape[2]))
   out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, per_head, tokens,
-                               _primitives.no_page_table(), bias, dropout)
+                               _primitives.no_page_table(), bias, dropout, captures)
   return apply_sinks(out, lse, per_head) if sinks is not None and not config.has_sinks else (out, lse)
 
 
 def _attention_fwd(config, cp, *primals):
   refuse_slope_gradient(primals[5])
-  q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks = primal_values(primals)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
-  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks)
+  refuse_capture_gradient(config, primals[10])
+  q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures = primal_values(primals)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
-  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks = residuals
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures = residuals
   dout, dlse = instantiate_zeros(cotangents)
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
                                          _primitives.no_sinks(), tokens, _primitives.no_page_table(), bias,
-                                         dropout)
+                                         dropout, captures)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
-  return dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks
+  return (dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks,
+          (None,) * len(captures))
 
 
 # symbolic_zeros: the forward learns which operands are differentiated (refuse_slope_gradient).

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from te_jax.flex import ModSpec
 from te_jax.mask_type import MaskType
 
 # Element-type codes of the C++ core (cpp/core/dtype.h): never renumber.
@@ -45,17 +46,41 @@ class AttentionConfig:
   # FP8 attention (te_jax/fp8.py): q, k and v are the float32 dequantized values of FP8 operands; a backend without FP8
   # kernels refuses the call rather than attend at another precision (Backend.serves_fp8).
   fp8: bool = False
+  # score_mod / mask_mod (docs/flex_attention.md), held by their key, so jit's cache key includes them. Their captures
+  # are the primitives' last operands, the score_mod's first. vmap folds examples into the batch (example n of entry b
+  # is entry b * N + n): the mods see b // flex_batch_fold, the product of the folded sizes.
+  score_mod: ModSpec | None = None
+  mask_mod: ModSpec | None = None
+  flex_batch_fold: int = 1
 
-  def ffi_attributes(self, engine_code: int) -> dict:
+  @property
+  def has_mods(self) -> bool:
+    return self.score_mod is not None or self.mask_mod is not None
+
+  @property
+  def num_captures(self) -> int:
+    return sum(len(m.capture_types) for m in (self.score_mod, self.mask_mod) if m is not None)
+
+  def flex_params(self, libraries: tuple[str, str], capture_shapes) -> dict:
+    """The core params' score_mod / mask_mod fields (cpp/core/flex_mods.h: FlexSpec): the paths of the libraries
+    serving them ("" for none) and the captures' shapes."""
+    return dict(score_mod_library=libraries[0], mask_mod_library=libraries[1],
+                flex_batch_fold=int(self.flex_batch_fold),
+                score_mod_captures=len(self.score_mod.capture_types) if self.score_mod else 0,
+                flex_capture_shapes=[list(map(int, shape)) for shape in capture_shapes])
+
+  def ffi_attributes(self, engine_code: int, flex: dict) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering
-    resolved."""
+    resolved and the flex_params (whose capture shapes the handler reads from the operands)."""
     return dict(mask_type=np.int64(int(self.mask_type)), window_left=np.int64(self.window_left),
                 window_right=np.int64(self.window_right), scale=np.float32(self.scale),
                 softcap=np.float32(self.softcap), has_alibi=bool(self.has_alibi), has_sinks=bool(self.has_sinks),
                 deterministic=bool(self.deterministic), engine=np.int64(engine_code),
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
                 has_bias=bool(self.has_bias), dropout_threshold=np.int64(self.dropout_threshold),
-                page_size=np.int64(self.page_size))
+                page_size=np.int64(self.page_size), score_mod_library=flex["score_mod_library"],
+                mask_mod_library=flex["mask_mod_library"], flex_batch_fold=np.int64(flex["flex_batch_fold"]),
+                score_mod_captures=np.int64(flex["score_mod_captures"]))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
                   bias_dtype=np.float32, page_table_shape=None) -> dict:

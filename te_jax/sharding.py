@@ -75,16 +75,19 @@ _OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_p
 # `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
 # hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
 # contiguous k and v (context parallelism refuses paging).
+# `captures`: the arrays score_mod / mask_mod capture (te_jax/_primitives.py), the last operands. A call with mods is
+# not partitioned yet: its kernel primitive is lowered whole (XLA gathers sharded operands and replicates the call),
+# since the mods see global batch and head indices, which a shard's kernel would need offsets for.
 def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, sinks, tokens, page_table, bias,
-            dropout):
+            dropout, captures=()):
   return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, page_table, bias, dropout,
-                                      config=config, cp=cp))
+                                      *captures, config=config, cp=cp))
 
 
 def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, tokens,
-             page_table, bias, dropout):
+             page_table, bias, dropout, captures=()):
   return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *tokens,
-                                       page_table, bias, dropout, config=config, cp=cp))
+                                       page_table, bias, dropout, *captures, config=config, cp=cp))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -407,7 +410,9 @@ def _cp_axis_is_manual(ctx, cp) -> bool:
 
 
 def _forward_lowering(ctx, *args, config, cp):
-  if _cp_axis_is_manual(ctx, cp):  # inside shard_map: the operands are already the local shards
+  if config.has_mods:  # not partitioned yet (see forward)
+    fn = partial(_primitives.attention_forward_p.bind, config=config)
+  elif _cp_axis_is_manual(ctx, cp):  # inside shard_map: the operands are already the local shards
     fn = partial(cpmod.local_forward, config=config, cp=cp)
   else:
     fn = lambda *a: _partitioned_forward(*a, config, cp)
@@ -415,7 +420,9 @@ def _forward_lowering(ctx, *args, config, cp):
 
 
 def _backward_lowering(ctx, *args, config, cp):
-  if _cp_axis_is_manual(ctx, cp):
+  if config.has_mods:
+    fn = partial(_primitives.attention_backward_p.bind, config=config)
+  elif _cp_axis_is_manual(ctx, cp):
     fn = partial(cpmod.local_backward, config=config, cp=cp)
   else:
     fn = lambda *a: _partitioned_backward(*a, config, cp)

@@ -21,6 +21,19 @@ def refuse_slope_gradient(alibi: CustomVJPPrimal) -> None:
                      "silent zero): pass jax.lax.stop_gradient(alibi_slopes) to train with fixed slopes")
 
 
+def refuse_capture_gradient(config, captures) -> None:
+  """A clear error rather than a silent zero: the kernels compute no gradient for the arrays a score_mod or mask_mod
+  captures (captures: their CustomVJPPrimals, the score_mod's first)."""
+  names = [f"score_mod's capture {i}" for i in range(len(config.score_mod.capture_types) if config.score_mod else 0)]
+  names += [f"mask_mod's capture {i}" for i in range(len(captures) - len(names))]
+  for name, capture in zip(names, captures):
+    if capture.perturbed:
+      value = capture.value
+      raise ValueError(f"{name} ({value.dtype}{list(value.shape)}) is being differentiated, but te_jax computes no "
+                       "gradient for arrays a score_mod or mask_mod captures yet (it would be a silent zero): wrap it "
+                       "in jax.lax.stop_gradient inside the mod, or pass a trainable additive term as bias=")
+
+
 def instantiate_zeros(cotangents):
   """The cotangents with each symbolic zero (symbolic_zeros=True: an output nothing depends on) made an array."""
   return jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c, cotangents,

@@ -24,6 +24,16 @@ class CaptureType:
   shape: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class ModSpec:
+  """A mod as a call's static configuration holds it (te_jax.AttentionConfig): equal, and hashed, by its key, which
+  covers the source and so the captures' dtypes and ranks; the captured values are the call's operands."""
+  kind: str
+  key: str
+  source: str = dataclasses.field(compare=False, repr=False)
+  capture_types: tuple[CaptureType, ...] = dataclasses.field(compare=False, repr=False)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class FlexMod:
   """kind: "score_mod" or "mask_mod"; struct: the C++ struct's name in namespace te_jax::flex; source: its C++
@@ -35,6 +45,9 @@ class FlexMod:
   key: str
   captures: tuple
   capture_types: tuple[CaptureType, ...]
+
+  def spec(self) -> ModSpec:
+    return ModSpec(self.kind, self.key, self.source, self.capture_types)
 
 
 def _flex_mod(kind: str, struct: str, traced: trace.Traced, source: str) -> FlexMod:
@@ -58,4 +71,4 @@ def translate_mask_mod(mask_mod) -> FlexMod:
 # The lax primitives a mod may use; anything else is a NotImplementedError naming it.
 SUPPORTED_PRIMITIVES = tuple(sorted(set(primitives.RULES) | set(emitter.CALLS)))
 
-__all__ = ["CaptureType", "FlexMod", "SUPPORTED_PRIMITIVES", "translate_mask_mod", "translate_score_mod"]
+__all__ = ["CaptureType", "FlexMod", "ModSpec", "SUPPORTED_PRIMITIVES", "translate_mask_mod", "translate_score_mod"]

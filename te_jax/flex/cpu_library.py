@@ -1,0 +1,80 @@
+"""A mod's CPU library: its tile source (tile_source.py) compiled into a shared library at lowering, cached on disk
+beside the CUDA cubins (the CPU extension's cache_dir(): $TE_JAX_CACHE_DIR, ...) as flex-<kind>-<key>.so, the key a
+sha256 of the source, the compiler's identity and the flags. A process finds a library another process compiled on
+disk and compiles nothing; writers compile into a private temporary file and rename it into place (atomic on POSIX), so
+concurrent compiles of one key are safe. The CPU kernels dlopen the library by its path (cpp/cpu/flex_tiles.h).
+
+The compiler is the one CMake built the extension with (te_jax/cpu_compiler.txt, installed beside it) if it still
+exists, else $CXX, else c++ or g++ on PATH."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import time
+
+from te_jax import _logging
+from te_jax.flex.tile_source import tile_source
+from te_jax.kernel_sources import kernel_root
+
+logger = _logging.logger.getChild("flex")
+
+# No -march (the cache may be shared by machines of different CPUs) and no -ffast-math (the mods' NaN and infinity
+# semantics, docs/flex_attention.md); -fno-math-errno lets sqrt inline.
+FLAGS = ("-std=c++17", "-O2", "-fno-math-errno", "-fPIC", "-shared")
+_RECORDED = pathlib.Path(__file__).resolve().parent.parent / "cpu_compiler.txt"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler() -> tuple[str, str]:
+  """(the compiler's path, its --version text), or a RuntimeError naming every place tried."""
+  tried = []
+  candidates = []
+  if _RECORDED.exists():
+    candidates.append((f"the compiler CMake used ({_RECORDED})", _RECORDED.read_text().strip()))
+  if os.environ.get("CXX"):
+    candidates.append(("$CXX", os.environ["CXX"]))
+  candidates += [("PATH", "c++"), ("PATH", "g++")]
+  for where, name in candidates:
+    path = shutil.which(name)
+    if path is None:
+      tried.append(f"{name} ({where})")
+      continue
+    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+    return path, version
+  raise RuntimeError("score_mod/mask_mod on the CPU are compiled at run time with a C++17 compiler, and none was "
+                     f"found; tried: {', '.join(tried)}. Install one (g++ or clang++) or set CXX to its path")
+
+
+def library_key(source: str, compiler_identity: tuple[str, str]) -> str:
+  return hashlib.sha256("\0".join([source, *compiler_identity, *FLAGS]).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def library_path(spec, cache_dir: str) -> str:
+  """The path of spec's (a te_jax.flex.ModSpec) compiled library, compiling it on a disk-cache miss."""
+  source = tile_source(spec)
+  cxx = compiler()
+  path = pathlib.Path(cache_dir) / f"flex-{spec.kind}-{library_key(source, cxx)[:32]}.so"
+  if path.exists():
+    logger.debug("te_jax: loaded the %s library %s from the disk cache", spec.kind, path)
+    return str(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory(dir=path.parent, prefix=".flex-") as work:
+    source_file = pathlib.Path(work) / "mod.cc"
+    source_file.write_text(source)
+    built = pathlib.Path(work) / "mod.so"
+    result = subprocess.run([cxx[0], *FLAGS, f"-I{kernel_root()}", "-o", str(built), str(source_file)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+      raise RuntimeError(f"compiling the {spec.kind} for the CPU with {cxx[0]} failed (a bug in te_jax.flex's code "
+                         f"generation; please report it with the mod):\n{result.stderr[-4000:]}")
+    os.replace(built, path)
+  logger.info("te_jax: compiled the %s library %s in %.2f s", spec.kind, path, time.perf_counter() - start)
+  return str(path)
