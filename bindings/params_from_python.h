@@ -131,11 +131,13 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["dropout_threshold"] = p.dropout_threshold;
   d["page_size"] = p.page_size;
   d["num_pages"] = p.num_pages;
-  d["score_mod_library"] = p.flex.score_library;
-  d["mask_mod_library"] = p.flex.mask_library;
-  d["flex_batch_fold"] = p.flex.batch_fold;
-  d["score_mod_captures"] = p.flex.score_captures;
-  d["flex_capture_shapes"] = p.flex.capture_shapes;
+  if (p.flex.active()) {  // absent without mods, as ParamsFromDict reads them
+    d["score_mod_library"] = p.flex.score_library;
+    d["mask_mod_library"] = p.flex.mask_library;
+    d["flex_batch_fold"] = p.flex.batch_fold;
+    d["score_mod_captures"] = p.flex.score_captures;
+    d["flex_capture_shapes"] = p.flex.capture_shapes;
+  }
   return d;
 }
 

@@ -33,8 +33,8 @@
       .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() TE_JAX_FFI_ATTENTION_ATTRS
 
 // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, q_segment_ids, kv_segment_ids,
-// q_positions, kv_positions, page_table, bias, dropout, *captures -> dq, dk, dv, dbias, workspace (uint8 [n], the backend's
-// BackwardWorkspaceBytes)
+// q_positions, kv_positions, page_table, bias, dropout, *captures -> dq, dk, dv, dbias, workspace (uint8 [n], the
+// backend's BackwardWorkspaceBytes)
 #define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \

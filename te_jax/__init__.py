@@ -30,8 +30,8 @@ except ImportError as error:
 from te_jax import _backends  # noqa: E402  after the CUDA backend's registration
 _backends.register_available_targets()
 
-__all__ = ["fused_attn", "flex_attention", "merge_states", "paged_attention", "segment_ids_from_lengths", "positions_from_lengths",
-           "segment_ids_from_cu_seqlens", "positions_from_cu_seqlens",
+__all__ = ["fused_attn", "flex_attention", "merge_states", "paged_attention", "segment_ids_from_lengths",
+           "positions_from_lengths", "segment_ids_from_cu_seqlens", "positions_from_cu_seqlens",
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
            "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",
            "inverse_reorder_for_load_balancing", "cpu_isa", "disabled_export_checks", "quantize_fp8", "dequantize_fp8",

@@ -21,9 +21,17 @@ from te_jax._backends import Backend, register_backend
 from te_jax._engine_choice import EngineTuner, table_choice
 from te_jax._primitives import register_lowering
 from te_jax.engine import Choice, EngineUnavailableError
-from te_jax.kernel_sources import kernel_root
 
 logger = _logging.logger.getChild("cuda")
+
+
+def _kernel_root() -> str:
+  """The folder holding cpp/cuda/kernels: te_jax/kernels in an installed package, else the source checkout."""
+  here = pathlib.Path(__file__).resolve().parent
+  for root in (here / "kernels", here.parent):
+    if (root / "cpp" / "cuda" / "kernels").is_dir():
+      return str(root)
+  return str(here / "kernels")
 
 
 def _wheel_libraries(*patterns: str) -> list[str]:
@@ -47,7 +55,7 @@ def _nvrtc_candidates() -> list[str]:
   return [p for p in paths if "builtins" not in os.path.basename(p) and ".alt." not in os.path.basename(p)]
 
 
-ext.set_kernel_root(kernel_root())
+ext.set_kernel_root(_kernel_root())
 ext.set_nvrtc_paths(_nvrtc_candidates())
 ext.set_cudnn_paths(_wheel_libraries("cudnn/lib/libcudnn.so.9"), _wheel_libraries("cu13/lib/libcudart.so.13"))
 

@@ -177,7 +177,7 @@ def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
   gather = lambda pool: pool[pages].reshape(batch, capacity, *pool.shape[2:])
   out, lse = _attention(dataclasses.replace(config, page_size=0), None, q, gather(k_pages), gather(v_pages),
                         jnp.full((batch,), q.shape[1], jnp.int32), kv_lengths, alibi, _primitives.no_tokens(),
-                        _primitives.no_bias(), _primitives.no_dropout(), None)
+                        _primitives.no_bias(), _primitives.no_dropout(), None, ())
   return (out, lse) if return_lse else out
 
 

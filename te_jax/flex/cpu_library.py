@@ -4,8 +4,9 @@ sha256 of the source, the compiler's identity and the flags. A process finds a l
 disk and compiles nothing; writers compile into a private temporary file and rename it into place (atomic on POSIX), so
 concurrent compiles of one key are safe. The CPU kernels dlopen the library by its path (cpp/cpu/flex_tiles.h).
 
-The compiler is the one CMake built the extension with (te_jax/cpu_compiler.txt, installed beside it) if it still
-exists, else $CXX, else c++ or g++ on PATH."""
+The compiler is the one CMake built the extension with (cpu_compiler.txt, installed beside it) if it still exists, else
+$CXX, else c++ or g++ on PATH. The headers the source includes are installed in the package's flex_include folder, or
+read from the source checkout."""
 
 from __future__ import annotations
 
@@ -20,14 +21,25 @@ import time
 
 from te_jax import _logging
 from te_jax.flex.tile_source import tile_source
-from te_jax.kernel_sources import kernel_root
 
 logger = _logging.logger.getChild("flex")
 
 # No -march (the cache may be shared by machines of different CPUs) and no -ffast-math (the mods' NaN and infinity
 # semantics, docs/flex_attention.md); -fno-math-errno lets sqrt inline.
 FLAGS = ("-std=c++17", "-O2", "-fno-math-errno", "-fPIC", "-shared")
-_RECORDED = pathlib.Path(__file__).resolve().parent.parent / "cpu_compiler.txt"
+_PACKAGE = pathlib.Path(__file__).parent.parent  # where the extension is installed (links not followed)
+_RECORDED = _PACKAGE / "cpu_compiler.txt"
+
+
+def include_root() -> pathlib.Path:
+  """The folder holding cpp/core/flex_mods.h and the headers it and the generated struct include: the package's
+  flex_include, else the source checkout this file lies in."""
+  roots = (_PACKAGE / "flex_include", pathlib.Path(__file__).resolve().parents[2])
+  for root in roots:
+    if (root / "cpp" / "core" / "flex_mods.h").is_file():
+      return root
+  raise RuntimeError(f"te_jax's score_mod/mask_mod headers are missing: neither of {', '.join(map(str, roots))} "
+                     "holds cpp/core/flex_mods.h; reinstall te_jax")
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +82,7 @@ def library_path(spec, cache_dir: str) -> str:
     source_file = pathlib.Path(work) / "mod.cc"
     source_file.write_text(source)
     built = pathlib.Path(work) / "mod.so"
-    result = subprocess.run([cxx[0], *FLAGS, f"-I{kernel_root()}", "-o", str(built), str(source_file)],
+    result = subprocess.run([cxx[0], *FLAGS, f"-I{include_root()}", "-o", str(built), str(source_file)],
                             capture_output=True, text=True)
     if result.returncode != 0:
       raise RuntimeError(f"compiling the {spec.kind} for the CPU with {cxx[0]} failed (a bug in te_jax.flex's code "

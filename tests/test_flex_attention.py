@@ -1,0 +1,316 @@
+"""score_mod / mask_mod through te_jax.flex_attention and fused_attn on the CPU backend, against a dense float64
+reference written here from the same Python mods (the scores materialised, the mods applied with jax.vmap over every
+(b, h, q_idx, kv_idx), then the softmax): forward, lse and every gradient, on fresh random data; the built-ins written
+as mods; composition with fused_attn's options; FFI == legacy bitwise; jit, vmap; the disk cache in a second process;
+the GPU's refusal; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+from te_jax import _primitives
+from te_jax._backends import backend_for
+from te_jax.attention_config import AttentionConfig
+from te_jax.mask_type import MaskType
+from helpers import tolerance
+
+B, SQ, SKV, H, HKV, D, DV = 2, 37, 45, 4, 2, 16, 24
+RNG = np.random.default_rng(51)
+
+
+def _array(shape, dtype=jnp.float32):
+  return jnp.asarray(RNG.standard_normal(shape), dtype)
+
+
+def _qkv(sq=SQ, skv=SKV, heads=H, kv_heads=HKV, dv=DV):
+  return _array((B, sq, heads, D)), _array((B, skv, kv_heads, D)), _array((B, skv, kv_heads, dv))
+
+
+def reference(q, k, v, score_mod=None, mask_mod=None, *, scale=None, causal=False, q_ids=None, kv_ids=None,
+              softcap=0.0, alibi=None):
+  """out, lse of attention in float64: logits scale * q.k (then soft-cap, ALiBi), score_mod, then the masks; a row
+  with no visible key gives out = 0, lse = -inf."""
+  with jax.enable_x64(True):
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
+    batch, sq, heads, d = q.shape
+    skv, group = k.shape[1], heads // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)
+    if softcap:
+      s = softcap * jnp.tanh(s / softcap)
+    b, h, i, j = (x.astype(jnp.int32) for x in jnp.meshgrid(jnp.arange(batch), jnp.arange(heads), jnp.arange(sq),
+                                                             jnp.arange(skv), indexing="ij"))
+    if alibi is not None:
+      s = s + jnp.asarray(alibi, jnp.float64)[h] * (j - i)
+    if score_mod is not None:
+      s = jax.vmap(score_mod)(s.ravel(), b.ravel(), h.ravel(), i.ravel(), j.ravel()).reshape(s.shape)
+    visible = jnp.ones(s.shape, bool)
+    if mask_mod is not None:
+      visible &= jax.vmap(mask_mod)(b.ravel(), h.ravel(), i.ravel(), j.ravel()).reshape(s.shape)
+    if causal:
+      visible &= j <= i
+    if q_ids is not None:
+      qi, ki = jnp.asarray(q_ids)[b, i], jnp.asarray(kv_ids)[b, j]
+      visible &= (qi == ki) & (qi != 0)
+    s = jnp.where(visible, s, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.exp(s - top)
+    total = p.sum(-1, keepdims=True)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(total > 0, total, 1.0), v)
+    lse = jnp.where(total[..., 0] > 0, jnp.log(total[..., 0]) + top[..., 0], -jnp.inf)
+    return out, lse
+
+
+def _loss_weights(out_shape, lse_shape):
+  return _array(out_shape), _array(lse_shape)
+
+
+def _with_gradients(attend, q, k, v, weights):
+  """out, lse and d(sum(out * w) + sum(finite lse * w_lse)) / d(q, k, v)."""
+  def loss(q, k, v):
+    out, lse = attend(q, k, v)
+    return jnp.sum(out * weights[0]) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * weights[1]), (out, lse)
+
+  (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  return (out, lse, *grads)
+
+
+def _te(q, k, v, path="ffi", weights=None, **kwargs):
+  """fused_attn's out, lse and gradients under jit, and the loss weights (fresh unless given)."""
+  if weights is None:
+    weights = _loss_weights((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), (q.shape[0], q.shape[2], q.shape[1]))
+  with te_jax.custom_call_path(path):
+    got = jax.jit(lambda q, k, v: _with_gradients(
+        lambda q, k, v: te_jax.fused_attn(q, k, v, return_lse=True, **kwargs), q, k, v, weights))(q, k, v)
+  return got, weights
+
+
+def _check(got, want, grad=False):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  finite = np.isfinite(want)
+  tol = tolerance("float32", grad)
+  scale = np.abs(want[finite]).max(initial=0.0)
+  np.testing.assert_array_less(np.abs(got[finite] - want[finite]), tol * (np.abs(want[finite]) + scale) + 1e-30)
+
+
+def _check_against_reference(q, k, v, score_mod=None, mask_mod=None, reference_kwargs=None, **kwargs):
+  got, weights = _te(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kwargs)
+  with jax.enable_x64(True):
+    want = jax.device_get(_with_gradients(
+        lambda q, k, v: reference(q, k, v, score_mod, mask_mod, **(reference_kwargs or {})),
+        *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), weights))
+  for index, (g, w) in enumerate(zip(got, want)):
+    _check(g, w, grad=index >= 2)
+  return got
+
+
+REL_TABLE = _array(SQ + SKV)
+TEMPERATURE = jnp.asarray(RNG.uniform(0.5, 2.0, H), jnp.float32)
+SLOPES = jnp.asarray(2.0 ** -np.arange(1, H + 1), jnp.float32)
+PREFIX = jnp.asarray([5, 20], jnp.int32)
+DOC_IDS = jnp.asarray(np.sort(RNG.integers(0, 4, (B, max(SQ, SKV))), axis=1), jnp.int32)
+RANDOM_MASK = jnp.asarray(RNG.random((SQ, SKV)) < 0.7)
+
+SCORE_MODS = {
+    "relative_position_bias": lambda s, b, h, q, kv: s + REL_TABLE[q - kv + SKV],
+    "head_temperature": lambda s, b, h, q, kv: s / TEMPERATURE[h],
+    "alibi": lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q),
+    "softcap": lambda s, b, h, q, kv: 2.0 * jnp.tanh(s / 2.0),
+    "minus_inf": lambda s, b, h, q, kv: jnp.where((q + kv) % 3 == 0, -jnp.inf, s * 1.5),
+}
+MASK_MODS = {
+    "python_causal": lambda b, h, q, kv: q >= kv,
+    "prefix_lm": lambda b, h, q, kv: (kv < PREFIX[b]) | (q >= kv),
+    "chunked_local": lambda b, h, q, kv: (q // 8 == kv // 8) & (q >= kv),
+    "document": lambda b, h, q, kv: DOC_IDS[b, q] == DOC_IDS[b, kv],
+    "random_captured": lambda b, h, q, kv: RANDOM_MASK[q, kv],
+    "by_batch_and_head": lambda b, h, q, kv: ((b + h) % 3 != 0) & (kv <= q + 4 * h + b),
+}
+
+
+@pytest.mark.parametrize("name", SCORE_MODS)
+def test_score_mod_matches_reference(name):
+  _check_against_reference(*_qkv(), score_mod=SCORE_MODS[name])
+
+
+@pytest.mark.parametrize("name", MASK_MODS)
+def test_mask_mod_matches_reference(name):
+  got = _check_against_reference(*_qkv(), mask_mod=MASK_MODS[name])
+  if name == "by_batch_and_head":  # (b + h) % 3 == 0 hides whole rows: zeros and lse -inf
+    assert np.all(np.asarray(got[0])[0, :, 0] == 0) and np.all(np.asarray(got[1])[0, 0] == -np.inf)
+
+
+def test_both_mods_through_flex_attention():
+  q, k, v = _qkv()
+  score_mod, mask_mod = SCORE_MODS["relative_position_bias"], MASK_MODS["prefix_lm"]
+  out, lse = te_jax.flex_attention(q, k, v, score_mod, mask_mod, scale=0.3, return_lse=True)
+  want_out, want_lse = reference(q, k, v, score_mod, mask_mod, scale=0.3)
+  _check(out, want_out)
+  _check(lse, want_lse)
+
+
+def test_composes_with_causal_gqa_dv_and_segment_ids():
+  q, k, v = _qkv(sq=SKV)
+  ids = jnp.asarray(np.sort(RNG.integers(0, 3, (B, SKV)), axis=1), jnp.int32)
+  _check_against_reference(q, k, v, SCORE_MODS["relative_position_bias"], MASK_MODS["chunked_local"],
+                           reference_kwargs=dict(causal=True, q_ids=ids, kv_ids=ids), mask_type="causal",
+                           q_segment_ids=ids)
+
+
+def test_composes_with_builtin_softcap_and_alibi():
+  q, k, v = _qkv()
+  _check_against_reference(q, k, v, SCORE_MODS["head_temperature"], MASK_MODS["document"],
+                           reference_kwargs=dict(softcap=3.0, alibi=SLOPES), softcap=3.0, alibi_slopes=SLOPES)
+
+
+def test_decode_shapes_keep_one_head_per_tile():
+  """Few queries with MQA: the forward would pack the group's heads into one tile; with mods it does not."""
+  _check_against_reference(*_qkv(sq=3, kv_heads=1), SCORE_MODS["head_temperature"], MASK_MODS["by_batch_and_head"])
+
+
+@pytest.mark.parametrize("builtin, mod", [(dict(alibi_slopes=SLOPES), "alibi"), (dict(softcap=2.0), "softcap")])
+def test_builtins_written_as_mods_equal_them(builtin, mod):
+  q, k, v = _qkv(sq=SKV)
+  as_mod, weights = _te(q, k, v, score_mod=SCORE_MODS[mod])
+  built_in, _ = _te(q, k, v, weights=weights, **builtin)
+  for index, (got, want) in enumerate(zip(as_mod, built_in)):  # the same sums, rounded apart
+    _check(got, want, grad=index >= 2)
+
+
+def test_nan_propagates_like_a_nan_bias():
+  q, k, v = _qkv()
+  nan_at = lambda q_idx, kv_idx: (q_idx == 3) & (kv_idx == 7)
+  out = te_jax.fused_attn(q, k, v, score_mod=lambda s, b, h, qi, kvi: jnp.where(nan_at(qi, kvi), jnp.nan, s))
+  i, j = jnp.arange(SQ)[:, None], jnp.arange(SKV)[None, :]
+  bias = jnp.where(nan_at(i, j), jnp.nan, 0.0)[None, None].astype(jnp.float32)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(te_jax.fused_attn(q, k, v, bias=bias)))
+  assert np.isnan(out[:, 3]).all() and not np.isnan(np.delete(np.asarray(out), 3, axis=1)).any()
+
+
+def test_ffi_and_legacy_are_bitwise_equal():
+  q, k, v = _qkv()
+  mods = dict(score_mod=SCORE_MODS["relative_position_bias"], mask_mod=MASK_MODS["document"], mask_type="causal")
+  ffi, weights = _te(q, k, v, "ffi", **mods)
+  legacy, _ = _te(q, k, v, "legacy", weights, **mods)
+  for a, b in zip(ffi, legacy):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_vmap_gives_each_example_its_own_batch_index():
+  """A mask on b: vmapped over 3 examples (folded into the batch), each example still sees b in [0, B)."""
+  examples = [_qkv() for _ in range(3)]
+  q, k, v = (jnp.stack(x) for x in zip(*examples))
+  mask_mod = MASK_MODS["by_batch_and_head"]
+  attend = lambda q, k, v: te_jax.flex_attention(q, k, v, SCORE_MODS["head_temperature"], mask_mod)
+  mapped = jax.jit(jax.vmap(attend))(q, k, v)
+  for n, example in enumerate(examples):
+    np.testing.assert_array_equal(mapped[n], attend(*example))
+  grads = jax.grad(lambda q: jnp.sum(jax.vmap(attend)(q, k, v) ** 2))(q)
+  with jax.enable_x64(True):
+    example = [jnp.asarray(x, jnp.float64) for x in examples[1]]
+    want = jax.grad(lambda q: jnp.sum(reference(q, *example[1:], SCORE_MODS["head_temperature"], mask_mod)[0] ** 2))
+    want = jax.device_get(want(example[0]))
+  _check(grads[1], want, grad=True)
+
+
+def test_vmapped_capture_is_refused():
+  tables = _array((3, SQ + SKV))
+  q, k, v = _qkv()
+  attend = lambda table: te_jax.flex_attention(q, k, v, lambda s, b, h, qi, kvi: s + table[qi - kvi + SKV])
+  with pytest.raises(ValueError, match="capture 0 .* is mapped by vmap"):
+    jax.vmap(attend)(tables)
+
+
+def test_differentiating_a_captured_float_array_is_refused():
+  q, k, v = _qkv()
+  loss = lambda table: jnp.sum(te_jax.flex_attention(q, k, v, lambda s, b, h, qi, kvi: s + table[qi - kvi + SKV]))
+  with pytest.raises(ValueError, match="score_mod's capture 0 .* is being differentiated"):
+    jax.grad(loss)(REL_TABLE)
+  jax.grad(lambda t: loss(jax.lax.stop_gradient(t)))(REL_TABLE)  # a fixed table is fine
+
+
+def test_the_mods_key_the_configuration():
+  """jit's cache key: the same mod written twice is one configuration, another mod another."""
+  config = lambda mod: AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, score_mod=mod)
+  spec = lambda f: te_jax.flex.translate_score_mod(f).spec()
+  assert config(spec(lambda s, b, h, q, kv: s * 2.0)) == config(spec(lambda s, b, h, q, kv: s * 2.0))
+  assert config(spec(lambda s, b, h, q, kv: s * 2.0)) != config(spec(lambda s, b, h, q, kv: s * 3.0))
+  q, k, v = _qkv()
+  f = jax.jit(lambda q, k, v, t: te_jax.flex_attention(q, k, v, lambda s, b, h, qi, kvi: s * t[h]))
+  twice, thrice = (f(q, k, v, jnp.full((H,), x, jnp.float32)) for x in (2.0, 3.0))
+  assert f._cache_size() == 1  # the captured values are operands, not configuration
+  assert not np.allclose(twice, thrice)
+
+
+def test_a_second_process_loads_the_library_from_disk(tmp_path):
+  script = textwrap.dedent("""
+      import time, jax.numpy as jnp, numpy as np, te_jax
+      x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 8)), jnp.float32)
+      table = jnp.arange(40, dtype=jnp.float32) / 40
+      start = time.perf_counter()
+      te_jax.flex_attention(x, x, x, lambda s, b, h, q, kv: s - table[q - kv + 20] * h,
+                            lambda b, h, q, kv: (q - kv) % 5 != 4).block_until_ready()
+      print("seconds", time.perf_counter() - start)
+      """)
+  env = dict(os.environ, TE_JAX_CACHE_DIR=str(tmp_path), TE_JAX_LOG_LEVEL="DEBUG")
+  runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+          for _ in range(2)]
+  assert runs[0].stderr.count("compiled the") == 2, runs[0].stderr
+  assert "compiled the" not in runs[1].stderr and runs[1].stderr.count("from the disk cache") == 2, runs[1].stderr
+  assert len(list(tmp_path.glob("flex-*.so"))) == 2 and not list(tmp_path.glob(".flex-*"))
+
+
+def test_the_gpu_refuses_mods_at_lowering():
+  spec = te_jax.flex.translate_mask_mod(MASK_MODS["python_causal"]).spec()
+  config = AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, mask_mod=spec)
+  gpu = dataclasses.replace(backend_for("cpu"), platform="cuda", code=1, flex_library=None)
+  with pytest.raises(ValueError, match="score_mod/mask_mod are served by the CPU backend so far"):
+    _primitives._mod_libraries(config, gpu)
+  # The core refuses it on the CUDA backend too, so a call reaching a CUDA handler fails with the same words.
+  params = config.core_params((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), np.float32)
+  params.update(config.flex_params(("", "/some/library.so"), []), dtype=1)
+  with pytest.raises(ValueError, match="score_mod/mask_mod are served by the CPU backend so far"):
+    backend_for("cpu").extension.validate(params, 1, "forward")
+
+
+def test_legacy_opaque_bytes_carry_the_mods():
+  spec = te_jax.flex.translate_score_mod(SCORE_MODS["relative_position_bias"]).spec()
+  config = AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, score_mod=spec)
+  params = config.core_params((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), np.float32)
+  params.update(config.flex_params(("/cache/flex-score_mod.so", ""), [(SQ + SKV,)]))
+  extension = backend_for("cpu").extension
+  packed = extension.pack_descriptor(params)
+  assert len(packed) > extension.descriptor_size
+  unpacked = extension.unpack_descriptor(packed)
+  assert {key: unpacked[key] for key in config.flex_params(("", ""), [])} == {
+      "score_mod_library": "/cache/flex-score_mod.so", "mask_mod_library": "", "flex_batch_fold": 1,
+      "score_mod_captures": 1, "flex_capture_shapes": [[SQ + SKV]]}
+  for index in (extension.descriptor_size + 9, len(packed) - 1):
+    corrupted = bytearray(packed)
+    corrupted[index] ^= 1
+    with pytest.raises(ValueError, match="checksum"):
+      extension.unpack_descriptor(bytes(corrupted))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(score_mod="tanh"), TypeError, "score_mod must be a function score_mod.*got str"),
+    (dict(mask_mod=3), TypeError, "mask_mod must be a function mask_mod.*got int"),
+    (dict(mask_mod=lambda b, h, q, kv: 1.0 * q), TypeError, "mask_mod must return a bool scalar"),
+    (dict(score_mod=lambda s, b, h: s), TypeError, "score_mod must take 5 positional arguments"),
+    (dict(score_mod=lambda s, b, h, q, kv: s + jnp.cumsum(REL_TABLE)[q]), NotImplementedError, "cumsum"),
+])
+def test_bad_mods_raise_naming_the_argument(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    te_jax.fused_attn(*_qkv(), **kwargs)
