@@ -69,6 +69,7 @@ for s in $SECTIONS; do
     echo "packed tests: $(( $(date +%s) - t0 )) s"
     timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset packed \
       --backends te_jax-te,te_jax-packed,te_jax-unsorted-packed,jax-cudnn --baseline te_jax-te --keep-going \
+      --budget ${BENCH_BUDGET:-250} \
       --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" | grep -v Warning | tail -40 ;;
   train)
     # examples/train_lm.py at --size gpu, a short run per attention. Flax and optax are not on the GPU
