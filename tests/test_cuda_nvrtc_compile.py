@@ -239,6 +239,23 @@ def test_sm90_forward_modules_hold_their_persistent_kernel():
     assert f"{PERSISTENT}(" not in ext.render_source(dict(base, **other)), other
 
 
+def test_sm90_token_forward_modules_hold_the_document_kernels_where_the_product_is_plain():
+  # A packed call's forward module at d <= 128 without soft-cap, ALiBi, dropout or a bias also holds the persistent
+  # kernel over the document table and the table's kernel, after the token kernel and before the token tables'.
+  base = dict(direction="forward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, tokens=True,
+              arch="sm_90a")
+  entries = ["te_jax_attention_forward(", "te_jax_attention_forward_documents(", "te_jax_document_table(",
+             "te_jax_token_tables(", "te_jax_token_spans("]
+  for plain in (base, dict(base, head_dim=64, head_dim_v=64)):
+    source = ext.render_source(plain)
+    assert all(e in source for e in entries) and sorted(entries, key=source.index) == entries
+    assert "ForwardKernel<te_jax::cuda::BFloat16, 128, 128, te_jax::LogitsVariant<false, false, false, false>, 2, " \
+           "true, true>" in ext.render_source(base)
+  for other in (dict(head_dim=256, head_dim_v=256), dict(softcap=True), dict(alibi=True), dict(dropout=True),
+                dict(tokens=False), dict(arch="sm_80"), dict(direction="backward")):
+    assert "te_jax_document_table(" not in ext.render_source(dict(base, **other)), other
+
+
 def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout():
   # The step's rows are in the module name: 128 where both head dims pad to 64, else 64 (tokens keep one granule per
   # step, dropout 32 keep bits per thread).

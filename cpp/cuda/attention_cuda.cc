@@ -43,7 +43,7 @@ struct CallModule {
   const LoadedModule* module = nullptr;
   KernelFamily family = KernelFamily::kSm80;
   Sm90ForwardKernel sm90_forward;  // the sm90 forward module's kernel the call takes
-  bool documents = false;          // the sm90 forward module has the document kernels (HasDocumentForward)
+  bool documents = false;          // the call may take the module's document kernels (Sm90ReadsDocuments)
   CUdevice device = 0;
 };
 
@@ -53,9 +53,9 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
   KernelConfig config;
   TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
   call->family = config.Family();
-  call->documents = config.HasDocumentForward();
   if (direction == Direction::kForward && call->family == KernelFamily::kSm90) {
     TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &call->sm90_forward));
+    TE_JAX_RETURN_IF_ERROR(Sm90ReadsDocuments(config, &call->documents));
   }
   JitReport report;
   return GetLoadedModule(config, call->device, &call->module, &report);
@@ -145,13 +145,15 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   TE_JAX_RETURN_IF_ERROR(CurrentDeviceArch(&device, &arch));
   KernelConfig config;
   TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
+  bool documents = false;
   if (direction == Direction::kForward && config.Family() == KernelFamily::kSm90) {
-    Sm90ForwardKernel kernel;  // TE_JAX_SM90_PERSISTENT's value checked at jit time too
+    Sm90ForwardKernel kernel;  // TE_JAX_SM90_PERSISTENT's and TE_JAX_SM90_DOCUMENTS's values checked at jit time too
     TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &kernel));
+    TE_JAX_RETURN_IF_ERROR(Sm90ReadsDocuments(config, &documents));
   }
   const LoadedModule* module = nullptr;
   TE_JAX_RETURN_IF_ERROR(GetLoadedModule(config, device, &module, report));
-  if (config.HasDocumentForward()) {
+  if (documents) {
     report->note = "packed rows read as documents where the ids rise in runs over keys that are the queries' tokens "
                    "(decided on the device each call), else through the token tables";
   }

@@ -171,6 +171,16 @@ Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& p
   return Status::Ok();
 }
 
+Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads) {
+  const char* env = std::getenv("TE_JAX_SM90_DOCUMENTS");
+  const std::string mode = env == nullptr ? "" : env;
+  if (mode != "" && mode != "0" && mode != "1") {
+    return Status::InvalidArgument("TE_JAX_SM90_DOCUMENTS must be 0 or 1, got \"" + mode + "\"");
+  }
+  *reads = config.HasDocumentForward() && mode == "1";
+  return Status::Ok();
+}
+
 bool BiasFitsTma(const AttentionParams& params) {
   return params.has_bias && !(params.bias_broadcast & kBroadcastKey) &&
          params.seqlen_kv * DTypeSize(params.bias_dtype) % 16 == 0;
