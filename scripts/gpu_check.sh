@@ -15,6 +15,7 @@
 #   cp_overlap  the context-parallel ring against one GPU, and its permutes alone (several GPUs)
 #   bench       the harness's fa preset: te_jax's engines against JAX's cuDNN
 #   peers       the d 128 forward and forward + backward beside tokamax (Mosaic, Triton) and cuDNN's FP8 forward
+#   ncu         Nsight Compute on one step of te_jax's kernels and of cuDNN's (scripts/profile_step.py), per NCU_CASES
 # Usage: OUT=DIR bash scripts/gpu_check.sh [SECTION]...; each section's variables are described at the section.
 # TE_JAX_CACHE_DIR defaults to ./.jitcache (carry a precompiled cache there to skip NVRTC). The cuDNN frontend's
 # headers (not on the GPU machine) come from $CUDNN_FRONTEND_INCLUDE_DIR, default build/cudnn_check/fe/include (carry
@@ -27,7 +28,7 @@ mkdir -p "$OUT"
 export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
 SECTIONS=${*:-tests sanitize jit bench}
 for s in $SECTIONS; do
-  case " smoke tests packed bias features train stress sanitize jit decode ab cp_overlap bench peers " in
+  case " smoke tests packed bias features train stress sanitize jit decode ab cp_overlap bench peers ncu " in
   *" $s "*) ;;
   *) echo "unknown section '$s'; the sections are listed at the top of $0"; exit 2 ;;
   esac
@@ -185,6 +186,21 @@ PY
     PYTHONPATH="$PEERS" timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset fa --head-dim 128 \
       --seq ${PEERS_SEQS:-2048,8192} --backends te_jax-te,te_jax-ffi,jax-cudnn,tokamax-mosaic,tokamax-triton,jax-fp8-cudnn \
       --baseline jax-cudnn --keep-going --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" | grep -v Warning | tail -60 ;;
+  ncu)
+    # The kernels' speed of light, warp stalls, instruction mix and memory traffic (no clock control: the clocks the
+    # harness sees), one profile per engine and case; NCU_CASES are "mask:seq:mode" (profile_step.py's arguments).
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    for c in ${NCU_CASES:-no_mask:512:fwd no_mask:8192:fwd+bwd}; do
+      IFS=: read -r mask seq mode <<< "$c"
+      for engine in te cudnn; do
+        log="$OUT/ncu_${engine}_${mask}_${seq}_${mode}.txt"
+        timeout ${NCU_TIMEOUT:-90} "$NCU" --profile-from-start off --clock-control none --section SpeedOfLight \
+          --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
+          --section Occupancy --section SchedulerStats python3 "$REPO/scripts/profile_step.py" $engine $mask $seq $mode \
+          > "$log" 2>&1
+        echo "ncu $engine $mask s $seq $mode rc=$?: $(grep -cE '^  [a-zA-Z_].*\(' "$log") kernels, $log"
+      done
+    done ;;
   bench)
     # te_jax's engines (te, cudnn, and auto: te_jax-ffi) against JAX's cuDNN on the fa grid; BENCH_ARGS are more harness
     # flags (--head-dim 128, --mode fwd, --kv-heads 4, --window 1023, ...), BENCH_BACKENDS replaces the backends (add
