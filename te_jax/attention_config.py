@@ -63,11 +63,11 @@ class AttentionConfig:
 
   def flex_params(self, libraries: tuple[str, str], capture_shapes) -> dict:
     """The core params' score_mod / mask_mod fields (cpp/core/flex_mods.h: FlexSpec): the paths of the libraries
-    serving them ("" for none) and the captures' shapes."""
+    serving them ("" for none) and the captures' shapes (tuples: the engine choice keys a cache by the params)."""
     return dict(score_mod_library=libraries[0], mask_mod_library=libraries[1],
                 flex_batch_fold=int(self.flex_batch_fold),
                 score_mod_captures=len(self.score_mod.capture_types) if self.score_mod else 0,
-                flex_capture_shapes=[list(map(int, shape)) for shape in capture_shapes])
+                flex_capture_shapes=tuple(tuple(map(int, shape)) for shape in capture_shapes))
 
   def ffi_attributes(self, engine_code: int, flex: dict) -> dict:
     """The typed attributes of the FFI custom call (see ffi/ffi_params.h: AttentionAttrs), with the engine the lowering

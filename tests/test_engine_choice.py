@@ -10,6 +10,8 @@ import logging
 import pytest
 
 from te_jax._engine_choice import EngineTuner, table_choice
+from te_jax.attention_config import AttentionConfig
+from te_jax.mask_type import MaskType
 
 
 def test_cudnn_unavailable_with_a_reason():
@@ -82,6 +84,17 @@ def test_measurements_are_keyed_by_configuration_direction_and_identity(tmp_path
   tuner.choose(dict(PARAMS, seqlen_q=2048, seqlen_kv=2048), "forward")
   EngineTuner(timer, dict(IDENTITY, cudnn="9.20.0"), tmp_path).choose(PARAMS, "forward")
   assert len(timer.calls) == 8 and len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_the_lowerings_params_are_a_cache_key(tmp_path):
+  # The params exactly as the lowering builds them (core fields, then the flex fields with their capture shapes).
+  config = AttentionConfig(MaskType.CAUSAL, -1, -1, 0.125, 0.0, False)
+  params = config.core_params((2, 256, 4, 64), (2, 256, 4, 64), (2, 256, 4, 64), "bfloat16")
+  params.update(config.flex_params(("", ""), [(4, 1), (3,)]))
+  timer = FakeTimer(2.0, 1.0)
+  tuner = EngineTuner(timer, IDENTITY, tmp_path)
+  assert tuner.choose(params, "forward") == tuner.choose(dict(params), "forward")
+  assert len(timer.calls) == 2
 
 
 def test_failed_measurement_uses_the_table_and_says_so(tmp_path, caplog):
