@@ -249,12 +249,18 @@ Status ZeroWorkCounter(const DriverApi* driver, unsigned* counter, CUstream stre
   return Status::Ok();
 }
 
-// A packed row read as documents (kernels/common/document_tables.cuh): the table's kernel (one CTA), then the document
-// kernel, one CTA per multiprocessor, before the token kernel, which steps aside where the table holds (else the
-// document kernel does). Entries 1 and 2 of the module (sm90_module.cc); the document kernel's tile is the plain
-// product's, whose K/V boxes the token kernel's maps share where the two tiles agree.
+// A packed row read as documents (kernels/common/document_tables.cuh): the table's kernel (one CTA) first, so the token
+// tables' kernels step aside where it holds; then the document kernel, one CTA per multiprocessor, before the token
+// kernel, which steps aside where the table holds (else the document kernel does). Entries 1 and 2 of the module
+// (sm90_module.cc); the document kernel's tile is the plain product's, whose K/V boxes the token kernel's maps share
+// where the two tiles agree.
 constexpr int kDocumentKernelEntry = 1;
 constexpr int kDocumentTableEntry = 2;
+
+Status LaunchDocumentTable(const DriverApi* driver, const LoadedModule* module, ForwardArgs* args, CUstream stream) {
+  return Launch(driver, module->kernels[kDocumentTableEntry], "document table", 1, 1, 1, kDocumentTableThreads, 0,
+                stream, args);
+}
 
 Status LaunchDocuments(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p,
                        const TmaForwardArgs& token_call, const sm90::ForwardTile& token_tile, int multiprocessors,
@@ -267,8 +273,6 @@ Status LaunchDocuments(const DriverApi* driver, const LoadedModule* module, cons
   TmaForwardArgs tma = token_call;
   tma.next_work = reinterpret_cast<unsigned*>(reinterpret_cast<char*>(tma.args.tokens.documents) +
                                               DocumentTableBytes(p) - 16);
-  TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[kDocumentTableEntry], "document table", 1, 1, 1,
-                                kDocumentTableThreads, 0, stream, &tma.args));
   TE_JAX_RETURN_IF_ERROR(ZeroWorkCounter(driver, tma.next_work, stream));
   return Launch(driver, module->kernels[kDocumentKernelEntry], "attention forward (documents)",
                 static_cast<unsigned>(multiprocessors), 1, 1, sm90::ForwardThreads(tile),
@@ -310,6 +314,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   const bool documents = call.documents && DocumentTableBytes(p) > 0;
   if (documents) {
     args.tokens.documents = reinterpret_cast<int32_t*>(static_cast<char*>(b.workspace) + TokenTablesBytes(p));
+    TE_JAX_RETURN_IF_ERROR(LaunchDocumentTable(driver, call.module, &args, stream));
   }
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
   const Sm90ForwardKernel kernel = call.sm90_forward;

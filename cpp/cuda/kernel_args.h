@@ -37,19 +37,36 @@ inline constexpr int kTokenSummaryInts = 8;
 inline constexpr int kTokenTableThreads = 128;  // threads per block of the token-table kernels: a warp per granule
 
 // Packed rows read as documents (the sm90 forward's document kernel, kernels/common/document_tables.cuh): the
-// document table one CTA of kDocumentTableThreads derives from the ids into the workspace, int32:
+// document table one CTA of kDocumentTableThreads derives from the ids into the workspace, int32 (DocumentTableLayout):
 //   [0]: 1 where the ids and positions allow the reading (document_tables.cuh says when), else 0; [1]: the number of
 //   works E; [2], [3]: unused;
 //   then DocumentTableEntries entries of 4 ints {b, m0, first, end}, the first E of them the works, longest first:
 //   query rows [m0, min(m0 + block_m, end)) of batch entry b's document of rows and keys [first, end) (first = end for
 //   a run of id 0, whose rows see nothing);
-//   then B x Sq ints of scratch (each batch entry's document starts) and B (their counts).
+//   then the table kernel's scratch: each run's first token (b x S + i), each run's first work (the runs' works summed
+//   before it, and after the last run their total), and the works in run order.
 inline constexpr int kDocumentTableThreads = 1024;
 inline constexpr int kDocumentTableHeaderInts = 4;
 // Entries the table has room for: a document of n rows has ceil(n / block_m) blocks, at most n / 64 + 1.
 TE_JAX_HOST_DEVICE constexpr int64_t DocumentTableEntries(int64_t batch, int64_t seqlen) {
   return batch * ((seqlen + 63) / 64 + seqlen);
 }
+
+// Where each part of the document table lies, in ints from its start (int4 parts at multiples of 4).
+struct DocumentTableLayout {
+  int64_t entries, run_first, run_works, unsorted, ints;
+
+  static TE_JAX_HOST_DEVICE constexpr DocumentTableLayout Of(int64_t batch, int64_t seqlen) {
+    DocumentTableLayout l{};
+    const int64_t capacity = DocumentTableEntries(batch, seqlen);
+    l.entries = kDocumentTableHeaderInts;
+    l.run_first = l.entries + 4 * capacity;
+    l.run_works = l.run_first + batch * seqlen;
+    l.unsorted = (l.run_works + batch * seqlen + 1 + 3) / 4 * 4;
+    l.ints = l.unsorted + 4 * capacity;
+    return l;
+  }
+};
 
 struct TokenArgs {
   const int32_t* q_ids;

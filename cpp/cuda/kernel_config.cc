@@ -177,7 +177,7 @@ Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads) {
   if (mode != "" && mode != "0" && mode != "1") {
     return Status::InvalidArgument("TE_JAX_SM90_DOCUMENTS must be 0 or 1, got \"" + mode + "\"");
   }
-  *reads = config.HasDocumentForward() && mode == "1";
+  *reads = config.HasDocumentForward() && mode != "0";
   return Status::Ok();
 }
 

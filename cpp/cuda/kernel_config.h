@@ -96,9 +96,9 @@ struct Sm90ForwardKernel {
 };
 Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& params, Sm90ForwardKernel* kernel);
 
-// Whether an sm90 forward module's document kernels (HasDocumentForward) run: TE_JAX_SM90_DOCUMENTS=1 launches them
-// for packed calls, "0" or unset leaves every packed row to the token kernel (the default until the document kernels
-// are measured on a GPU); another value is an error.
+// Whether an sm90 forward module's document kernels (HasDocumentForward) run: by default and with
+// TE_JAX_SM90_DOCUMENTS=1 the host launches them for packed calls (the device decides per call whether the ids allow
+// the reading); "0" leaves every packed row to the token kernel; another value is an error.
 Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads);
 
 // Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv

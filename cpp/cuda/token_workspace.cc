@@ -33,10 +33,9 @@ int64_t TokenTablesBytes(const AttentionParams& p) {
 }
 
 int64_t DocumentTableBytes(const AttentionParams& p) {
-  if (!p.has_segment_ids || p.seqlen_q != p.seqlen_kv) return 0;
-  const int64_t ints = kDocumentTableHeaderInts + 4 * DocumentTableEntries(p.batch, p.seqlen_q) +
-                       p.batch * p.seqlen_q + p.batch;
-  return RoundUp(ints * 4) + 16;
+  // The table indexes a call's tokens with 32-bit ints.
+  if (!p.has_segment_ids || p.seqlen_q != p.seqlen_kv || p.batch * p.seqlen_q > INT32_MAX) return 0;
+  return RoundUp(DocumentTableLayout::Of(p.batch, p.seqlen_q).ints * 4) + 16;
 }
 
 TokenArgs MakeTokenArgs(const AttentionParams& p, const int32_t* q_ids, const int32_t* kv_ids, const int32_t* q_pos,

@@ -13,6 +13,12 @@ namespace te_jax::cuda {
 inline constexpr int32_t kTokenMin = -2147483647 - 1;
 inline constexpr int32_t kTokenMax = 2147483647;
 
+// Whether a packed call's rows are read as documents (the table built and holding): its token tables and token kernel
+// then step aside.
+__device__ __forceinline__ bool ReadAsDocuments(const TokenArgs& t) {
+  return t.documents != nullptr && t.documents[0] != 0;
+}
+
 // A query row's entry of q_rows: x = id, y = lo, z = hi, w = position. A key's entry of keys: x = id, y = position.
 __device__ __forceinline__ bool TokenSees(const int4& row, const int2& key) {
   return key.x == row.x && key.y >= row.y && key.y <= row.z;

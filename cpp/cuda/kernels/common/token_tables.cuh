@@ -5,7 +5,8 @@
 //   TokenSpansKernel: a warp per granule compares its summary with every granule of the other side and writes the
 //     range of those it may meet, so an attention CTA visits only the tiles of that range.
 // The second pass is O(Gq x Gkv) summary comparisons per batch entry (64-token granules): 65k for 16k tokens, far below
-// the attention's own cost.
+// the attention's own cost. A forward whose rows are read as documents (its document table, built first, holds) needs
+// neither: both step aside.
 #pragma once
 
 #include "cpp/cuda/kernels/common/block_range.h"
@@ -56,7 +57,7 @@ struct TokenTablesKernel {
     const int gq = (s.seqlen_q + kTokenGranule - 1) / kTokenGranule;
     const int gkv = (s.seqlen_kv + kTokenGranule - 1) / kTokenGranule;
     const int granule = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
-    if (granule >= gq + gkv) return;
+    if (granule >= gq + gkv || ReadAsDocuments(t)) return;
     const BatchLengths len = ReadLengths(s, args.q_seqlens, args.kv_seqlens, b);
     const bool query = granule < gq;
     const int g = query ? granule : granule - gq;
@@ -103,7 +104,7 @@ struct TokenSpansKernel {
     const int gq = (s.seqlen_q + kTokenGranule - 1) / kTokenGranule;
     const int gkv = (s.seqlen_kv + kTokenGranule - 1) / kTokenGranule;
     const int granule = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
-    if (granule >= gq + gkv) return;
+    if (granule >= gq + gkv || ReadAsDocuments(args.tokens)) return;
     const BatchTokens bt = BatchTokens::Of(args.tokens, s, b);
     const bool query = granule < gq;
     const int g = query ? granule : granule - gq;

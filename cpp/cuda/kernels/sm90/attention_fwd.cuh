@@ -401,9 +401,9 @@ struct ForwardKernel {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
     // A packed row: the document kernel serves it where the table says the reading holds, else the token kernel.
     if constexpr (kDocuments) {
-      if (args.tokens.documents[0] == 0) return;
+      if (!ReadAsDocuments(args.tokens)) return;
     } else if constexpr (kTokens) {
-      if (args.tokens.documents != nullptr && args.tokens.documents[0] != 0) return;
+      if (ReadAsDocuments(args.tokens)) return;
     }
     if (tid == 0) {
       PrefetchTensorMap(&a.q);
