@@ -7,10 +7,10 @@
 //   * each document is one run of equal ids: every run's nonzero id exceeds each nonzero id before it in the row (ids
 //     that rise, runs of padding id 0 anywhere);
 //   * with positions, they count up by one within each run (a mask on them is then the mask on the indices).
-// Every pass is spread over the CTA's threads, so the table costs a few microseconds: the runs (each thread a few
-// neighbouring tokens, a CTA-wide scan giving each run its index, the checks), the works per run (a scan giving each
-// run its first work), each work found by a binary search over those and counted by its key tiles, then written at its
-// place in the descending order (a counting sort on the tile count).
+// Every pass is spread over the CTA's threads: the runs (each thread a few neighbouring tokens, a CTA-wide scan giving
+// each run its index, the checks), the works per run (a scan giving each run its first work), each work found by a
+// binary search over those and counted by its key tiles, then written at its place in the descending order (a counting
+// sort on the tile count).
 #pragma once
 
 #include "cpp/cuda/kernels/common/block_range.h"
