@@ -197,6 +197,16 @@ NB_MODULE(_te_jax_cuda, m) {
         return cuda::ModuleFor(config).entries[kernel.index].name;
       },
       nb::arg("params"), nb::arg("arch"));
+  // Whether a call of these params in `direction` on `arch` launches its module's document kernels (no GPU needed).
+  m.def(
+      "call_reads_documents",
+      [](const nb::dict& fields, const std::string& direction, const std::string& arch) {
+        const cuda::KernelConfig config = bindings::CallConfig(fields, direction, arch);
+        bool reads = false;
+        if (config.Family() == cuda::KernelFamily::kSm90) bindings::ThrowIfError(cuda::Sm90ReadsDocuments(config, &reads));
+        return reads;
+      },
+      nb::arg("params"), nb::arg("direction"), nb::arg("arch"));
   m.def("render_source", [](const nb::dict& config) { return cuda::RenderSource(bindings::ConfigFromDict(config)); });
   // How a decode call of these params is laid out on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor`
   // bytes of shared memory each (no GPU needed): the entry point it takes, its splits and its CTAs per split.

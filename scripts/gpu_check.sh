@@ -62,18 +62,20 @@ for s in $SECTIONS; do
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
-    # Packed sequences: the GPU tests with the token kernels alone (TE_JAX_SM90_DOCUMENTS=0; the tests section runs them
-    # with the sm90 forward's document kernels, the default), then the harness's packed preset: rows of 2, 8 and 32
-    # documents against their batch (and cuDNN's batch), the ids rising (read as documents) and falling (the token
-    # tables).
+    # Packed sequences: the GPU tests with the token kernels alone (TE_JAX_SM90_DOCUMENTS=0) and with the backward's
+    # document kernel too (=all; the tests section runs the default, the forward's), then the harness's packed preset
+    # under PACKED_DOCUMENTS (default all): rows of 2, 8 and 32 documents against their batch (and cuDNN's batch), the
+    # ids rising (read as documents) and falling (the token tables).
     t0=$(date +%s)
-    TE_JAX_SM90_DOCUMENTS=0 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA \
-      -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_packed.py 2>&1 | tee "$OUT/packed_tests.log" \
-      | grep -E "passed|failed|FAILED|^E  " | tail -40
-    echo "packed tests: $(( $(date +%s) - t0 )) s"
-    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset packed \
-      --backends ${PACKED_BACKENDS:-te_jax-te,te_jax-packed,te_jax-unsorted-packed,jax-cudnn} --baseline te_jax-te \
-      --keep-going --budget ${BENCH_BUDGET:-250} \
+    for mode in 0 all; do
+      TE_JAX_SM90_DOCUMENTS=$mode timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA \
+        -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_packed.py 2>&1 | tee "$OUT/packed_tests_$mode.log" \
+        | grep -E "passed|failed|FAILED|^E  " | tail -40
+      echo "packed tests (documents: $mode): $(( $(date +%s) - t0 )) s"
+    done
+    TE_JAX_SM90_DOCUMENTS=${PACKED_DOCUMENTS:-all} timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench \
+      --preset packed --backends ${PACKED_BACKENDS:-te_jax-te,te_jax-packed,te_jax-unsorted-packed,jax-cudnn} \
+      --baseline te_jax-te --keep-going --budget ${BENCH_BUDGET:-250} \
       --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" | grep -v Warning | tail -40 ;;
   train)
     # examples/train_lm.py at --size gpu, a short run per attention. Flax and optax are not on the GPU

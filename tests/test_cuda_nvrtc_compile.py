@@ -252,8 +252,49 @@ def test_sm90_token_forward_modules_hold_the_document_kernels_where_the_product_
     assert "ForwardKernel<te_jax::cuda::BFloat16, 128, 128, te_jax::LogitsVariant<false, false, false, false>, 2, " \
            "true, true>" in ext.render_source(base)
   for other in (dict(head_dim=256, head_dim_v=256), dict(softcap=True), dict(alibi=True), dict(dropout=True),
-                dict(tokens=False), dict(arch="sm_80"), dict(direction="backward")):
+                dict(tokens=False), dict(arch="sm_80")):
     assert "te_jax_document_table(" not in ext.render_source(dict(base, **other)), other
+
+
+def test_sm90_token_backward_modules_hold_the_document_kernels_where_the_product_is_plain():
+  # A packed call's backward module accumulating dq, without soft-cap, ALiBi, dropout or a bias, also holds the plain
+  # product's dk/dv kernel over the document table (entry 3) and the table's kernel (entry 4), before the token
+  # tables'.
+  base = dict(direction="backward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, tokens=True,
+              arch="sm_90a")
+  entries = ["te_jax_attention_backward_preprocess(", "te_jax_attention_backward_dkdv_dq(",
+             "te_jax_attention_backward_dq_convert(", "te_jax_attention_backward_dkdv_dq_documents(",
+             "te_jax_document_table(", "te_jax_token_tables(", "te_jax_token_spans("]
+  for plain in (base, dict(base, head_dim=64, head_dim_v=64)):
+    source = ext.render_source(plain)
+    assert all(e in source for e in entries) and sorted(entries, key=source.index) == entries
+  assert "BackwardKernel<te_jax::cuda::BFloat16, 128, 128, te_jax::LogitsVariant<false, false, false, false>, true, " \
+         "true, true>" in ext.render_source(base)
+  assert "DocumentTableKernel<128, 128, true, te_jax::cuda::BackwardArgs>" in \
+      ext.render_source(dict(base, head_dim=64, head_dim_v=64))  # d 64: the plain product's 128-row steps
+  for other in (dict(head_dim=256, head_dim_v=256), dict(softcap=True), dict(alibi=True), dict(dropout=True),
+                dict(deterministic=True), dict(tokens=False), dict(arch="sm_80")):
+    assert "te_jax_document_table(" not in ext.render_source(dict(base, **other)), other
+
+
+def test_document_reading_override(monkeypatch):
+  # The forward reads packed rows as documents by default (and with TE_JAX_SM90_DOCUMENTS=forward), the backward with
+  # "all"; "0" neither; only modules with the document kernels; any other value is an error naming the values.
+  packed = dict(_backward_params(128, 128, False), seqlen_q=2048, seqlen_kv=2048, has_segment_ids=True)
+  for mode, forward, backward in ((None, True, False), ("forward", True, False), ("all", True, True),
+                                  ("0", False, False)):
+    if mode is None:
+      monkeypatch.delenv("TE_JAX_SM90_DOCUMENTS", raising=False)
+    else:
+      monkeypatch.setenv("TE_JAX_SM90_DOCUMENTS", mode)
+    assert ext.call_reads_documents(packed, "forward", "sm_90a") is forward, mode
+    assert ext.call_reads_documents(packed, "backward", "sm_90a") is backward, mode
+    assert not ext.call_reads_documents(dict(packed, softcap=5.0), "backward", "sm_90a")
+    assert not ext.call_reads_documents(dict(packed, has_segment_ids=False), "forward", "sm_90a")
+    assert not ext.call_reads_documents(packed, "forward", "sm_80")
+  monkeypatch.setenv("TE_JAX_SM90_DOCUMENTS", "1")
+  with pytest.raises(ValueError, match="TE_JAX_SM90_DOCUMENTS must be forward, all or 0"):
+    ext.call_reads_documents(packed, "forward", "sm_90a")
 
 
 def test_sm90_backward_steps_128_rows_at_head_dim_64_without_tokens_or_dropout():

@@ -53,8 +53,10 @@ Status Module(const AttentionParams& params, Direction direction, CallModule* ca
   KernelConfig config;
   TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
   call->family = config.Family();
-  if (direction == Direction::kForward && call->family == KernelFamily::kSm90) {
-    TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &call->sm90_forward));
+  if (call->family == KernelFamily::kSm90) {
+    if (direction == Direction::kForward) {
+      TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &call->sm90_forward));
+    }
     TE_JAX_RETURN_IF_ERROR(Sm90ReadsDocuments(config, &call->documents));
   }
   JitReport report;
@@ -146,9 +148,12 @@ Status Prepare(const AttentionParams& params, Direction direction, JitReport* re
   KernelConfig config;
   TE_JAX_RETURN_IF_ERROR(ConfigFor(params, direction, arch, &config));
   bool documents = false;
-  if (direction == Direction::kForward && config.Family() == KernelFamily::kSm90) {
-    Sm90ForwardKernel kernel;  // TE_JAX_SM90_PERSISTENT's and TE_JAX_SM90_DOCUMENTS's values checked at jit time too
-    TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &kernel));
+  if (config.Family() == KernelFamily::kSm90) {
+    // TE_JAX_SM90_PERSISTENT's and TE_JAX_SM90_DOCUMENTS's values checked at jit time too.
+    if (direction == Direction::kForward) {
+      Sm90ForwardKernel kernel;
+      TE_JAX_RETURN_IF_ERROR(Sm90ForwardKernelFor(config, params, &kernel));
+    }
     TE_JAX_RETURN_IF_ERROR(Sm90ReadsDocuments(config, &documents));
   }
   const LoadedModule* module = nullptr;
@@ -256,10 +261,14 @@ Status ZeroWorkCounter(const DriverApi* driver, unsigned* counter, CUstream stre
 // where the two tiles agree.
 constexpr int kDocumentKernelEntry = 1;
 constexpr int kDocumentTableEntry = 2;
+// The backward module's (sm90_module.cc): after the row kernels and the dk/dv kernel.
+constexpr int kBackwardDocumentKernelEntry = 3;
+constexpr int kBackwardDocumentTableEntry = 4;
 
-Status LaunchDocumentTable(const DriverApi* driver, const LoadedModule* module, ForwardArgs* args, CUstream stream) {
-  return Launch(driver, module->kernels[kDocumentTableEntry], "document table", 1, 1, 1, kDocumentTableThreads, 0,
-                stream, args);
+template <typename Args>
+Status LaunchDocumentTable(const DriverApi* driver, const LoadedModule* module, int entry, Args* args,
+                           CUstream stream) {
+  return Launch(driver, module->kernels[entry], "document table", 1, 1, 1, kDocumentTableThreads, 0, stream, args);
 }
 
 Status LaunchDocuments(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p,
@@ -314,7 +323,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   const bool documents = call.documents && DocumentTableBytes(p) > 0;
   if (documents) {
     args.tokens.documents = reinterpret_cast<int32_t*>(static_cast<char*>(b.workspace) + TokenTablesBytes(p));
-    TE_JAX_RETURN_IF_ERROR(LaunchDocumentTable(driver, call.module, &args, stream));
+    TE_JAX_RETURN_IF_ERROR(LaunchDocumentTable(driver, call.module, kDocumentTableEntry, &args, stream));
   }
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
   const Sm90ForwardKernel kernel = call.sm90_forward;
@@ -427,6 +436,7 @@ int64_t DbiasAccumBytes(const AttentionParams& p) {
 struct BackwardWorkspace {
   int64_t dbias_accum_offset;
   int64_t token_tables_offset;
+  int64_t document_table_offset;  // after the token tables (DocumentTableBytes: 0 where no row can be read so)
   int64_t bytes;
 };
 
@@ -435,7 +445,9 @@ BackwardWorkspace BackwardWorkspaceLayout(const AttentionParams& p) {
   const int64_t dq = DqAccumBytes(p), dbias = DbiasAccumBytes(p);
   w.dbias_accum_offset = (dq + 255) / 256 * 256;
   w.token_tables_offset = TokenTablesOffset(w.dbias_accum_offset + dbias);
-  w.bytes = UsesTokens(p) ? w.token_tables_offset + TokenTablesBytes(p) : dbias > 0 ? w.dbias_accum_offset + dbias : dq;
+  w.document_table_offset = w.token_tables_offset + TokenTablesBytes(p);
+  w.bytes = UsesTokens(p) ? w.document_table_offset + DocumentTableBytes(p)
+                          : dbias > 0 ? w.dbias_accum_offset + dbias : dq;
   return w;
 }
 
@@ -493,6 +505,13 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
     if (r != CUDA_SUCCESS) return Status::Internal("te_jax: zeroing dbias failed: " + driver->ErrorString(r));
   }
   const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  // A packed row the document kernel may serve: its table first, so the token tables' kernels step aside where it
+  // holds.
+  const bool documents = call.documents && DocumentTableBytes(p) > 0 && p.batch > 0;
+  if (documents) {
+    args.tokens.documents = reinterpret_cast<int32_t*>(static_cast<char*>(b.workspace) + workspace.document_table_offset);
+    TE_JAX_RETURN_IF_ERROR(LaunchDocumentTable(driver, module, kBackwardDocumentTableEntry, &args, stream));
+  }
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, module, p, stream, &args));
   const unsigned row_blocks = CeilDiv(p.batch * p.seqlen_q * p.num_heads, kRowKernelThreads / 32);
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[0], "attention backward preprocess", row_blocks, 1, 1,
@@ -506,6 +525,14 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
     // (key blocks, kv heads, batch), with a bias (batch, key blocks, kv heads) (kernels/sm90/attention_bwd.cuh).
     const unsigned key_blocks = CeilDiv(p.seqlen_kv, owned), heads = static_cast<unsigned>(p.num_kv_heads),
                    batch = static_cast<unsigned>(p.batch);
+    if (documents) {
+      // A CTA per (work, kv head) the grid has room for; the token kernel after it steps aside where the table holds.
+      const int64_t ctas = DocumentWorksOfGrid(p.batch, p.seqlen_kv, owned) * p.num_kv_heads;
+      TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[kBackwardDocumentKernelEntry],
+                                    "attention backward dk/dv (documents)", static_cast<unsigned>(ctas), 1, 1,
+                                    sm90::kBackwardThreads, module->smem_bytes[kBackwardDocumentKernelEntry], stream,
+                                    &tma));
+    }
     TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv",
                                   p.has_bias ? batch : key_blocks, p.has_bias ? key_blocks : heads,
                                   p.has_bias ? heads : batch, sm90::kBackwardThreads, module->smem_bytes[1], stream,

@@ -58,6 +58,12 @@ bool KernelConfig::HasDocumentForward() const {
          !dropout && !bias && sm90::ForwardHasPersistentKernel(head_dim, head_dim_v, true);
 }
 
+bool KernelConfig::HasDocumentBackward() const {
+  return direction == Direction::kBackward && Family() == KernelFamily::kSm90 && tokens && !softcap && !alibi &&
+         !dropout && !bias && !deterministic &&
+         sm90::ServesBackward(head_dim, head_dim_v, /*accumulate_dq=*/true, /*tokens=*/false);
+}
+
 bool KernelConfig::HasThreeConsumerForward() const {
   return PlainSm90Forward() && sm90::ForwardHasThreeConsumerKernel(head_dim, head_dim_v, true);
 }
@@ -173,11 +179,12 @@ Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& p
 
 Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads) {
   const char* env = std::getenv("TE_JAX_SM90_DOCUMENTS");
-  const std::string mode = env == nullptr ? "" : env;
-  if (mode != "" && mode != "0" && mode != "1") {
-    return Status::InvalidArgument("TE_JAX_SM90_DOCUMENTS must be 0 or 1, got \"" + mode + "\"");
+  const std::string mode = env == nullptr || *env == '\0' ? "forward" : env;
+  if (mode != "forward" && mode != "all" && mode != "0") {
+    return Status::InvalidArgument("TE_JAX_SM90_DOCUMENTS must be forward, all or 0, got \"" + mode + "\"");
   }
-  *reads = config.HasDocumentForward() && mode != "0";
+  *reads = config.direction == Direction::kForward ? config.HasDocumentForward() && mode != "0"
+                                                   : config.HasDocumentBackward() && mode == "all";
   return Status::Ok();
 }
 

@@ -67,6 +67,8 @@ struct KernelConfig {
   // also has the document kernel (the persistent one over a packed row's documents) and the document table's kernel
   // (kernels/common/document_tables.cuh), after the token kernel.
   bool HasDocumentForward() const;
+  // An sm90 backward module of the plain product but for tokens, accumulating dq: it also has the document kernels.
+  bool HasDocumentBackward() const;
   std::string Name() const;  // names the family and tile of the forward, e.g. "fwd_bf16_d128_dv128_scaled_sm_90a_sm90_128x128"
   std::string BaseName() const;  // the name without the stress suffix
 };
@@ -96,9 +98,9 @@ struct Sm90ForwardKernel {
 };
 Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& params, Sm90ForwardKernel* kernel);
 
-// Whether an sm90 forward module's document kernels (HasDocumentForward) run: by default and with
-// TE_JAX_SM90_DOCUMENTS=1 the host launches them for packed calls (the device decides per call whether the ids allow
-// the reading); "0" leaves every packed row to the token kernel; another value is an error.
+// Whether an sm90 module's document kernels run for packed calls (the device then decides per call whether the ids
+// allow the reading): TE_JAX_SM90_DOCUMENTS=forward (the default) launches the forward's (HasDocumentForward), "all"
+// the backward's too (HasDocumentBackward; not yet measured on a GPU), "0" none; another value is an error.
 Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads);
 
 // Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv

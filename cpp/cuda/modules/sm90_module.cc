@@ -1,8 +1,9 @@
 // The sm90 family's modules (kernels/sm90/): wgmma, TMA and warp specialisation, on sm_90a. A forward module holds
 // the forward kernel (three consumer warpgroups where that measured faster, else two) and, for the plain product, the
 // persistent one; a backward module the row kernels around the sm90 dk/dv kernel (and the sm90 dq kernel when
-// deterministic). Their kernels take the arguments with tensor maps, which must stay in parameter space
-// (__grid_constant__); the token-table kernels take the plain arguments those embed.
+// deterministic). A tokens module of an otherwise plain product also has the document kernels (document_tables.cuh).
+// Their kernels take the arguments with tensor maps, which must stay in parameter space (__grid_constant__); the
+// token-table kernels take the plain arguments those embed.
 #include "cpp/cuda/kernels/sm90/tile_size.h"
 #include "cpp/cuda/modules/family_modules.h"
 
@@ -71,6 +72,24 @@ KernelModule Backward(const KernelConfig& c) {
                                  "te_jax::cuda::TmaBackwardArgs", smem(Kind::kDq)));
   }
   if (c.bias) m.entries.push_back(BiasGradConvertEntry(c));
+  if (c.HasDocumentBackward()) {
+    // The plain product's dk/dv kernel over the document table's works (entry 3), and the table's kernel (entry 4).
+    KernelConfig plain = c;
+    plain.tokens = false;
+    const int owned = sm90::BackwardOwnedRows(c.head_dim, c.head_dim_v);
+    const int step = sm90::BackwardStepRows(c.head_dim, c.head_dim_v, /*tokens=*/false, /*dropout=*/false);
+    m.includes.push_back("cpp/cuda/kernels/common/document_tables.cuh");
+    m.entries.push_back(TmaEntry("te_jax_attention_backward_dkdv_dq_documents",
+                                 "te_jax::cuda::sm90::BackwardKernel<" + KernelTemplateArgs(plain) +
+                                     ", true, true, true>",
+                                 "te_jax::cuda::TmaBackwardArgs",
+                                 sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, Kind::kDkDvAccumulatingDq,
+                                                         /*tokens=*/false, /*dropout=*/false, /*bias_bytes=*/0)));
+    m.entries.push_back({"te_jax_document_table",
+                         "te_jax::cuda::DocumentTableKernel<" + std::to_string(owned) + ", " + std::to_string(step) +
+                             ", true, te_jax::cuda::BackwardArgs>",
+                         "te_jax::cuda::BackwardArgs"});
+  }
   AddTokenKernels(c, "te_jax::cuda::BackwardArgs", &m);
   return m;
 }

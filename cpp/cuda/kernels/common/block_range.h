@@ -127,7 +127,7 @@ struct RowSpan {
 __device__ __forceinline__ RowSpan RowsOfKeys(const RowMask& mask, int n0, int n1) {
   const int q_len = static_cast<int>(mask.q_len);
   const int off = static_cast<int>(mask.diag_offset);
-  RowSpan r{0, q_len};
+  RowSpan r{static_cast<int>(mask.first), q_len};  // a document's rows only (RowMask::first)
   if (n0 >= mask.kv_len) return RowSpan{0, 0};
   if (mask.causal && n0 - off > r.begin) r.begin = n0 - off;                      // end_i = p + 1 > n0
   if (mask.window_right >= 0 && n0 - off - mask.window_right > r.begin) {         // end_i = p + wr + 1 > n0

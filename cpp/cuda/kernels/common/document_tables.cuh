@@ -19,7 +19,10 @@
 
 namespace te_jax::cuda {
 
-template <int kBlockM, int kBlockN>
+// The forward's works are blocks of kBlockM query rows, sorted by their key tiles of kBlockN; the backward's
+// (kKeyBlocks) blocks of kBlockM keys, sorted by their query steps of kBlockN rows, and at most the works its grid has
+// room for (DocumentWorksOfGrid; more leave the call to the token tables).
+template <int kBlockM, int kBlockN, bool kKeyBlocks = false, typename Args = ForwardArgs>
 struct DocumentTableKernel {
   static constexpr int kThreads = kDocumentTableThreads;
   static constexpr int kTokensPerThread = 8;  // neighbouring tokens, their loads in flight together
@@ -155,10 +158,15 @@ struct DocumentTableKernel {
 
   static __device__ __forceinline__ int SortKey(const ShapeArgs& s, const TokenArgs& t, int4 entry) {
     const QueryBlockOfCta c = DocumentBlockOf<kBlockM, kBlockN>(s, t, entry, 0);
-    return min(c.tile_end > c.tile_begin ? c.tile_end - c.tile_begin : 0, kBuckets - 1);
+    int tiles = c.tile_end - c.tile_begin;
+    if constexpr (kKeyBlocks) {
+      const RowSpan rows = RowsOfKeys(c.mask, entry.y, entry.y + kBlockM);
+      tiles = rows.end > rows.begin ? (rows.end + kBlockN - 1) / kBlockN - rows.begin / kBlockN : 0;
+    }
+    return min(max(tiles, 0), kBuckets - 1);
   }
 
-  static __device__ __forceinline__ void Run(const ForwardArgs& args) {
+  static __device__ __forceinline__ void Run(const Args& args) {
     __shared__ Shared sh;
     const ShapeArgs& s = args.shape;
     const TokenArgs& t = args.tokens;
@@ -180,6 +188,10 @@ struct DocumentTableKernel {
     }
     const int works = CountWorks(tb, sh, runs, seqlen);
     __syncthreads();  // the runs' first works are written
+    if (kKeyBlocks && works > DocumentWorksOfGrid(s.batch, seqlen, kBlockM)) {
+      if (tid == 0) tb.header[0] = tb.header[1] = 0;
+      return;
+    }
 
     // Pass three: each work's entry, counted by its key tiles; then each count's first slot, the longest first.
     for (int w = tid; w < works; w += kThreads) {

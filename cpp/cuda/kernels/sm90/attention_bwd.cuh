@@ -29,8 +29,12 @@ __device__ __forceinline__ void ConsumersSync() { asm volatile("bar.sync 1, 256;
 
 // kOwnsKeys: the dk/dv kernel (owned rows are keys, steps are query tiles); else the dq kernel (the other way round).
 // Operand 0 of a side is its [rows][d] tensor (k or q), operand 1 its [rows][dv] tensor (v or dout). kAccumulateDq:
-// the dk/dv kernel also adds dq to the accumulator.
-template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false>
+// the dk/dv kernel also adds dq to the accumulator. kDocuments: the dk/dv kernel of a packed row read as documents
+// (kernels/common/document_tables.cuh): CTA work x kv heads + kv head owns the work's block of keys of one document,
+// which only that document's rows see; its grid has room for DocumentWorksOfGrid works, and the CTAs past the table's
+// return.
+template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false,
+          bool kDocuments = false>
 struct BackwardKernel {
   static constexpr bool kBias = Variant::kHasBias;
   static constexpr int kBiasBytes = Variant::Bias::kBytes;
@@ -105,6 +109,8 @@ struct BackwardKernel {
                 "tile_size.h and the kernel disagree on the token tables");
   static_assert(!kTokens || kStep == kTokenGranule, "a step's rows are one granule of tokens");
   static_assert(!kAccumulateDq || kOwnsKeys, "only the dk/dv kernel accumulates dq");
+  static_assert(!kDocuments || (kOwnsKeys && kAccumulateDq && !kTokens && !kBias && !kDropout),
+                "the document kernel is the plain product's dk/dv kernel accumulating dq");
   static_assert(!kAccumulateDq || (Accum::kLayout.slices == 1 && Accum::kLayout.row_block % kStep == 0 &&
                                    Accum::kLayout.cols <= kDP && !kSplitsColumns),
                 "a step's dq block is one contiguous block of the accumulator, beside the ring");
@@ -171,7 +177,21 @@ struct BackwardKernel {
   static __device__ __forceinline__ Work WorkOf(const ShapeArgs& s, const BackwardArgs& args) {
     Work w;
     w.group = s.num_heads / s.num_kv_heads;
-    if constexpr (kOwnsKeys) {
+    if constexpr (kDocuments) {
+      // The works longest first, each over the kv heads in turn (Run has returned past the table's works).
+      const int4 entry = reinterpret_cast<const int4*>(args.tokens.documents +
+                                                       kDocumentTableHeaderInts)[blockIdx.x / s.num_kv_heads];
+      const QueryBlockOfCta c = DocumentBlockOf<kOwned, kStep>(s, args.tokens, entry, 0);
+      w.owned0 = entry.y;
+      w.owned_head = static_cast<int>(blockIdx.x % s.num_kv_heads);
+      w.b = entry.x;
+      w.len = c.len;
+      w.mask = c.mask;
+      const RowSpan rows = RowsOfKeys(w.mask, w.owned0, w.owned0 + kOwned);
+      w.tile_begin = rows.begin / kStep;
+      w.tiles = rows.end > rows.begin ? (rows.end + kStep - 1) / kStep - w.tile_begin : 0;
+      w.steps = w.tiles * w.group;
+    } else if constexpr (kOwnsKeys) {
       // The grid is (key blocks, kv heads, batch), or with a bias (batch, key blocks, kv heads): the batch entries of a
       // key block run side by side, so their float atomics into a dbias accumulator summed over the batch meet in L2
       // rather than in memory (the launcher's grid follows kBias).
@@ -296,6 +316,16 @@ struct BackwardKernel {
     const Smem sm{base, reinterpret_cast<float*>(smem_raw + (base - SmemAddress(smem_raw)) + kStatsOffset)};
     const BackwardArgs& args = a.args;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warpgroup = warp >> 2;
+    // A packed row: the document kernel serves it where the table says the reading holds (its CTAs past the table's
+    // works return), else the token kernel.
+    if constexpr (kDocuments) {
+      if (!ReadAsDocuments(args.tokens) ||
+          static_cast<int>(blockIdx.x / args.shape.num_kv_heads) >= args.tokens.documents[1]) {
+        return;
+      }
+    } else if constexpr (kTokens) {
+      if (ReadAsDocuments(args.tokens)) return;
+    }
     if (tid == 0) {
       PrefetchTensorMap(&a.q);
       PrefetchTensorMap(&a.k);
@@ -676,8 +706,10 @@ struct BackwardKernel {
       }
     }
 
-    // Every owned row is written (zeros where no step saw it; NaN for a batch with invalid lengths).
+    // Every owned row is written (zeros where no step saw it; NaN for a batch with invalid lengths); a document's
+    // rows only: the rest of its block belongs to the next document's work.
     const int owned_len = kOwnsKeys ? s.seqlen_kv : s.seqlen_q;
+    const int owned_end = kDocuments ? static_cast<int>(w.mask.kv_len) : owned_len;
     const int64_t stride0 = static_cast<int64_t>(kOwnsKeys ? s.num_kv_heads : s.num_heads) * kD;
     const int64_t stride1 = static_cast<int64_t>(s.num_kv_heads) * kDv;
     uint16_t* out0 = static_cast<uint16_t*>(kOwnsKeys ? args.dk : args.dq) +
@@ -686,7 +718,7 @@ struct BackwardKernel {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = owned_row + 8 * r;
-      if (row >= owned_len) continue;
+      if (row >= owned_end) continue;
 #pragma unroll
       for (int j = 0; j < kAcc0Cols / 8; ++j) {
         const int col = Acc0Col0(wg) + 8 * j + 2 * t;
