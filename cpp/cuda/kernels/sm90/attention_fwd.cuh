@@ -828,9 +828,9 @@ struct ForwardKernel {
       softmax.Finish(sees_keys, inv_sum, lse);
     }
     MergeRowSinks(args.sinks, static_cast<int64_t>(cta.b) * s.num_heads + cta.head, inv_sum, lse);
-#pragma unroll
     // A document work's rows end with its document (the rows past it are the next one's).
     const int row_end = kDocuments ? static_cast<int>(cta.mask.q_len) : s.seqlen_q;
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = cta.m0 + local_row + 8 * r;
       if (row >= row_end) continue;
