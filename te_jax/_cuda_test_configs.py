@@ -66,8 +66,11 @@ PACKED_CASES = [
     # The sm90 forward reads sorted ids as documents (kernels/common/document_tables.cuh) and must refuse these:
     (("pk_repeated_id",         "bfloat16", 2, 400, 400, 4, 2,   128, 128, "causal",  (-1, -1), 0.0,  False, False), "repeated_id"),
     (("pk_gapped_positions",    "bfloat16", 2, 300, 300, 2, 2,   64,  64,  "causal",  (40, -1), 0.0,  False, False), "gapped_positions"),
-    # and read these so: many short documents beside long ones, padding between them.
+    # and read these so: many short documents beside long ones, padding between them;
     (("pk_tiny_documents",      "float16",  3, 700, 700, 4, 4,   128, 128, "no_mask", (-1, -1), 0.0,  False, False), "tiny_documents"),
+    # documents of 130-320 tokens (blocks cut short at every end), which the backward's document grid has room for.
+    (("pk_long_docs_causal",    "bfloat16", 2, 700, 700, 4, 2,   128, 128, "causal",  (-1, -1), 0.0,  False, False), "long_documents"),
+    (("pk_long_docs_window",    "float16",  2, 640, 640, 4, 1,   64,  64,  "no_mask", (60, 40), 0.0,  False, False), "long_documents"),
 ]
 
 # Dropout cases (the CUDA kernels built with dropout), tests/test_cuda_dropout.py: the case as above and the rate.

@@ -3,7 +3,8 @@ gradient against the float64 reference for random packings (empty rows, all-id-0
 decode-style positions, with masks, windows, soft-cap, ALiBi, GQA/MQA, D != Dv, bf16 and fp16, both backwards; FFI and
 legacy bitwise equal; a packed row equals its documents run alone; NaN in one document stays there. The sm90 forward's
 document reading (sorted ids) on short and long documents, and the ids it must leave to the token tables (an id in
-two runs, positions with gaps). Skipped without a GPU."""
+two runs, positions with gaps); gpu_check.sh runs them with the backward's document reading too
+(TE_JAX_SM90_DOCUMENTS=all). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ def _tokens(case, kind: str, rng) -> dict:
           doc += 1
         at += n
     return dict(q_segment_ids=jnp.asarray(ids))
+  if kind == "long_documents":  # 130-320 tokens each, then padding: within the backward's document grid
+    lengths = []
+    for _ in range(b):
+      row = []
+      while sum(row) < sq - 320:
+        row.append(int(rng.integers(130, 321)))
+      lengths.append(row + [0] * (sq // 130 - len(row)))
+    return dict(q_segment_ids=segment_ids_from_lengths(np.array(lengths), sq))
   if kind == "decode":  # q_positions = cache length + i, keys by index
     return dict(q_positions=jnp.asarray(np.broadcast_to(skv - sq + np.arange(sq), (b, sq)), jnp.int32))
   raise ValueError(kind)
