@@ -203,7 +203,9 @@ NB_MODULE(_te_jax_cuda, m) {
       [](const nb::dict& fields, const std::string& direction, const std::string& arch) {
         const cuda::KernelConfig config = bindings::CallConfig(fields, direction, arch);
         bool reads = false;
-        if (config.Family() == cuda::KernelFamily::kSm90) bindings::ThrowIfError(cuda::Sm90ReadsDocuments(config, &reads));
+        if (config.Family() == cuda::KernelFamily::kSm90) {
+          bindings::ThrowIfError(cuda::Sm90ReadsDocuments(config, &reads));
+        }
         return reads;
       },
       nb::arg("params"), nb::arg("direction"), nb::arg("arch"));

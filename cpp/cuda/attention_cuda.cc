@@ -509,7 +509,8 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
   // holds.
   const bool documents = call.documents && DocumentTableBytes(p) > 0 && p.batch > 0;
   if (documents) {
-    args.tokens.documents = reinterpret_cast<int32_t*>(static_cast<char*>(b.workspace) + workspace.document_table_offset);
+    args.tokens.documents =
+        reinterpret_cast<int32_t*>(static_cast<char*>(b.workspace) + workspace.document_table_offset);
     TE_JAX_RETURN_IF_ERROR(LaunchDocumentTable(driver, module, kBackwardDocumentTableEntry, &args, stream));
   }
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, module, p, stream, &args));

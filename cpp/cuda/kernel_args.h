@@ -51,9 +51,9 @@ inline constexpr int kDocumentTableHeaderInts = 4;
 TE_JAX_HOST_DEVICE constexpr int64_t DocumentTableEntries(int64_t batch, int64_t seqlen) {
   return batch * ((seqlen + 63) / 64 + seqlen);
 }
-// The sm90 backward's document kernel runs a CTA per work and (kv) head: its grid has room for the works of documents of
-// 2 x block rows on average (a block per block of the row, and one more per 2 x block rows for the blocks a document's
-// end cuts short); a call with more works is left to the token tables.
+// The sm90 backward's document kernel runs a CTA per work and (kv) head: its grid has room for the works of documents
+// of 2 x block rows on average (a block per block of the row, and one more per 2 x block rows for the blocks a
+// document's end cuts short); a call with more works is left to the token tables.
 TE_JAX_HOST_DEVICE constexpr int64_t DocumentWorksOfGrid(int64_t batch, int64_t seqlen, int64_t block) {
   return batch * ((seqlen + block - 1) / block + (seqlen + 2 * block - 1) / (2 * block));
 }
