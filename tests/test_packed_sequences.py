@@ -294,10 +294,10 @@ def test_nonfinite_v_reaches_only_its_document(mask):
 
 
 def test_padding_tokens_never_reach_other_tokens():
-  """The id-0 tokens after the last document hold garbage: NaN (the forward of every other token stays finite and
-  exact) or huge finite values (its gradients too; a NaN there may, like any non-finite value of an invisible key in
-  a straddling tile, poison gradients in that tile: docs/ARCHITECTURE.md "NaN and inf"). The padding rows give out 0,
-  lse -inf and zero gradients."""
+  """The id-0 tokens after the last document hold garbage: NaN or huge finite values. Every other token's forward and
+  gradients stay finite and exact (the GPU kernels' backward products over a straddling tile may still carry such a
+  NaN into that tile's gradients: docs/ARCHITECTURE.md "NaN and inf", so their gradients are checked with finite
+  garbage only). The padding rows give out 0, lse -inf and zero gradients."""
   from te_jax.reference import attention_reference
   rng = np.random.default_rng(9)
   q, k, v, dout = (rng.standard_normal((2, 200, 2, 32)).astype(np.float32) for _ in range(4))
@@ -310,10 +310,31 @@ def test_padding_tokens_never_reach_other_tokens():
     qg, kg, vg = (np.where(pad, np.float32(garbage), x) for x in (q, k, v))
     (out, lse), vjp = jax.vjp(f, qg, kg, vg)
     results = dict(out=out)
-    if np.isfinite(garbage):
+    if np.isfinite(garbage) or jax.default_backend() == "cpu":
       results.update(zip(("dq", "dk", "dv"), vjp((dout, np.zeros_like(lse)))))
     for name, got in results.items():
       got = np.asarray(got)
       assert np.isfinite(got).all(), (garbage, name)
       np.testing.assert_allclose(got, np.where(pad, 0.0, ref[name]), rtol=2 * tol, atol=2 * tol, err_msg=name)
     assert np.all(np.asarray(lse).transpose(0, 2, 1)[ids == 0] == -np.inf)
+
+
+@pytest.mark.parametrize("operand", ["q", "k", "v", "dout"])
+def test_nonfinite_in_one_document_leaves_the_others_gradients_exact(operand):
+  """A NaN in one operand of document 2's tokens: document 1's gradients are those of document 1 alone (the CPU
+  backward's products skip the pairs a row does not see where an operand is non-finite; the GPU kernels' may not yet:
+  docs/ARCHITECTURE.md "NaN and inf")."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the GPU kernels' backward products may carry a non-finite value across a straddling tile")
+  rng = np.random.default_rng(11)
+  arrays = dict(zip(("q", "k", "v", "dout"), (rng.standard_normal((1, 200, 2, 32)).astype(np.float32)
+                                                for _ in range(4))))
+  arrays[operand][0, 150, 1, 5] = np.nan
+  ids = segment_ids_from_lengths(np.array([[100, 100]]), 200)
+  q, k, v, dout = (arrays[name] for name in ("q", "k", "v", "dout"))
+  grads = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal", q_segment_ids=ids), q, k, v)[1](dout)
+  alone = jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, mask_type="causal"), q[:, :100], k[:, :100],
+                  v[:, :100])[1](dout[:, :100])
+  tol = tolerance("float32")
+  for name, got, want in zip(("dq", "dk", "dv"), grads, alone):
+    np.testing.assert_allclose(np.asarray(got)[:, :100], want, rtol=2 * tol, atol=2 * tol, err_msg=name)

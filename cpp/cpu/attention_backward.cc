@@ -17,6 +17,7 @@
 
 #include "cpp/core/validate.h"
 #include "cpp/core/variants.h"
+#include "cpp/cpu/all_finite.h"
 #include "cpp/cpu/attention_cpu.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
@@ -76,25 +77,59 @@ struct BackwardScratch {
       : q(kTileQ * p.head_dim), q_t(p.head_dim * kTileQ), dout(kTileQ * p.head_dim_v), dout_t(p.head_dim_v * kTileQ),
         dots(kTileKV * kTileQ), probs(kTileKV * kTileQ), dscores(kTileKV * kTileQ), k(kTileKV * p.head_dim),
         v(kTileKV * p.head_dim_v), dk(kTileKV * p.head_dim), dv(kTileKV * p.head_dim_v),
-        unmodded(p.flex.has_score_mod() ? kTileKV * kTileQ : 0) {}
+        unmodded(p.flex.has_score_mod() ? kTileKV * kTileQ : 0), visible(kTileKV * kTileQ) {}
   std::vector<float> q, q_t, dout, dout_t;  // the Q tile row-major (a float32 copy, key_rows.h) and transposed
   std::vector<float> dots, probs, dscores;  // key-major [kTileKV, kTileQ]
   std::vector<float> k, v;                  // float32 copies of the K/V tile (key_rows.h)
   std::vector<float> dk, dv;                // this KV tile's gradients
   std::vector<float> unmodded;              // with a score_mod, the logits it was given, key-major (for DScore)
+  std::vector<uint8_t> visible;             // the careful path's pairs a row sees, key-major (CarefulProducts)
   alignas(32) float lse2[kTileQ];           // lse in log2 units; +inf in the lanes past the tile so P = 0 there
   alignas(32) float delta[kTileQ];          // the tile rows' RowDeltas; 0 in the lanes past them
   TileKeyRanges<kTileQ> ranges;
   RowLogitInputs logits;
 };
 
+// Whether a tile pair with pairs a row does not see must take the careful path: some operand of its products (K or V,
+// kv_finite says; the rows' Q and dO, their lse and delta) is NaN or inf, which the dense products would carry into
+// the rows and keys that do not see it as 0 x NaN.
+inline bool NeedsCarefulProducts(bool kv_finite, const MatrixB& q_rows, const MatrixB& dout_rows, const float* lse2,
+                                 const float* delta, int64_t rows, int64_t d, int64_t dv) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (std::isnan(lse2[r]) || !std::isfinite(delta[r])) return true;  // lse2 = +inf: a row that sees no key
+  }
+  return !(kv_finite && AllFinite(q_rows, rows, d) && AllFinite(dout_rows, rows, dv));
+}
+
+// The careful path's dV += P^T dO, dK += dS^T Q and dQ += dS K over the pairs a row sees only (plain loops: only tiles
+// with a non-finite operand and masked pairs take it).
+inline void CarefulProducts(const uint8_t* visible, const float* probs, const float* dscores, int64_t row_stride,
+                            const MatrixB& k_tile, const MatrixB& q_rows, const MatrixB& dout_rows, int64_t keys,
+                            int64_t rows, int64_t d, int64_t dv, float* dk, float* dv_out, float* dq,
+                            int64_t dq_stride) {
+  for (int64_t c = 0; c < keys; ++c) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!visible[c * row_stride + r]) continue;
+      const float p = probs[c * row_stride + r], ds = dscores[c * row_stride + r];
+      const float* q = q_rows.data + r * q_rows.row_stride;
+      const float* dout = dout_rows.data + r * dout_rows.row_stride;
+      const float* k = k_tile.data + c * k_tile.row_stride;
+      for (int64_t j = 0; j < dv; ++j) dv_out[c * dv + j] += p * dout[j];
+      for (int64_t j = 0; j < d; ++j) {
+        dk[c * d + j] += ds * q[j];
+        dq[r * dq_stride + j] += ds * k[j];
+      }
+    }
+  }
+}
+
 // delta: the call's RowDeltas, [B, H, Sq]; dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is
 // added to; dbias_copy: the float32 copy of dbias it adds dS to (bias_tile.h; null without a bias).
 template <typename T, typename Variant>
 void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const TokenMask& tokens,
-                   const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, const float* delta,
-                   int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys, float* dq_part,
-                   float* dbias_copy) {
+                   const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, bool kv_finite,
+                   const float* delta, int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys,
+                   float* dq_part, float* dbias_copy) {
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
@@ -138,7 +173,18 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
   if (args.flex.has_score()) std::copy(scores, scores + keys * kTileQ, s.unmodded.data());
   if (args.flex.active()) args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys);
-  if (!s.ranges.AllSee(key0, key0 + keys, key_tokens)) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+  const bool all_see = s.ranges.AllSee(key0, key0 + keys, key_tokens);
+  if (!all_see) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
+  // Masked pairs (and -inf logits) must add nothing even where an operand is non-finite: which pairs a row sees, kept
+  // before the probabilities replace the scores.
+  const bool careful =
+      !all_see && NeedsCarefulProducts(kv_finite, q_rows, dout_rows, s.lse2, s.delta, rows, d, dv);
+  uint8_t* visible = s.visible.data();
+  if (careful) {
+    for (int64_t c = 0; c < keys; ++c) {
+      for (int64_t r = 0; r < kTileQ; ++r) visible[c * kTileQ + r] = r < rows && scores[c * kTileQ + r] != -INFINITY;
+    }
+  }
   RecomputeProbabilities(scores, s.lse2, kTileQ, keys, lanes, probs);
 
   // dS^T = P^T * (dP^T - delta) * dLogit/dDot, with dP^T = V dO^T.
@@ -152,6 +198,11 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
                   dscores);
   if (args.flex.has_score()) {
     args.flex.DScore(kLog2e, s.unmodded.data(), dscores, kTileQ, b, h, first_row, rows, key0, keys);
+  }
+  // A pair a row does not see has dS = 0 (its P is 0) whatever dP and delta hold: dbias gets 0 there, and the careful
+  // products skip it.
+  if (careful) {
+    for (int64_t i = 0; i < keys * kTileQ; ++i) dscores[i] = visible[i] ? dscores[i] : 0.0f;
   }
   if (args.bias.active()) {
     AddBiasGradient(args.bias.layout, b, h, first_row, rows, key0, keys, dscores, kTileQ, dbias_copy);
@@ -169,9 +220,14 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
 
   // dV takes the probabilities P.V took: dropped and scaled.
   if (args.dropout.active()) ApplyDropout(args.dropout, b, h, first_row, rows, key0, keys, kTileQ, probs);
+  float* dq = dq_part + ((b * p.seqlen_q + first_row) * p.num_heads + h) * d;
+  if (careful) {
+    CarefulProducts(visible, probs, dscores, kTileQ, k_tile, q_rows, dout_rows, keys, rows, d, dv, s.dk.data(),
+                    s.dv.data(), dq, p.num_heads * d);
+    return;
+  }
   TileGemm(keys, dv, rows, {probs, kTileQ, 1}, dout_rows, {s.dv.data(), dv}, Accumulate::kYes);
   TileGemm(keys, d, rows, {dscores, kTileQ, 1}, q_rows, {s.dk.data(), d}, Accumulate::kYes);
-  float* dq = dq_part + ((b * p.seqlen_q + first_row) * p.num_heads + h) * d;
   TileGemm(rows, d, keys, {dscores, 1, kTileQ}, k_tile, {dq, p.num_heads * d}, Accumulate::kYes);
 }
 
@@ -201,11 +257,12 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
       RowsAsFloat(args.k + k_rows.Offset(b, key0, kv_head), k_rows.row_stride, keys, d, kv_reads, s.k.data());
   const MatrixB v_tile =
       RowsAsFloat(args.v + v_rows.Offset(b, key0, kv_head), v_rows.row_stride, keys, dv, kv_reads, s.v.data());
+  const bool kv_finite = AllFinite(k_tile, keys, d) && AllFinite(v_tile, keys, dv);
   for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     for (int64_t t = 0; t < q_tiles; ++t) {
       if (!Meets(p, q_tile_reach[b * q_tiles + t], args.kv_tile_tokens, b, item.tile)) continue;
-      BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, delta, b, h, t * kTileQ, key0,
-                                keys, dq_part, dbias_copy);
+      BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, kv_finite, delta, b, h,
+                                t * kTileQ, key0, keys, dq_part, dbias_copy);
     }
   }
 

@@ -16,6 +16,7 @@
 #include "cpp/core/sink.h"
 #include "cpp/core/validate.h"
 #include "cpp/core/variants.h"
+#include "cpp/cpu/all_finite.h"
 #include "cpp/cpu/attention_cpu.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
@@ -39,15 +40,6 @@
 
 namespace te_jax::cpu {
 namespace {
-
-bool AllFinite(const MatrixB& tile, int64_t rows, int64_t cols) {
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) {
-      if (!std::isfinite(tile.data[i * tile.row_stride + j])) return false;
-    }
-  }
-  return true;
-}
 
 // out[r] += sum over the keys row r sees of P[key][r] * v[key], for a tile that straddles a row's range edge and whose
 // V holds a NaN or inf: the matrix product would add 0 * NaN = NaN to the rows that do not see that key, and keys a
