@@ -40,7 +40,7 @@ struct DocumentTableKernel {
     __device__ __forceinline__ int operator()(int a, int b) const { return a + b; }
   };
   struct MaxOp {
-    __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
+    __device__ __forceinline__ int operator()(int a, int b) const { return Max(a, b); }
   };
 
   struct Tables {

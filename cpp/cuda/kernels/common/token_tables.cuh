@@ -5,7 +5,7 @@
 //   TokenSpansKernel: a warp per granule compares its summary with every granule of the other side and writes the
 //     range of those it may meet, so an attention CTA visits only the tiles of that range.
 // The second pass is O(Gq x Gkv) summary comparisons per batch entry (64-token granules): 65k for 16k tokens, far below
-// the attention's own cost. A forward whose rows are read as documents (its document table, built first, holds) needs
+// the attention's own cost. A call whose rows are read as documents (its document table, built first, holds) needs
 // neither: both step aside.
 #pragma once
 
