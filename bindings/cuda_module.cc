@@ -220,9 +220,9 @@ NB_MODULE(_te_jax_cuda, m) {
           bindings::ThrowIfError(Status::InvalidArgument("these params do not take the decode kernels"));
         }
         const cuda::KernelModule module = cuda::ModuleFor(config);
-        int smem_bytes[cuda::LoadedModule::kMaxKernels] = {};
-        for (size_t i = 0; i < module.entries.size(); ++i) smem_bytes[i] = module.entries[i].smem_bytes;
-        const cuda::DecodeGeometry g = cuda::DecodeGeometryOnGpu(bindings::ParamsFromDict(fields), smem_bytes,
+        std::vector<int> smem_bytes;
+        for (const cuda::ModuleEntry& e : module.entries) smem_bytes.push_back(e.smem_bytes);
+        const cuda::DecodeGeometry g = cuda::DecodeGeometryOnGpu(bindings::ParamsFromDict(fields), smem_bytes.data(),
                                                                  static_cast<int>(module.entries.size()),
                                                                  multiprocessors, smem_per_multiprocessor);
         nb::dict out;

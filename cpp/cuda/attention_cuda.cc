@@ -126,7 +126,7 @@ Status LaunchTokenTables(const DriverApi* driver, const LoadedModule* module, co
   if (!UsesTokens(p) || p.batch == 0) return Status::Ok();
   const int64_t granules = (p.seqlen_q + kTokenGranule - 1) / kTokenGranule + (p.seqlen_kv + kTokenGranule - 1) / kTokenGranule;
   const unsigned blocks = CeilDiv(granules, kTokenTableThreads / 32);
-  const int first = module->count - 2;
+  const int first = module->count() - 2;
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[first], "token tables", blocks, static_cast<unsigned>(p.batch),
                                 1, kTokenTableThreads, 0, stream, args));
   return Launch(driver, module->kernels[first + 1], "token spans", blocks, static_cast<unsigned>(p.batch), 1,
@@ -197,7 +197,7 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                                    std::to_string(rows));
   }
   const DecodeGeometry g =
-      DecodeGeometryOnGpu(p, module->smem_bytes, module->count, multiprocessors, smem_per_multiprocessor);
+      DecodeGeometryOnGpu(p, module->smem_bytes.data(), module->count(), multiprocessors, smem_per_multiprocessor);
   const int64_t partial_rows = g.splits * p.batch * p.seqlen_q * p.num_heads;
   if (g.splits > 1) {
     TE_JAX_RETURN_IF_ERROR(

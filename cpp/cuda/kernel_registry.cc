@@ -111,10 +111,9 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
       return Status::Internal("cannot load te_jax kernel " + config.Name() + ": " + driver->ErrorString(r));
     }
     const KernelModule module = ModuleFor(config);
-    if (module.entries.size() > LoadedModule::kMaxKernels) {
-      return Status::Internal("te_jax kernel " + config.Name() + " has more entry points than LoadedModule holds");
-    }
     const int count = static_cast<int>(module.entries.size());
+    entry->module.kernels.assign(count, nullptr);
+    entry->module.smem_bytes.assign(count, 0);
     for (int i = 0; i < count; ++i) {
       const ModuleEntry& e = module.entries[i];
       r = driver->cuLibraryGetKernel(&entry->module.kernels[i], entry->library, e.name.c_str());
@@ -124,7 +123,6 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
       }
       entry->module.smem_bytes[i] = e.smem_bytes;
     }
-    entry->module.count = count;
     entry->module.dependent_launch = DependentLaunch(config.arch);
     entry->module.tma = HasTma(config.arch);
   } else {
@@ -133,7 +131,7 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
     report->path = entry->path;
   }
   if (entry->devices.count(device) == 0) {
-    for (int i = 0; i < entry->module.count; ++i) {
+    for (int i = 0; i < entry->module.count(); ++i) {
       if (entry->module.smem_bytes[i] <= 48 * 1024) continue;
       const CUresult r = driver->cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       entry->module.smem_bytes[i], entry->module.kernels[i], device);

@@ -9,6 +9,7 @@
 #include <cuda.h>
 
 #include <string>
+#include <vector>
 
 #include "cpp/core/status.h"
 #include "cpp/cuda/kernel_config.h"
@@ -27,12 +28,10 @@ struct JitReport {
 Status EnsureCubin(const KernelConfig& config, JitReport* report);
 
 struct LoadedModule {
-  // The module's entries (kernel_module.h): at most 4 (decode), or 3, the dbias conversion and the 2 token-table
-  // kernels, or the forward's token kernel, document kernel, document table's kernel and the 2 token-table kernels.
-  static constexpr int kMaxKernels = 6;
-  CUkernel kernels[kMaxKernels] = {};
-  int count = 0;
-  int smem_bytes[kMaxKernels] = {};
+  // The module's entries (kernel_module.h), in its order: the kernels and the dynamic shared memory each needs.
+  std::vector<CUkernel> kernels;
+  std::vector<int> smem_bytes;
+  int count() const { return static_cast<int>(kernels.size()); }
   bool dependent_launch = false;  // DependentLaunch(its arch)
   bool tma = false;  // HasTma(its arch)
 };
