@@ -10,7 +10,9 @@ one (`--sections decode,paged`; all by default):
   paged       paged decodes (the one-row and four-row tile kernels) with a page id outside the pool;
   bias        an additive bias whose rows start off 16-byte boundaries (its last chunk reaches past the operand) and one
               whose rows TMA copies, in full shape (dbias written directly) and broadcast (the float accumulator), with
-              -inf rows.
+              -inf rows;
+  packed      packed rows (segment ids) of uneven documents and padding, forward + backward: ids that rise (the sm90
+              document table and kernels) and ids that do not (the token tables), causal and not.
 Exit status 1 on unexpected results."""
 import argparse
 import sys
@@ -149,8 +151,29 @@ def bias():
   return ok
 
 
+def packed():
+  """Packed rows read as documents (rising ids) and through the token tables (ids that fall), both directions."""
+  ok = True
+  # Documents of 70, 130, 1 and 200 rows, padding (id 0) between and after, at d 128 (the plain product, whose module
+  # has the document kernels); the same ids reversed are not a reading the table allows.
+  rng = np.random.default_rng(6)
+  lengths = (70, 130, 1, 0, 200)  # the 0: a padding run of 20 rows between two documents
+  ids = np.concatenate([np.full(n if n else 20, i + 1 if n else 0, np.int32) for i, n in enumerate(lengths)])
+  ids = np.concatenate([ids, np.zeros(512 - ids.size, np.int32)])
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 4, 128)), jnp.bfloat16) for _ in range(3))
+  for row in (ids, ids[::-1]):
+    seg = jnp.asarray(np.stack([row, row]))
+    for mask in ("causal", "no_mask"):
+      kw = dict(mask_type=mask, q_segment_ids=seg, kv_segment_ids=seg, engine="te")
+      f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: te_jax.fused_attn(q, k, v, **kw), q, k, v)[1](
+          jnp.ones((2, 512, 4, 128), jnp.bfloat16)))
+      grads = jax.block_until_ready(f(q, k, v))
+      ok &= all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+  return ok
+
+
 SECTIONS = {"variants": variants, "nonfinite": nonfinite, "persistent": persistent, "decode": contiguous_decode,
-            "paged": paged, "bias": bias}
+            "paged": paged, "bias": bias, "packed": packed}
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--sections", default=",".join(SECTIONS),

@@ -62,12 +62,12 @@ for s in $SECTIONS; do
       | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -60
     echo "tests: $(( $(date +%s) - t0 )) s" ;;
   packed)
-    # Packed sequences: the GPU tests with the token kernels alone (TE_JAX_SM90_DOCUMENTS=0) and with the backward's
-    # document kernel too (=all; the tests section runs the default, the forward's), then the harness's packed preset
-    # under PACKED_DOCUMENTS (default all): rows of 2, 8 and 32 documents against their batch (and cuDNN's batch), the
-    # ids rising (read as documents) and falling (the token tables).
+    # Packed sequences: the GPU tests with the token kernels alone (TE_JAX_SM90_DOCUMENTS=0) and with the forward's
+    # document kernel alone (=forward; the tests section runs the default, both directions'), then the harness's packed
+    # preset under PACKED_DOCUMENTS (default all): rows of 2, 8 and 32 documents against their batch (and cuDNN's
+    # batch), the ids rising (read as documents) and falling (the token tables).
     t0=$(date +%s)
-    for mode in 0 all; do
+    for mode in 0 forward; do
       TE_JAX_SM90_DOCUMENTS=$mode timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA \
         -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_packed.py 2>&1 | tee "$OUT/packed_tests_$mode.log" \
         | grep -E "passed|failed|FAILED|^E  " | tail -40
@@ -116,10 +116,10 @@ for s in $SECTIONS; do
     # One process per section of the case (SANITIZE_SECTIONS), so a crash of the tool costs one section's report.
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in memcheck racecheck; do
-      for section in ${SANITIZE_SECTIONS:-variants nonfinite persistent decode paged bias}; do
+      for section in ${SANITIZE_SECTIONS:-variants nonfinite persistent decode paged bias packed}; do
         t0=$(date +%s)
         log="$OUT/sanitize_${tool}_$section.log"
-        timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_attention --print-limit 20 python3 \
+        timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
           "$REPO/scripts/cuda_sanitize_case.py" --sections $section > "$log" 2>&1
         echo "sanitizer $tool $section rc=$? ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' "$log" | head -3 | tr '\n' ' ')"
       done

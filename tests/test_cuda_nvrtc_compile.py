@@ -278,10 +278,10 @@ def test_sm90_token_backward_modules_hold_the_document_kernels_where_the_product
 
 
 def test_document_reading_override(monkeypatch):
-  # The forward reads packed rows as documents by default (and with TE_JAX_SM90_DOCUMENTS=forward), the backward with
-  # "all"; "0" neither; only modules with the document kernels; any other value is an error naming the values.
+  # Both directions read packed rows as documents by default (and with TE_JAX_SM90_DOCUMENTS=all), the forward alone
+  # with "forward"; "0" neither; only modules with the document kernels; any other value is an error naming the values.
   packed = dict(_backward_params(128, 128, False), seqlen_q=2048, seqlen_kv=2048, has_segment_ids=True)
-  for mode, forward, backward in ((None, True, False), ("forward", True, False), ("all", True, True),
+  for mode, forward, backward in ((None, True, True), ("forward", True, False), ("all", True, True),
                                   ("0", False, False)):
     if mode is None:
       monkeypatch.delenv("TE_JAX_SM90_DOCUMENTS", raising=False)
@@ -293,7 +293,7 @@ def test_document_reading_override(monkeypatch):
     assert not ext.call_reads_documents(dict(packed, has_segment_ids=False), "forward", "sm_90a")
     assert not ext.call_reads_documents(packed, "forward", "sm_80")
   monkeypatch.setenv("TE_JAX_SM90_DOCUMENTS", "1")
-  with pytest.raises(ValueError, match="TE_JAX_SM90_DOCUMENTS must be forward, all or 0"):
+  with pytest.raises(ValueError, match="TE_JAX_SM90_DOCUMENTS must be all, forward or 0"):
     ext.call_reads_documents(packed, "forward", "sm_90a")
 
 

@@ -1,10 +1,10 @@
 """GPU tests of packed sequences (segment ids and positions; the CUDA kernels built with tokens): out, lse and every
 gradient against the float64 reference for random packings (empty rows, all-id-0 rows), unsorted ids, random and
 decode-style positions, with masks, windows, soft-cap, ALiBi, GQA/MQA, D != Dv, bf16 and fp16, both backwards; FFI and
-legacy bitwise equal; a packed row equals its documents run alone; NaN in one document stays there. The sm90 forward's
-document reading (sorted ids) on short and long documents, and the ids it must leave to the token tables (an id in
-two runs, positions with gaps); gpu_check.sh runs them with the backward's document reading too
-(TE_JAX_SM90_DOCUMENTS=all). Skipped without a GPU."""
+legacy bitwise equal; a packed row equals its documents run alone; NaN in one document stays there. The sm90 document
+reading (sorted ids, forward and backward) on short and long documents, and the ids it must leave to the token tables
+(an id in two runs, positions with gaps); gpu_check.sh runs them with the token tables alone (TE_JAX_SM90_DOCUMENTS=0)
+and with the forward's reading alone (=forward) too. Skipped without a GPU."""
 
 from __future__ import annotations
 

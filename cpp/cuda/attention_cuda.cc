@@ -280,9 +280,7 @@ Status LaunchDocuments(const DriverApi* driver, const LoadedModule* module, cons
     return Status::Internal("the document kernel's tile differs from the token kernel's (sm90/tile_size.h)");
   }
   TmaForwardArgs tma = token_call;
-  tma.next_work = reinterpret_cast<unsigned*>(reinterpret_cast<char*>(tma.args.tokens.documents) +
-                                              DocumentTableBytes(p) - 16);
-  TE_JAX_RETURN_IF_ERROR(ZeroWorkCounter(driver, tma.next_work, stream));
+  tma.next_work = reinterpret_cast<unsigned*>(tma.args.tokens.documents + 2);  // zeroed by the table kernel
   return Launch(driver, module->kernels[kDocumentKernelEntry], "attention forward (documents)",
                 static_cast<unsigned>(multiprocessors), 1, 1, sm90::ForwardThreads(tile),
                 module->smem_bytes[kDocumentKernelEntry], stream, &tma);
@@ -528,9 +526,9 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                    batch = static_cast<unsigned>(p.batch);
     if (documents) {
       // A CTA per (work, kv head) the grid has room for; the token kernel after it steps aside where the table holds.
-      const int64_t ctas = DocumentWorksOfGrid(p.batch, p.seqlen_kv, owned) * p.num_kv_heads;
+      const auto works = static_cast<unsigned>(DocumentWorksOfGrid(p.batch, p.seqlen_kv, owned));
       TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[kBackwardDocumentKernelEntry],
-                                    "attention backward dk/dv (documents)", static_cast<unsigned>(ctas), 1, 1,
+                                    "attention backward dk/dv (documents)", works, heads, 1,
                                     sm90::kBackwardThreads, module->smem_bytes[kBackwardDocumentKernelEntry], stream,
                                     &tma));
     }

@@ -39,7 +39,7 @@ inline constexpr int kTokenTableThreads = 128;  // threads per block of the toke
 // Packed rows read as documents (the sm90 forward's document kernel, kernels/common/document_tables.cuh): the
 // document table one CTA of kDocumentTableThreads derives from the ids into the workspace, int32 (DocumentTableLayout):
 //   [0]: 1 where the ids and positions allow the reading (document_tables.cuh says when), else 0; [1]: the number of
-//   works E; [2], [3]: unused;
+//   works E; [2]: the forward document kernel's work counter, which the table kernel zeroes; [3]: unused;
 //   then DocumentTableEntries entries of 4 ints {b, m0, first, end}, the first E of them the works, longest first:
 //   query rows [m0, min(m0 + block_m, end)) of batch entry b's document of rows and keys [first, end) (first = end for
 //   a run of id 0, whose rows see nothing);

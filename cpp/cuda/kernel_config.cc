@@ -179,9 +179,9 @@ Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& p
 
 Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads) {
   const char* env = std::getenv("TE_JAX_SM90_DOCUMENTS");
-  const std::string mode = env == nullptr || *env == '\0' ? "forward" : env;
+  const std::string mode = env == nullptr || *env == '\0' ? "all" : env;
   if (mode != "forward" && mode != "all" && mode != "0") {
-    return Status::InvalidArgument("TE_JAX_SM90_DOCUMENTS must be forward, all or 0, got \"" + mode + "\"");
+    return Status::InvalidArgument("TE_JAX_SM90_DOCUMENTS must be all, forward or 0, got \"" + mode + "\"");
   }
   *reads = config.direction == Direction::kForward ? config.HasDocumentForward() && mode != "0"
                                                    : config.HasDocumentBackward() && mode == "all";

@@ -99,8 +99,8 @@ struct Sm90ForwardKernel {
 Status Sm90ForwardKernelFor(const KernelConfig& config, const AttentionParams& params, Sm90ForwardKernel* kernel);
 
 // Whether an sm90 module's document kernels run for packed calls (the device then decides per call whether the ids
-// allow the reading): TE_JAX_SM90_DOCUMENTS=forward (the default) launches the forward's (HasDocumentForward), "all"
-// the backward's too (HasDocumentBackward; not yet measured on a GPU), "0" none; another value is an error.
+// allow the reading): TE_JAX_SM90_DOCUMENTS=all (the default) launches the forward's (HasDocumentForward) and the
+// backward's (HasDocumentBackward), "forward" the forward's alone, "0" none; another value is an error.
 Status Sm90ReadsDocuments(const KernelConfig& config, bool* reads);
 
 // Whether a call's bias is one the TMA unit copies row by row: not broadcast along the keys, and its rows (Skv

@@ -35,7 +35,7 @@ int64_t TokenTablesBytes(const AttentionParams& p) {
 int64_t DocumentTableBytes(const AttentionParams& p) {
   // The table indexes a call's tokens with 32-bit ints.
   if (!p.has_segment_ids || p.seqlen_q != p.seqlen_kv || p.batch * p.seqlen_q > INT32_MAX) return 0;
-  return RoundUp(DocumentTableLayout::Of(p.batch, p.seqlen_q).ints * 4) + 16;
+  return RoundUp(DocumentTableLayout::Of(p.batch, p.seqlen_q).ints * 4);
 }
 
 TokenArgs MakeTokenArgs(const AttentionParams& p, const int32_t* q_ids, const int32_t* kv_ids, const int32_t* q_pos,

@@ -17,8 +17,8 @@ int64_t TokenTablesBytes(const AttentionParams& p);
 int64_t TokenTablesOffset(int64_t offset);
 
 // Bytes of the sm90 forward's document table (kernel_args.h), where a forward may read its packed rows as documents:
-// segment ids over keys that are the queries' tokens (Sq = Skv); else 0. Its last 16 bytes hold the document
-// kernel's work counter. It follows the token tables in the forward's workspace.
+// segment ids over keys that are the queries' tokens (Sq = Skv); else 0. It follows the token tables in the
+// workspace.
 int64_t DocumentTableBytes(const AttentionParams& p);
 
 // The kernels' TokenArgs: the operands as given (null where the call has none) and the tables at `tables`.

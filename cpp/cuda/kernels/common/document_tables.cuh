@@ -32,6 +32,7 @@ struct DocumentTableKernel {
   struct Shared {
     int ok;
     int warp_totals[kThreads / 32];
+    int2 run_totals[kThreads / 32];  // FindRuns' scan
     int buckets[kBuckets];
   };
 
@@ -39,8 +40,9 @@ struct DocumentTableKernel {
   struct AddOp {
     __device__ __forceinline__ int operator()(int a, int b) const { return a + b; }
   };
-  struct MaxOp {
-    __device__ __forceinline__ int operator()(int a, int b) const { return Max(a, b); }
+  // A tile's runs and largest nonzero id, scanned together.
+  struct RunsOp {
+    __device__ __forceinline__ int2 operator()(int2 a, int2 b) const { return make_int2(a.x + b.x, Max(a.y, b.y)); }
   };
 
   struct Tables {
@@ -88,10 +90,11 @@ struct DocumentTableKernel {
           count += starts;
           if (id[e] != 0) id_max = Max(id_max, id[e]);
         }
-        int tile_runs, tile_max;
-        int run = runs + BlockExclusiveScan<kThreads>(count, 0, AddOp{}, sh.warp_totals, tile_runs);
-        int before = Max(id_max_before,
-                         BlockExclusiveScan<kThreads>(id_max, kTokenMin, MaxOp{}, sh.warp_totals, tile_max));
+        int2 tile;
+        const int2 earlier = BlockExclusiveScan<kThreads>(make_int2(count, id_max), make_int2(0, kTokenMin),
+                                                          RunsOp{}, sh.run_totals, tile);
+        int run = runs + earlier.x;
+        int before = Max(id_max_before, earlier.y);
 #pragma unroll
         for (int e = 1; e <= kTokensPerThread; ++e) {
           const int i = i0 - 1 + e;
@@ -102,8 +105,8 @@ struct DocumentTableKernel {
           }
           if (id[e] != 0) before = Max(before, id[e]);
         }
-        runs += tile_runs;
-        id_max_before = Max(id_max_before, tile_max);
+        runs += tile.x;
+        id_max_before = Max(id_max_before, tile.y);
       }
     }
     return ok;
@@ -174,7 +177,10 @@ struct DocumentTableKernel {
     const DocumentTableLayout layout = DocumentTableLayout::Of(s.batch, seqlen);
     const Tables tb{t.documents, reinterpret_cast<int4*>(t.documents + layout.entries), t.documents + layout.run_first,
                     t.documents + layout.run_works, reinterpret_cast<int4*>(t.documents + layout.unsorted)};
-    if (tid == 0) sh.ok = s.seqlen_kv == seqlen && t.q_ids != nullptr;
+    if (tid == 0) {
+      sh.ok = s.seqlen_kv == seqlen && t.q_ids != nullptr;
+      tb.header[2] = 0;  // the forward document kernel's work counter (kernel_args.h)
+    }
     for (int k = tid; k < kBuckets; k += kThreads) sh.buckets[k] = 0;
     __syncthreads();
     const bool ids_given = sh.ok;

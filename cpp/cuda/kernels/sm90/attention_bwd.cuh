@@ -30,9 +30,8 @@ __device__ __forceinline__ void ConsumersSync() { asm volatile("bar.sync 1, 256;
 // kOwnsKeys: the dk/dv kernel (owned rows are keys, steps are query tiles); else the dq kernel (the other way round).
 // Operand 0 of a side is its [rows][d] tensor (k or q), operand 1 its [rows][dv] tensor (v or dout). kAccumulateDq:
 // the dk/dv kernel also adds dq to the accumulator. kDocuments: the dk/dv kernel of a packed row read as documents
-// (kernels/common/document_tables.cuh): CTA work x kv heads + kv head owns the work's block of keys of one document,
-// which only that document's rows see; its grid has room for DocumentWorksOfGrid works, and the CTAs past the table's
-// return.
+// (kernels/common/document_tables.cuh): CTA (work, kv head) owns the work's block of keys of one document, which only
+// that document's rows see; its grid is (DocumentWorksOfGrid works, kv heads), the CTAs past the table's works return.
 template <typename Element, int kD, int kDv, typename Variant, bool kOwnsKeys, bool kAccumulateDq = false,
           bool kDocuments = false>
 struct BackwardKernel {
@@ -178,12 +177,13 @@ struct BackwardKernel {
     Work w;
     w.group = s.num_heads / s.num_kv_heads;
     if constexpr (kDocuments) {
-      // The works longest first, each over the kv heads in turn (Run has returned past the table's works).
-      const int4 entry = reinterpret_cast<const int4*>(args.tokens.documents +
-                                                       kDocumentTableHeaderInts)[blockIdx.x / s.num_kv_heads];
+      // The works longest first within each kv head, a head's works together so that they share its query rows in L2
+      // (Run has returned past the table's works).
+      const int4 entry =
+          reinterpret_cast<const int4*>(args.tokens.documents + kDocumentTableHeaderInts)[blockIdx.x];
       const QueryBlockOfCta c = DocumentBlockOf<kOwned, kStep>(s, args.tokens, entry, 0);
       w.owned0 = entry.y;
-      w.owned_head = static_cast<int>(blockIdx.x % s.num_kv_heads);
+      w.owned_head = static_cast<int>(blockIdx.y);
       w.b = entry.x;
       w.len = c.len;
       w.mask = c.mask;
@@ -319,10 +319,7 @@ struct BackwardKernel {
     // A packed row: the document kernel serves it where the table says the reading holds (its CTAs past the table's
     // works return), else the token kernel.
     if constexpr (kDocuments) {
-      if (!ReadAsDocuments(args.tokens) ||
-          static_cast<int>(blockIdx.x / args.shape.num_kv_heads) >= args.tokens.documents[1]) {
-        return;
-      }
+      if (!ReadAsDocuments(args.tokens) || static_cast<int>(blockIdx.x) >= args.tokens.documents[1]) return;
     } else if constexpr (kTokens) {
       if (ReadAsDocuments(args.tokens)) return;
     }
