@@ -71,6 +71,10 @@ PACKED_CASES = [
     # documents of 130-320 tokens (blocks cut short at every end), which the backward's document grid has room for.
     (("pk_long_docs_causal",    "bfloat16", 2, 700, 700, 4, 2,   128, 128, "causal",  (-1, -1), 0.0,  False, False), "long_documents"),
     (("pk_long_docs_window",    "float16",  2, 640, 640, 4, 1,   64,  64,  "no_mask", (60, 40), 0.0,  False, False), "long_documents"),
+    # Rows of several of the table kernel's chunks (kDocumentTableChunk, 2048 tokens): documents across their ends, and
+    # an id whose second run starts a chunk (refused only by the check across chunks).
+    (("pk_chunked_docs",        "bfloat16", 2, 4200, 4200, 2, 1,  128, 128, "causal",  (-1, -1), 0.0,  False, False), "long_documents"),
+    (("pk_repeat_across_chunks", "bfloat16", 1, 4200, 4200, 2, 1, 128, 128, "no_mask", (-1, -1), 0.0,  False, False), "repeated_across_chunks"),
 ]
 
 # Dropout cases (the CUDA kernels built with dropout), tests/test_cuda_dropout.py: the case as above and the rate.

@@ -45,6 +45,10 @@ def _tokens(case, kind: str, rng) -> dict:
     ids = np.ones((b, sq), np.int32)
     ids[:, sq // 3:2 * sq // 3] = 2
     return dict(q_segment_ids=jnp.asarray(ids))
+  if kind == "repeated_across_chunks":  # runs 1, 2, 1, the second run of id 1 from token 2048: a table chunk's first
+    ids = np.ones((b, sq), np.int32)
+    ids[:, 1000:2048] = 2
+    return dict(q_segment_ids=jnp.asarray(ids))
   if kind == "gapped_positions":  # sorted ids, positions stepping by 2: a window on them is not the one on indices
     lengths = random_lengths(rng, b, sq)
     return dict(q_segment_ids=segment_ids_from_lengths(lengths, sq),

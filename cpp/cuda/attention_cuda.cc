@@ -247,10 +247,11 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
 
 }  // namespace
 
-// The persistent kernels' CTAs take works from a counter in the workspace, from 0 each call.
-Status ZeroWorkCounter(const DriverApi* driver, unsigned* counter, CUstream stream) {
+// A counter in the workspace, from 0 each call: the persistent kernels' CTAs take works from it, the table kernel's
+// count their chunks.
+Status ZeroCounter(const DriverApi* driver, void* counter, const char* what, CUstream stream) {
   const CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(counter), 0u, 1, stream);
-  if (r != CUDA_SUCCESS) return Status::Internal("cannot zero the forward's work counter: " + driver->ErrorString(r));
+  if (r != CUDA_SUCCESS) return Status::Internal(std::string("cannot zero ") + what + ": " + driver->ErrorString(r));
   return Status::Ok();
 }
 
@@ -268,7 +269,11 @@ constexpr int kBackwardDocumentTableEntry = 4;
 template <typename Args>
 Status LaunchDocumentTable(const DriverApi* driver, const LoadedModule* module, int entry, Args* args,
                            CUstream stream) {
-  return Launch(driver, module->kernels[entry], "document table", 1, 1, 1, kDocumentTableThreads, 0, stream, args);
+  // The count of finished chunks, by which the last CTA knows it is (kernel_args.h).
+  TE_JAX_RETURN_IF_ERROR(ZeroCounter(driver, args->tokens.documents + 3, "the document table's counter", stream));
+  const int64_t chunks = DocumentTableLayout::Chunks(args->shape.batch, args->shape.seqlen_q);
+  return Launch(driver, module->kernels[entry], "document table", static_cast<unsigned>(chunks), 1, 1,
+                kDocumentTableThreads, 0, stream, args);
 }
 
 Status LaunchDocuments(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p,
@@ -361,7 +366,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     grid[0] = static_cast<unsigned>(std::min<int64_t>(works, multiprocessors));
     grid[1] = grid[2] = 1;
     tma.next_work = static_cast<unsigned*>(b.workspace);
-    TE_JAX_RETURN_IF_ERROR(ZeroWorkCounter(driver, tma.next_work, stream));
+    TE_JAX_RETURN_IF_ERROR(ZeroCounter(driver, tma.next_work, "the forward's work counter", stream));
   }
   return Launch(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
                 sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma);

@@ -36,16 +36,19 @@ inline constexpr int kTokenGranule = 64;
 inline constexpr int kTokenSummaryInts = 8;
 inline constexpr int kTokenTableThreads = 128;  // threads per block of the token-table kernels: a warp per granule
 
-// Packed rows read as documents (the sm90 forward's document kernel, kernels/common/document_tables.cuh): the
-// document table one CTA of kDocumentTableThreads derives from the ids into the workspace, int32 (DocumentTableLayout):
+// Packed rows read as documents (the sm90 document kernels, kernels/common/document_tables.cuh): the document table
+// the table kernel (a CTA of kDocumentTableThreads per kDocumentTableChunk tokens of a row) derives from the ids into
+// the workspace, int32 (DocumentTableLayout):
 //   [0]: 1 where the ids and positions allow the reading (document_tables.cuh says when), else 0; [1]: the number of
-//   works E; [2]: the forward document kernel's work counter, which the table kernel zeroes; [3]: unused;
+//   works E; [2]: the forward document kernel's work counter, which the table kernel zeroes; [3]: the table kernel's
+//   finished chunks, zeroed before it;
 //   then DocumentTableEntries entries of 4 ints {b, m0, first, end}, the first E of them the works, longest first:
 //   query rows [m0, min(m0 + block_m, end)) of batch entry b's document of rows and keys [first, end) (first = end for
 //   a run of id 0, whose rows see nothing);
 //   then the table kernel's scratch: each run's first token (b x S + i), each run's first work (the runs' works summed
-//   before it, and after the last run their total), and the works in run order.
-inline constexpr int kDocumentTableThreads = 1024;
+//   before it, and after the last run their total), the works in run order, and a summary per chunk.
+inline constexpr int kDocumentTableThreads = 256;
+inline constexpr int kDocumentTableChunk = 2048;
 inline constexpr int kDocumentTableHeaderInts = 4;
 // Entries the table has room for: a document of n rows has ceil(n / block_m) blocks, at most n / 64 + 1.
 TE_JAX_HOST_DEVICE constexpr int64_t DocumentTableEntries(int64_t batch, int64_t seqlen) {
@@ -60,7 +63,11 @@ TE_JAX_HOST_DEVICE constexpr int64_t DocumentWorksOfGrid(int64_t batch, int64_t 
 
 // Where each part of the document table lies, in ints from its start (int4 parts at multiples of 4).
 struct DocumentTableLayout {
-  int64_t entries, run_first, run_works, unsorted, ints;
+  int64_t entries, run_first, run_works, unsorted, chunks, ints;
+
+  static TE_JAX_HOST_DEVICE constexpr int64_t Chunks(int64_t batch, int64_t seqlen) {
+    return batch * ((seqlen + kDocumentTableChunk - 1) / kDocumentTableChunk);
+  }
 
   static TE_JAX_HOST_DEVICE constexpr DocumentTableLayout Of(int64_t batch, int64_t seqlen) {
     DocumentTableLayout l{};
@@ -69,7 +76,8 @@ struct DocumentTableLayout {
     l.run_first = l.entries + 4 * capacity;
     l.run_works = l.run_first + batch * seqlen;
     l.unsorted = (l.run_works + batch * seqlen + 1 + 3) / 4 * 4;
-    l.ints = l.unsorted + 4 * capacity;
+    l.chunks = l.unsorted + 4 * capacity;
+    l.ints = l.chunks + 4 * Chunks(batch, seqlen);
     return l;
   }
 };
