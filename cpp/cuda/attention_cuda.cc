@@ -255,11 +255,11 @@ Status ZeroCounter(const DriverApi* driver, void* counter, const char* what, CUs
   return Status::Ok();
 }
 
-// A packed row read as documents (kernels/common/document_tables.cuh): the table's kernel (one CTA) first, so the token
-// tables' kernels step aside where it holds; then the document kernel, one CTA per multiprocessor, before the token
-// kernel, which steps aside where the table holds (else the document kernel does). Entries 1 and 2 of the module
-// (sm90_module.cc); the document kernel's tile is the plain product's, whose K/V boxes the token kernel's maps share
-// where the two tiles agree.
+// A packed row read as documents (kernels/common/document_tables.cuh): the table's kernel (a CTA per chunk of a row)
+// first, so the token tables' kernels step aside where it holds; then the document kernel, one CTA per multiprocessor,
+// before the token kernel, which steps aside where the table holds (else the document kernel does). Entries 1 and 2 of
+// the module (sm90_module.cc); the document kernel's tile is the plain product's, whose K/V boxes the token kernel's
+// maps share where the two tiles agree.
 constexpr int kDocumentKernelEntry = 1;
 constexpr int kDocumentTableEntry = 2;
 // The backward module's (sm90_module.cc): after the row kernels and the dk/dv kernel.
