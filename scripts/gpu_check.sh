@@ -192,16 +192,19 @@ PY
   ncu)
     # The kernels' speed of light, warp stalls, instruction mix and memory traffic (no clock control: the clocks the
     # harness sees), one profile per engine and case; NCU_CASES are "mask:seq:mode" (profile_step.py's arguments).
+    # The report (CSV) stays under $OUT; scripts/ncu_summary.py prints a few lines per kernel from it.
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     for c in ${NCU_CASES:-no_mask:512:fwd no_mask:8192:fwd+bwd}; do
       IFS=: read -r mask seq mode <<< "$c"
       for engine in te cudnn; do
-        log="$OUT/ncu_${engine}_${mask}_${seq}_${mode}.txt"
+        report="$OUT/ncu_${engine}_${mask}_${seq}_${mode}.csv"
         timeout ${NCU_TIMEOUT:-90} "$NCU" --profile-from-start off --clock-control none --section SpeedOfLight \
           --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
-          --section Occupancy --section SchedulerStats python3 "$REPO/scripts/profile_step.py" $engine $mask $seq $mode \
-          > "$log" 2>&1
-        echo "ncu $engine $mask s $seq $mode rc=$?: $(grep -cE '^  [a-zA-Z_].*\(' "$log") kernels, $log"
+          --section Occupancy --section SchedulerStats \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --csv --page details \
+          python3 "$REPO/scripts/profile_step.py" $engine $mask $seq $mode > "$report" 2>&1
+        echo "== ncu $engine $mask s $seq $mode rc=$?"
+        python3 "$REPO/scripts/ncu_summary.py" "$report" --skip broadcast_fusion
       done
     done ;;
   bench)
