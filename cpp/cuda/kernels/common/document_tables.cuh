@@ -7,12 +7,12 @@
 //   * each document is one run of equal ids: every run's nonzero id exceeds each nonzero id before it in the row (ids
 //     that rise, runs of padding id 0 anywhere);
 //   * with positions, they count up by one within each run (a mask on them is then the mask on the indices).
-// A CTA per chunk of kChunk tokens of a row finds the chunk's runs (each thread a few neighbouring tokens, a CTA-wide
-// scan giving each run its index in the chunk, the checks) and leaves them with the chunk's summary; the last CTA to
-// finish (a counter in the header) joins the chunks (a scan of their runs, the checks across them) and orders the
-// works: each run's first work (a scan of their blocks), each work found by a binary search over those and counted by
-// its key tiles, then written at its place in the descending order (a counting sort on the tile count). The chunks
-// spread over the GPU what one CTA did in turn: that CTA's time was its instructions issued.
+// A CTA per chunk of kDocumentTableChunk tokens of a row finds the chunk's runs (each thread a few neighbouring tokens,
+// a CTA-wide scan giving each run its index in the chunk, the checks) and leaves them with the chunk's summary; the
+// last CTA to finish (a counter in the header) joins the chunks (a scan of their runs, the checks across them) and
+// orders the works: each run's first work (a scan of their blocks), each work found by a binary search over those and
+// counted by its key tiles, then written at its place in the descending order (a counting sort on the tile count). The
+// chunks spread over the GPU what one CTA did in turn: that CTA's time was its instructions issued.
 #pragma once
 
 #include "cpp/cuda/kernels/common/block_range.h"
@@ -27,7 +27,8 @@ namespace te_jax::cuda {
 template <int kBlockM, int kBlockN, bool kKeyBlocks = false, typename Args = ForwardArgs>
 struct DocumentTableKernel {
   static constexpr int kThreads = kDocumentTableThreads;
-  static constexpr int kTokensPerThread = kDocumentTableChunk / kThreads;  // neighbouring, their loads in flight together
+  // Neighbouring tokens per thread, their loads in flight together.
+  static constexpr int kTokensPerThread = kDocumentTableChunk / kThreads;
   static constexpr int kBuckets = 1024;  // the sort key, a work's key tiles, clamped to kBuckets - 1
   static constexpr int kBucketsPerThread = kBuckets / kThreads;
   static_assert(kTokensPerThread * kThreads == kDocumentTableChunk && kBucketsPerThread * kThreads == kBuckets);

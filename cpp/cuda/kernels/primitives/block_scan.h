@@ -1,6 +1,6 @@
 // A CTA-wide exclusive scan of one value per thread (warp shuffles, then the warps' totals scanned by one warp), for
 // the few small table kernels that order their rows on the device. Each warp does a fixed few steps whatever the CTA's
-// size: those kernels run one CTA, whose time is its instructions issued.
+// size: those kernels run few CTAs, whose time is the instructions they issue.
 #pragma once
 
 #include "cpp/core/host_device.h"
