@@ -183,6 +183,70 @@ def test_mask_mod_matches_jax(name, tmp_path):
   assert 0 < expected.sum() < expected.size  # the mask masks something and keeps something
 
 
+GRADIENT_MODS = ("relative_position_bias", "head_temperature", "alibi", "out_of_bounds_indices", "half_precision")
+
+
+def _capture_gradients_cpp(mod: flex.FlexMod, tmp_path, scores, cts) -> list[np.ndarray]:
+  """DCaptures over the grid: each floating-point capture's float32 gradient, summed over every grid point."""
+  wrapper = _wrapper(mod).replace("const float* scores, float* out, float* dout",
+                                  "const float* scores, const float* cts, float* const* grads")
+  wrapper = wrapper.replace(
+      "out[i] = mod.Score(scores[i], b, h, q, kv); dout[i] = mod.DScore(scores[i], b, h, q, kv);",
+      "mod.DCaptures(cts[i], scores[i], b, h, q, kv, grads);")
+  (tmp_path / "flex_mod.h").write_text(mod.source)
+  (tmp_path / "wrapper.cc").write_text(wrapper)
+  library = tmp_path / "flex_grad.so"
+  subprocess.run(["g++", "-std=c++17", "-O1", *FMA, "-Wall", "-Werror", "-Wno-unused-variable", "-shared", "-fPIC",
+                  f"-I{ROOT}", "-o", str(library), str(tmp_path / "wrapper.cc")], check=True, capture_output=True,
+                 text=True)
+  arrays = [np.ascontiguousarray(np.asarray(c)) for c in mod.captures]
+  data = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+  shapes = np.array([n for a in arrays for n in a.shape] or [0], np.int64)
+  strides = np.array([s // a.itemsize for a in arrays for s in a.strides] or [0], np.int64)
+  grads = [np.zeros(a.shape, np.float32) for a in arrays]
+  pointers = (ctypes.c_void_p * len(arrays))(*(g.ctypes.data if jnp.issubdtype(a.dtype, jnp.floating) else None
+                                               for g, a in zip(grads, arrays)))
+  pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+  ctypes.CDLL(str(library)).Evaluate(data, pointer(shapes), pointer(strides), pointer(scores), pointer(cts), pointers)
+  return grads
+
+
+@pytest.mark.parametrize("name", GRADIENT_MODS)
+def test_capture_gradients_match_jax(name, tmp_path):
+  """DCaptures summed over a grid against jax.vjp of the vmapped mod with respect to its captures: the gradient of
+  sum(ct * score_mod) over the grid (float32 sums in another order: a relative bound)."""
+  fn = SCORE_MODS[name][0]
+  mod = flex.translate_score_mod(fn)
+  scores = (RNG.standard_normal(B * H * Q * K) * 2).astype(np.float32)
+  cts = RNG.standard_normal(B * H * Q * K).astype(np.float32)
+  actual = _capture_gradients_cpp(mod, tmp_path, scores, cts)
+  differentiable = [i for i, c in enumerate(mod.captures) if jnp.issubdtype(c.dtype, jnp.floating)]
+  assert differentiable and f"void DCaptures(" in mod.source
+
+  def total(*floats):
+    # The mod with its floating-point captures swapped for `floats`, through its own jaxpr.
+    closed = jax.make_jaxpr(fn)(jnp.float32(0), *(jnp.int32(0),) * 4)
+    consts = list(closed.consts)
+    for i, x in zip(differentiable, floats):
+      consts[next(p for p, c in enumerate(closed.consts) if c is mod.captures[i])] = x
+    point = lambda s, *idx: jax.core.eval_jaxpr(closed.jaxpr, consts, s, *idx)[0].astype(jnp.float32)
+    return jnp.sum(jax.vmap(point)(scores, *_grid()) * cts)
+
+  expected = jax.grad(total, argnums=tuple(range(len(differentiable))))(*(mod.captures[i] for i in differentiable))
+  for i, e in zip(differentiable, expected):
+    e = np.asarray(e, np.float64)
+    assert np.abs(e).max() > 0, name
+    if mod.captures[i].dtype == jnp.float32:
+      np.testing.assert_allclose(actual[i], e, rtol=1e-4, atol=1e-5 * np.abs(e).max())
+    else:  # each contribution rounded to the capture's half-precision dtype, as JAX's own cotangent is
+      assert np.linalg.norm(actual[i] - e) / np.linalg.norm(e) < 2e-2, name
+
+
+def test_mods_without_floating_point_captures_have_no_capture_gradient():
+  assert "DCaptures" not in flex.translate_score_mod(lambda s, b, h, q, kv: s + DOC_IDS[b, kv]).source
+  assert "DCaptures" not in flex.translate_score_mod(lambda s, b, h, q, kv: s * 2).source
+
+
 def test_out_of_bounds_indices_clamp_wrap_and_fill(tmp_path):
   """Not only equal to JAX: the values JAX's rules give, written down (a negative index wraps once, then clamps)."""
   mod = flex.translate_score_mod(lambda s, b, h, q, kv: SMALL[q - kv] + jnp.take(SMALL, kv - 6, mode="fill",

@@ -56,10 +56,11 @@ def _flex_mod(kind: str, struct: str, traced: trace.Traced, source: str) -> Flex
 
 
 def translate_score_mod(score_mod) -> FlexMod:
-  """score_mod(score, b, h, q_idx, kv_idx) -> a float scalar, as te_jax::flex::ScoreMod (Score and its derivative
-  in score, DScore)."""
+  """score_mod(score, b, h, q_idx, kv_idx) -> a float scalar, as te_jax::flex::ScoreMod (Score, its derivative in
+  score DScore, and with floating-point captures DCaptures, their gradients)."""
   traced = trace.trace_score_mod(score_mod)
-  return _flex_mod("score_mod", "ScoreMod", traced, codegen.score_mod_source(traced))
+  gradient = trace.trace_capture_gradient(score_mod, traced)
+  return _flex_mod("score_mod", "ScoreMod", traced, codegen.score_mod_source(traced, gradient))
 
 
 def translate_mask_mod(mask_mod) -> FlexMod:

@@ -9,7 +9,7 @@ import hashlib
 
 import numpy as np
 
-from te_jax.flex import dtypes
+from te_jax.flex import cotangents, dtypes
 from te_jax.flex.emitter import Emitter
 from te_jax.flex.primitives import RULES
 from te_jax.flex.trace import Traced
@@ -28,26 +28,46 @@ def _members(captures: tuple) -> list[str]:
   return lines
 
 
+def _constants(traced: Traced) -> list:
+  return [c if isinstance(c, Dense) else View.whole(c, traced.captures[c].dtype, np.shape(traced.captures[c]))
+          for c in traced.constants]
+
+
 def _method(traced: Traced, what: str, output: int, signature: str, arguments: list) -> list[str]:
   """The method returning the jaxpr's output `output`, with the statements it needs."""
   emitter = Emitter(what, RULES)
-  constants = [c if isinstance(c, Dense) else View.whole(c, traced.captures[c].dtype, np.shape(traced.captures[c]))
-               for c in traced.constants]
-  result = emitter.dense(emitter.run(traced.jaxpr, constants, arguments)[output], "return").expr()
+  result = emitter.dense(emitter.run(traced.jaxpr, _constants(traced), arguments)[output], "return").expr()
   body = [*emitter.body([result]), f"return {result};"]
   return [f"TE_JAX_HOST_DEVICE {signature} const {{", *(f"  {line}" for line in body), "}"]
+
+
+def _gradient_method(gradient: Traced, signature: str, arguments: list) -> list[str]:
+  """The method adding each floating-point capture's cotangent to its float32 gradient (grads[i] for capture i, null
+  for the others)."""
+  emitter = Emitter("score_mod's gradient", cotangents.rules(RULES))
+  outputs = emitter.run(gradient.jaxpr, _constants(gradient), arguments)
+  differentiable = [i for i, c in enumerate(gradient.captures) if dtypes.is_float(c.dtype)]
+  additions = [line for i, out in zip(differentiable, outputs) for line in cotangents.additions(emitter, out, i)]
+  return [f"TE_JAX_HOST_DEVICE {signature} const {{", *(f"  {line}" for line in emitter.body(additions)),
+          *(f"  {line}" for line in additions), "}"]
 
 
 def _indices(names: tuple[str, ...]) -> list[Dense]:
   return [Dense.scalar(np.int32, name) for name in names]
 
 
-def score_mod_source(traced: Traced) -> str:
+def score_mod_source(traced: Traced, gradient: Traced | None = None) -> str:
+  """gradient: trace.trace_capture_gradient's, for a score_mod with floating-point captures (the DCaptures method)."""
   arguments = [Dense.scalar(np.float32, "score"), *_indices(("b", "h", "q_idx", "kv_idx"))]
   parameters = "float score, int b, int h, int q_idx, int kv_idx"
   methods = [*_method(traced, "score_mod", 0, f"float Score({parameters})", arguments),
              "// d Score / d score, from jax.vjp of the score_mod.",
              *_method(traced, "score_mod", 1, f"float DScore({parameters})", arguments)]
+  if gradient is not None:
+    methods += ["// grads[i] += ct * d Score / d capture i for the floating-point captures, from jax.vjp of the",
+                "// score_mod (ct: the loss's derivative in the modified score).",
+                *_gradient_method(gradient, f"void DCaptures(float ct, {parameters}, float* const* grads)",
+                                  [Dense.scalar(np.float32, "ct"), *arguments])]
   return _struct("ScoreMod", "a score_mod", traced.captures, methods)
 
 

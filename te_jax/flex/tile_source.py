@@ -41,6 +41,12 @@ def tile_source(spec) -> str:
         *_function("te_jax_flex_dscore_tile", f"float unit, const float* scores, float* dscores, {_TILE}", bind,
                    ["float& ds = dscores[c * ld + r];",
                     f"if (ds != 0.0f) ds *= mod.DScore(scores[c * ld + r] / unit, {_INDICES});"])]
+    if any(dtypes.is_float(c.dtype) for c in spec.capture_types):
+      functions += _function(
+          "te_jax_flex_dcaptures_tile",
+          f"float unit, const float* scores, const float* dscores, float* const* grads, {_TILE}", bind,
+          ["const float ds = dscores[c * ld + r];",
+           f"if (ds != 0.0f) mod.DCaptures(ds, scores[c * ld + r] / unit, {_INDICES}, grads);"])
   else:
     functions = _function("te_jax_flex_mask_tile", f"float* scores, {_TILE}", bind,
                           [f"if (!mod.Mask({_INDICES})) scores[c * ld + r] = -INFINITY;"])

@@ -87,6 +87,41 @@ def trace_score_mod(score_mod) -> Traced:
   return Traced(closed.jaxpr, *_split_constants(closed, "score_mod"))
 
 
+def trace_capture_gradient(score_mod, traced: Traced) -> Traced | None:
+  """The jaxpr of (ct, score, b, h, q_idx, kv_idx) -> ct * d score_mod / d capture for each floating-point capture of
+  `traced` (score_mod's trace), in the captures' dtypes and shapes (jax.vjp with respect to them); None without such
+  captures. Its constants are `traced`'s captures (by identity) and folded literals."""
+  differentiable = [i for i, c in enumerate(traced.captures) if dtypes.is_float(c.dtype)]
+  if not differentiable:
+    return None
+  closed = jax.make_jaxpr(lambda *args: score_mod(*args))(_SCORE, _INDEX, _INDEX, _INDEX, _INDEX)
+  capture_of = {id(c): i for i, c in enumerate(traced.captures)}
+  positions = {capture_of[id(c)]: p for p, c in enumerate(closed.consts) if id(c) in capture_of}
+
+  def cotangents(ct, score, b, h, q_idx, kv_idx):
+    def value(*floats):
+      consts = list(closed.consts)
+      for i, x in zip(differentiable, floats):
+        if i in positions:
+          consts[positions[i]] = x
+      return jax.core.eval_jaxpr(closed.jaxpr, consts, score, b, h, q_idx, kv_idx)[0].astype(jnp.float32)
+    floats = [traced.captures[i] for i in differentiable]
+    _, pullback = jax.vjp(value, *floats)
+    return pullback(ct)
+
+  gradient = jax.make_jaxpr(cotangents)(_SCORE, _SCORE, _INDEX, _INDEX, _INDEX, _INDEX)
+  constants = []
+  for value in gradient.consts:
+    if id(value) in capture_of:
+      constants.append(capture_of[id(value)])
+    else:
+      folded = folded_constant(value)
+      if folded is None:
+        raise NotImplementedError("score_mod's gradient closes over an array that is not one of its captures")
+      constants.append(folded)
+  return Traced(gradient.jaxpr, tuple(constants), traced.captures)
+
+
 def trace_mask_mod(mask_mod) -> Traced:
   _check_arity(mask_mod, "mask_mod", MASK_ARGUMENTS)
 
