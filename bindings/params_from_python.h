@@ -98,6 +98,7 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   if (d.contains("mask_mod_library")) p.flex.mask_library = Field<std::string>(d, "mask_mod_library");
   if (d.contains("flex_batch_fold")) p.flex.batch_fold = i64("flex_batch_fold");
   if (d.contains("score_mod_captures")) p.flex.score_captures = i64("score_mod_captures");
+  if (d.contains("score_mod_gradients")) p.flex.capture_gradients = i64("score_mod_gradients");
   if (d.contains("flex_capture_shapes")) {
     p.flex.capture_shapes = Field<std::vector<std::vector<int64_t>>>(d, "flex_capture_shapes");
   }
@@ -136,6 +137,7 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
     d["mask_mod_library"] = p.flex.mask_library;
     d["flex_batch_fold"] = p.flex.batch_fold;
     d["score_mod_captures"] = p.flex.score_captures;
+    d["score_mod_gradients"] = p.flex.capture_gradients;
     d["flex_capture_shapes"] = p.flex.capture_shapes;
   }
   return d;

@@ -49,20 +49,24 @@ xla::ffi::Error AttentionBackward(Context context, xla::ffi::AnyBuffer q, xla::f
                                   xla::ffi::RemainingArgs captures, xla::ffi::Result<xla::ffi::AnyBuffer> dq,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dk,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dv, xla::ffi::Result<xla::ffi::AnyBuffer> dbias,
-                                  xla::ffi::Result<xla::ffi::AnyBuffer> workspace, AttentionAttrs attrs) {
+                                  xla::ffi::Result<xla::ffi::AnyBuffer> workspace,
+                                  xla::ffi::RemainingRets capture_grads, AttentionAttrs attrs) {
   AttentionParams params;
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
   std::vector<const void*> capture_data;
+  std::vector<void*> grad_data;
   Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
                                 dropout, attrs, &params);
   if (status.ok()) status = FlexFromFfi(captures, attrs, &params.flex, &capture_data);
+  if (status.ok()) status = CaptureGradientsFromFfi(capture_grads, params.flex, &grad_data);
   if (status.ok()) status = ExpectDbiasLikeBias(bias, *dbias);
   if (!status.ok()) return ToFfiError(status);
   AttentionOperands operands =
       OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout);
   operands.flex_captures = capture_data.data();
-  return ToFfiError(
-      kRun(params, BackwardBuffersFromFfi(operands, out, lse, dout, dlse, *dq, *dk, *dv, *dbias, *workspace), context));
+  BackwardBuffers buffers = BackwardBuffersFromFfi(operands, out, lse, dout, dlse, *dq, *dk, *dv, *dbias, *workspace);
+  buffers.flex_capture_grads = grad_data.data();
+  return ToFfiError(kRun(params, buffers, context));
 }
 
 }  // namespace te_jax::ffi_handlers

@@ -34,11 +34,11 @@
 
 // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, q_segment_ids, kv_segment_ids,
 // q_positions, kv_positions, page_table, bias, dropout, *captures -> dq, dk, dv, dbias, workspace (uint8 [n], the
-// backend's BackwardWorkspaceBytes)
+// backend's BackwardWorkspaceBytes), *capture gradients (float32, one per floating-point capture of the score_mod)
 #define TE_JAX_FFI_BACKWARD_SIGNATURE                                                                           \
   .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() \
       .Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>() TE_JAX_FFI_TOKEN_ARGS     \
           TE_JAX_FFI_PAGE_TABLE_BIAS_DROPOUT_ARGS TE_JAX_FFI_FLEX_CAPTURE_ARGS.Ret<xla::ffi::AnyBuffer>()          \
       .Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>() \
-          TE_JAX_FFI_ATTENTION_ATTRS
+          .RemainingRets() TE_JAX_FFI_ATTENTION_ATTRS

@@ -36,6 +36,7 @@ struct AttentionAttrs {
   std::string_view mask_mod_library;
   int64_t flex_batch_fold;
   int64_t score_mod_captures;
+  int64_t score_mod_gradients;  // bit i: the score_mod's capture i has a gradient (FlexSpec::capture_gradients)
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -219,6 +220,7 @@ inline Status FlexFromFfi(const xla::ffi::RemainingArgs& captures, const Attenti
   flex->mask_library = std::string(attrs.mask_mod_library);
   flex->batch_fold = attrs.flex_batch_fold;
   flex->score_captures = attrs.score_mod_captures;
+  flex->capture_gradients = attrs.score_mod_gradients;
   for (size_t i = 0; i < captures.size(); ++i) {
     const auto buffer = captures.get<xla::ffi::AnyBuffer>(i);
     if (!buffer.has_value()) {
@@ -227,6 +229,31 @@ inline Status FlexFromFfi(const xla::ffi::RemainingArgs& captures, const Attenti
     const auto dims = buffer->dimensions();
     flex->capture_shapes.emplace_back(dims.begin(), dims.end());
     data->push_back(buffer->untyped_data());
+  }
+  return Status::Ok();
+}
+
+// The backward's results after the workspace: a float32 gradient of each score_mod capture that has one, of its shape.
+inline Status CaptureGradientsFromFfi(const xla::ffi::RemainingRets& grads, const FlexSpec& flex,
+                                      std::vector<void*>* data) {
+  if (static_cast<int64_t>(grads.size()) != flex.num_capture_gradients()) {
+    return Status::InvalidArgument("the backward has " + std::to_string(grads.size()) + " capture gradients; the "
+                                   "score_mod's floating-point captures need " +
+                                   std::to_string(flex.num_capture_gradients()));
+  }
+  int64_t capture = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    while (!flex.has_capture_gradient(capture)) ++capture;
+    auto buffer = grads.get<xla::ffi::AnyBuffer>(i);
+    if (!buffer.has_value() || (*buffer)->element_type() != xla::ffi::DataType::F32) {
+      return Status::InvalidArgument("capture gradient " + std::to_string(i) + " is not a float32 array");
+    }
+    const auto dims = (*buffer)->dimensions();
+    if (std::vector<int64_t>(dims.begin(), dims.end()) != flex.capture_shapes[capture]) {
+      return Status::InvalidArgument("capture gradient " + std::to_string(i) + " does not have its capture's shape");
+    }
+    data->push_back((*buffer)->untyped_data());
+    ++capture;
   }
   return Status::Ok();
 }
@@ -300,4 +327,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(te_jax::ffi_handlers::AttentionAttrs, Stru
                                       StructMember<std::string_view>("score_mod_library"),
                                       StructMember<std::string_view>("mask_mod_library"),
                                       StructMember<int64_t>("flex_batch_fold"),
-                                      StructMember<int64_t>("score_mod_captures"));
+                                      StructMember<int64_t>("score_mod_captures"),
+                                      StructMember<int64_t>("score_mod_gradients"));

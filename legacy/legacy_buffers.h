@@ -71,6 +71,7 @@ inline BackwardBuffers BackwardBuffersFromLegacy(const void* const* in, void* co
   b.dbias = out[3];
   b.workspace = out[4];
   b.workspace_bytes = workspace_bytes;
+  b.flex_capture_grads = out + kBackwardOutputs;  // the score_mod's capture gradients, as many as it has
   return b;
 }
 

@@ -5,7 +5,7 @@ Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, le
   forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias, dropout, *captures
             -> out, lse, workspace
   backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias,
-            dropout, *captures -> dq, dk, dv, dbias, workspace
+            dropout, *captures -> dq, dk, dv, dbias, workspace, *capture gradients
 q_seqlens and kv_seqlens are int32 [B] with a padding mask (a paged call's q_seqlens a placeholder: its queries are the
 last Sq tokens of every sequence). alibi_slopes is float32 [B, H] with config.has_alibi.
 sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
@@ -25,7 +25,8 @@ te_jax/dropout.py (nonzero for a batch or head shard); a placeholder without con
 call: vmap never batches it.
 captures are the arrays the call's score_mod and mask_mod capture (config.num_captures of them, the score_mod's
 first; none without mods), passed as they are: the FFI handler takes them as its remaining operands, the legacy
-handler after dropout (split_captures separates them).
+handler after dropout (split_captures separates them). The backward returns, after the workspace, a float32 gradient
+of each of the score_mod's floating-point captures (config.capture_gradients), unbatched under vmap.
 Each custom call's last result, uint8 [backend.extension.workspace_bytes(params, direction)], is the engine's scratch
 (0 bytes on the CPU): a result, so that XLA owns its memory on both paths. The primitives do not return it.
 """
@@ -132,8 +133,9 @@ def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens
 def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, *tokens_bias_dropout,
                             config: AttentionConfig):
   del out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes
-  bias = split_captures(tokens_bias_dropout, config)[0][-2]
-  return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
+  others, captures = split_captures(tokens_bias_dropout, config)
+  grads = tuple(jax.core.ShapedArray(captures[i].shape, jnp.float32) for i in config.capture_gradients)
+  return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, others[-2])) + grads
 
 
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
@@ -149,7 +151,7 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
   page_table_aval, bias_aval = avals[-3:-1]
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
                               bias_dtype=bias_aval.dtype, page_table_shape=page_table_aval.shape)
-  flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals])
+  flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals], direction)
   params.update(flex)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code, direction)
@@ -169,7 +171,11 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
     lowering = jax.ffi.ffi_lowering(target, api_version=backend.legacy_api_version, backend_config=descriptor)
     attributes = {}
   workspace = jax.core.ShapedArray((backend.extension.workspace_bytes(params, direction),), jnp.uint8)
-  results = lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *operands, **attributes)[:-1]
+  # The workspace follows the fixed results; the backward's capture gradients come after it.
+  fixed = 2 if direction == "forward" else 4
+  avals_out = [*ctx.avals_out[:fixed], workspace, *ctx.avals_out[fixed:]]
+  results = lowering(ctx.replace(avals_out=avals_out), *operands, **attributes)
+  results = [*results[:fixed], *results[fixed + 1:]]
   if merge_sinks_here:
     merge_ctx = ctx.replace(avals_in=[*ctx.avals_out, ctx.avals_in[_SINKS]])
     results = mlir.lower_fun(apply_sinks, multiple_results=True)(merge_ctx, *results, operands[_SINKS])
@@ -289,10 +295,12 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
   else:
     operands = [*_fold_into_batch(args[:-1], dims[:-1], size, keep), args[-1]]
   outs = prim.bind(*operands, dropout, *captures, **params)
-  batched = len(outs) - (returns_dbias and not has_bias)
+  # Batched: out and lse, or dq, dk, dv and a bias's gradient; not a placeholder's dbias nor the captures' gradients
+  # (sums over every example).
+  batched = 2 if not returns_dbias else 4 if has_bias else 3
   outs = [o.reshape((o.shape[0] // size, size) + o.shape[1:]) if i < batched else o for i, o in enumerate(outs)]
   if returns_dbias and has_bias and expanded:  # the bias was broadcast over the batch: its gradient sums over it
-    outs[-1] = outs[-1].astype(jnp.float32).sum(axis=0, keepdims=True).astype(outs[-1].dtype)
+    outs[3] = outs[3].astype(jnp.float32).sum(axis=0, keepdims=True).astype(outs[3].dtype)
   return outs, [1 if i < batched else None for i in range(len(outs))]
 
 

@@ -103,9 +103,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     score_mod: a function score_mod(score, b, h, q_idx, kv_idx) -> score of scalars (PyTorch FlexAttention's; score
       float32, the indices int32) written with jax.numpy / lax, possibly closing over arrays (a relative-position
       table, per-head temperatures): it rewrites each logit after the built-in ones (scale, softcap, ALiBi, + bias),
-      before the masks. b, h (the query head), q_idx and kv_idx are global indices. Its derivative in score comes with
-      it; differentiating an array it captures is an error (no gradient is computed for captures yet). The CPU backend
-      serves it so far (docs/flex_attention.md).
+      before the masks. b, h (the query head), q_idx and kv_idx are global indices. Its derivatives in score and in
+      the floating-point arrays it captures come with it (the captures' gradients summed in float32; in a fixed order
+      with deterministic=True). The CPU backend serves it so far (docs/flex_attention.md).
     mask_mod: a function mask_mod(b, h, q_idx, kv_idx) -> bool: False hides the key, like the built-in masks, which
       it combines with (a key must pass them all). A row it leaves no key gives out = 0, lse = -inf. CPU so far.
 
@@ -163,8 +163,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # page table operand is a placeholder (a paged call is te_jax/paged_attention.py's). `bias` is the bias operand (the
 # placeholder of _primitives.no_bias when absent), whose gradient the backward kernel returns. `dropout` is the dropout
 # operand (key and offsets; te_jax/_primitives.py), which gets no gradient. `captures` is the tuple of arrays the
-# score_mod and mask_mod capture (empty without mods); they get no gradient, and differentiating a float one is an
-# error (refuse_capture_gradient).
+# score_mod and mask_mod capture (empty without mods): the score_mod's floating-point ones get their gradients from the
+# kernels; differentiating a mask_mod's is an error (refuse_capture_gradient).
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures):
   per_head = _primitives.no_sinks() if sinks is None else jnp.broadcast_to(sinks, (q.shape[0], q.shape[2]))
@@ -185,13 +185,17 @@ def _attention_bwd(config, cp, residuals, cotangents):
   q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures = residuals
   dout, dlse = instantiate_zeros(cotangents)
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
-  dq, dk, dv, dbias = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
-                                         _primitives.no_sinks(), tokens, _primitives.no_page_table(), bias,
-                                         dropout, captures)
+  dq, dk, dv, dbias, *grads = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                 alibi, _primitives.no_sinks(), tokens, _primitives.no_page_table(),
+                                                 bias, dropout, captures)
+  # The score_mod's floating-point captures get their gradients (float32 sums, in their dtype); the others none.
+  capture_grads = [None] * len(captures)
+  for i, grad in zip(config.capture_gradients, grads):
+    capture_grads[i] = grad.astype(captures[i].dtype)
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
   return (dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks,
-          (None,) * len(captures))
+          tuple(capture_grads))
 
 
 # symbolic_zeros: the forward learns which operands are differentiated (refuse_slope_gradient).

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from te_jax.flex import ModSpec
+from te_jax.flex.dtypes import is_float
 from te_jax.mask_type import MaskType
 
 # Element-type codes of the C++ core (cpp/core/dtype.h): never renumber.
@@ -61,12 +62,23 @@ class AttentionConfig:
   def num_captures(self) -> int:
     return sum(len(m.capture_types) for m in (self.score_mod, self.mask_mod) if m is not None)
 
-  def flex_params(self, libraries: tuple[str, str], capture_shapes) -> dict:
+  @property
+  def capture_gradients(self) -> tuple[int, ...]:
+    """The score_mod's captures that get a gradient (its floating-point ones): the backward returns a float32 array of
+    each one's shape, in this order, after dq, dk, dv and dbias."""
+    if self.score_mod is None:
+      return ()
+    return tuple(i for i, c in enumerate(self.score_mod.capture_types) if is_float(c.dtype))
+
+  def flex_params(self, libraries: tuple[str, str], capture_shapes, direction: str) -> dict:
     """The core params' score_mod / mask_mod fields (cpp/core/flex_mods.h: FlexSpec): the paths of the libraries
-    serving them ("" for none) and the captures' shapes (tuples: the engine choice keys a cache by the params)."""
+    serving them ("" for none), the captures' shapes (tuples: the engine choice keys a cache by the params) and, in
+    the backward, which captures get gradients (a bit per capture)."""
+    gradients = sum(1 << i for i in self.capture_gradients) if direction == "backward" else 0
     return dict(score_mod_library=libraries[0], mask_mod_library=libraries[1],
                 flex_batch_fold=int(self.flex_batch_fold),
                 score_mod_captures=len(self.score_mod.capture_types) if self.score_mod else 0,
+                score_mod_gradients=gradients,
                 flex_capture_shapes=tuple(tuple(map(int, shape)) for shape in capture_shapes))
 
   def ffi_attributes(self, engine_code: int, flex: dict) -> dict:
@@ -80,7 +92,8 @@ class AttentionConfig:
                 has_bias=bool(self.has_bias), dropout_threshold=np.int64(self.dropout_threshold),
                 page_size=np.int64(self.page_size), score_mod_library=flex["score_mod_library"],
                 mask_mod_library=flex["mask_mod_library"], flex_batch_fold=np.int64(flex["flex_batch_fold"]),
-                score_mod_captures=np.int64(flex["score_mod_captures"]))
+                score_mod_captures=np.int64(flex["score_mod_captures"]),
+                score_mod_gradients=np.int64(flex["score_mod_gradients"]))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
                   bias_dtype=np.float32, page_table_shape=None) -> dict:

@@ -22,16 +22,16 @@ def refuse_slope_gradient(alibi: CustomVJPPrimal) -> None:
 
 
 def refuse_capture_gradient(config, captures) -> None:
-  """A clear error rather than a silent zero: the kernels compute no gradient for the arrays a score_mod or mask_mod
-  captures (captures: their CustomVJPPrimals, the score_mod's first)."""
-  names = [f"score_mod's capture {i}" for i in range(len(config.score_mod.capture_types) if config.score_mod else 0)]
-  names += [f"mask_mod's capture {i}" for i in range(len(captures) - len(names))]
-  for name, capture in zip(names, captures):
+  """A clear error rather than a silent zero: a mask_mod has no derivative, so the kernels compute no gradient for the
+  arrays it captures (captures: the call's CustomVJPPrimals, the score_mod's first, whose floating-point ones get
+  theirs)."""
+  first = len(config.score_mod.capture_types) if config.score_mod else 0
+  for i, capture in enumerate(captures[first:]):
     if capture.perturbed:
       value = capture.value
-      raise ValueError(f"{name} ({value.dtype}{list(value.shape)}) is being differentiated, but te_jax computes no "
-                       "gradient for arrays a score_mod or mask_mod captures yet (it would be a silent zero): wrap it "
-                       "in jax.lax.stop_gradient inside the mod, or pass a trainable additive term as bias=")
+      raise ValueError(f"mask_mod's capture {i} ({value.dtype}{list(value.shape)}) is being differentiated, but a "
+                       "mask_mod has no gradient (it would be a silent zero): wrap it in jax.lax.stop_gradient inside "
+                       "the mod, or move the differentiable part into a score_mod")
 
 
 def instantiate_zeros(cotangents):

@@ -90,7 +90,7 @@ def test_the_lowerings_params_are_a_cache_key(tmp_path):
   # The params exactly as the lowering builds them (core fields, then the flex fields with their capture shapes).
   config = AttentionConfig(MaskType.CAUSAL, -1, -1, 0.125, 0.0, False)
   params = config.core_params((2, 256, 4, 64), (2, 256, 4, 64), (2, 256, 4, 64), "bfloat16")
-  params.update(config.flex_params(("", ""), [(4, 1), (3,)]))
+  params.update(config.flex_params(("", ""), [(4, 1), (3,)], "forward"))
   timer = FakeTimer(2.0, 1.0)
   tuner = EngineTuner(timer, IDENTITY, tmp_path)
   assert tuner.choose(params, "forward") == tuner.choose(dict(params), "forward")

@@ -233,12 +233,90 @@ def test_vmapped_capture_is_refused():
     jax.vmap(attend)(tables)
 
 
-def test_differentiating_a_captured_float_array_is_refused():
+# score_mods whose floating-point captures are differentiated: a T5-style relative-position table per head, a learned
+# per-head temperature in bfloat16, and an integer capture (document ids) beside a float one, which gets no gradient.
+def _table_mod(table):
+  return lambda s, b, h, q, kv: s + table[h, jnp.clip(q - kv + 8, 0, 16)]
+
+
+def _temperature_mod(temperature):
+  return lambda s, b, h, q, kv: s * temperature[h].astype(jnp.float32)
+
+
+def _shifted_documents_mod(table):
+  return lambda s, b, h, q, kv: s + jnp.where(DOC_IDS[b, q] == DOC_IDS[b, kv], table[0], table[1])
+
+
+CAPTURE_GRADIENT_MODS = {
+    "relative_position_table": (_table_mod, _array((H, 17))),
+    "bfloat16_temperature": (_temperature_mod, jnp.asarray(RNG.uniform(0.5, 2.0, H), jnp.bfloat16)),
+    "with_integer_capture": (_shifted_documents_mod, _array(2)),
+}
+
+
+def _capture_loss(make_mod, q, k, v, weights, attend):
+  return lambda capture: jnp.sum(attend(q, k, v, make_mod(capture)) * weights)
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURE_GRADIENT_MODS))
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
+def test_capture_gradients_match_the_reference(name, mask_type):
+  """The gradient of a loss with respect to an array the score_mod captures, against jax.grad of the float64
+  reference through the same mod (q, k and v's gradients too)."""
+  make_mod, capture = CAPTURE_GRADIENT_MODS[name]
   q, k, v = _qkv()
-  loss = lambda table: jnp.sum(te_jax.flex_attention(q, k, v, lambda s, b, h, qi, kvi: s + table[qi - kvi + SKV]))
-  with pytest.raises(ValueError, match="score_mod's capture 0 .* is being differentiated"):
-    jax.grad(loss)(REL_TABLE)
-  jax.grad(lambda t: loss(jax.lax.stop_gradient(t)))(REL_TABLE)  # a fixed table is fine
+  weights = _array((B, SQ, H, DV))
+  causal = mask_type == "causal"
+  te = lambda q, k, v, mod: te_jax.fused_attn(q, k, v, score_mod=mod, mask_type=mask_type)
+  got = jax.jit(jax.grad(lambda c, q: _capture_loss(make_mod, q, k, v, weights, te)(c), argnums=(0, 1)))(capture, q)
+  with jax.enable_x64(True):
+    ref = lambda q, k, v, mod: reference(q, k, v, mod, causal=causal)[0]
+    q64, k64, v64, c64, w64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, capture, weights))
+    want = jax.device_get(jax.grad(lambda c, q: _capture_loss(make_mod, q, k64, v64, w64, ref)(c),
+                                   argnums=(0, 1))(c64, q64))
+  assert got[0].dtype == capture.dtype and got[0].shape == capture.shape
+  assert np.abs(want[0]).max() > 0
+  if capture.dtype == jnp.bfloat16:
+    # Each element's contribution is rounded to bfloat16 (the cotangent of a bfloat16 value is one, as in JAX) before
+    # the float32 sum, whose terms of both signs cancel: a bound on the whole vector.
+    error = np.linalg.norm(np.asarray(got[0], np.float64) - want[0]) / np.linalg.norm(want[0])
+    assert error < 2e-2, error
+  else:
+    _check(got[0], want[0], grad=True)
+  _check(got[1], want[1], grad=True)
+
+
+def test_capture_gradients_are_bitwise_reproducible_with_deterministic_on_both_paths():
+  q, k, v = _qkv()
+  weights = _array((B, SQ, H, DV))
+  make_mod, capture = CAPTURE_GRADIENT_MODS["relative_position_table"]
+  te = lambda q, k, v, mod: te_jax.fused_attn(q, k, v, score_mod=mod, mask_type="causal", deterministic=True)
+  runs = []
+  for path in ("ffi", "legacy", "ffi"):
+    with te_jax.custom_call_path(path):
+      runs.append(np.asarray(jax.jit(jax.grad(_capture_loss(make_mod, q, k, v, weights, te)))(capture)))
+  assert np.abs(runs[0]).max() > 0
+  for run in runs[1:]:
+    np.testing.assert_array_equal(run, runs[0])
+
+
+def test_capture_gradients_under_vmap_sum_over_the_examples():
+  """A capture the examples share: its gradient under vmap is the sum of each example's."""
+  examples = [_qkv() for _ in range(3)]
+  q, k, v = (jnp.stack(x) for x in zip(*examples))
+  make_mod, capture = CAPTURE_GRADIENT_MODS["relative_position_table"]
+  attend = lambda table: lambda q, k, v: te_jax.fused_attn(q, k, v, score_mod=make_mod(table), deterministic=True)
+  mapped = jax.jit(jax.grad(lambda t: jnp.sum(jax.vmap(attend(t))(q, k, v) ** 2)))(capture)
+  each = sum(jax.grad(lambda t: jnp.sum(attend(t)(*example) ** 2))(capture) for example in examples)
+  np.testing.assert_allclose(mapped, each, rtol=1e-4, atol=1e-5 * float(np.abs(each).max()))
+
+
+def test_differentiating_a_mask_mods_capture_is_refused():
+  q, k, v = _qkv()
+  loss = lambda limit: jnp.sum(te_jax.flex_attention(q, k, v, mask_mod=lambda b, h, qi, kvi: kvi < limit[h] * 40.0))
+  with pytest.raises(ValueError, match="mask_mod's capture 0 .* is being differentiated"):
+    jax.grad(loss)(TEMPERATURE)
+  jax.grad(lambda t: loss(jax.lax.stop_gradient(t)))(TEMPERATURE)  # a fixed capture is fine
 
 
 def test_the_mods_key_the_configuration():
@@ -280,7 +358,7 @@ def test_the_gpu_refuses_mods_at_lowering():
     _primitives._mod_libraries(config, gpu)
   # The core refuses it on the CUDA backend too, so a call reaching a CUDA handler fails with the same words.
   params = config.core_params((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), np.float32)
-  params.update(config.flex_params(("", "/some/library.so"), []), dtype=1)
+  params.update(config.flex_params(("", "/some/library.so"), [], "forward"), dtype=1)
   with pytest.raises(ValueError, match="score_mod/mask_mod are served by the CPU backend so far"):
     backend_for("cpu").extension.validate(params, 1, "forward")
 
@@ -289,14 +367,14 @@ def test_legacy_opaque_bytes_carry_the_mods():
   spec = te_jax.flex.translate_score_mod(SCORE_MODS["relative_position_bias"]).spec()
   config = AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, score_mod=spec)
   params = config.core_params((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), np.float32)
-  params.update(config.flex_params(("/cache/flex-score_mod.so", ""), [(SQ + SKV,)]))
+  params.update(config.flex_params(("/cache/flex-score_mod.so", ""), [(SQ + SKV,)], "backward"))
   extension = backend_for("cpu").extension
   packed = extension.pack_descriptor(params)
   assert len(packed) > extension.descriptor_size
   unpacked = extension.unpack_descriptor(packed)
-  assert {key: unpacked[key] for key in config.flex_params(("", ""), [])} == {
+  assert {key: unpacked[key] for key in config.flex_params(("", ""), [], "backward")} == {
       "score_mod_library": "/cache/flex-score_mod.so", "mask_mod_library": "", "flex_batch_fold": 1,
-      "score_mod_captures": 1, "flex_capture_shapes": [[SQ + SKV]]}
+      "score_mod_captures": 1, "score_mod_gradients": 1, "flex_capture_shapes": [[SQ + SKV]]}
   for index in (extension.descriptor_size + 9, len(packed) - 1):
     corrupted = bytearray(packed)
     corrupted[index] ^= 1

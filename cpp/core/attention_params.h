@@ -126,6 +126,9 @@ struct BackwardBuffers : AttentionOperands {
   void* dk = nullptr;
   void* dv = nullptr;
   void* dbias = nullptr;  // bias's shape and dtype, summed over its broadcast dims; zero without a bias
+  // The gradients of the score_mod's floating-point captures (float32, their shapes; flex.capture_gradients says
+  // which), flex.num_capture_gradients() addresses.
+  void* const* flex_capture_grads = nullptr;
   // Scratch the backend needs for this call (BackwardWorkspaceBytes of the backend), an extra result of the custom
   // call on both paths so XLA owns its memory; its contents are undefined on entry and on exit.
   void* workspace = nullptr;

@@ -13,6 +13,9 @@
 //                            key whose probability is 0, masked or -inf, passes no gradient even where DScore is not
 //                            finite)
 //   te_jax_flex_mask_tile:   scores = -inf where Mask is false
+//   te_jax_flex_dcaptures_tile (a score_mod with floating-point captures): grads[i] += dscores * d Score / d capture i
+//                            where dscores != 0 (dscores: the loss's derivative in the modified logits; grads[i] a
+//                            float32 array of capture i's shape, null for a capture without a gradient)
 #pragma once
 
 #include "cpp/core/host_device.h"
@@ -41,6 +44,9 @@ typedef void (*FlexScoreTile)(const FlexCapture* captures, float unit, float* sc
                               int64_t h, int64_t q0, int64_t rows, int64_t kv0, int64_t cols);
 typedef void (*FlexDScoreTile)(const FlexCapture* captures, float unit, const float* scores, float* dscores,
                                int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t kv0, int64_t cols);
+typedef void (*FlexDCapturesTile)(const FlexCapture* captures, float unit, const float* scores, const float* dscores,
+                                  float* const* grads, int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows,
+                                  int64_t kv0, int64_t cols);
 typedef void (*FlexMaskTile)(const FlexCapture* captures, float* scores, int64_t ld, int64_t b, int64_t h, int64_t q0,
                              int64_t rows, int64_t kv0, int64_t cols);
 }
@@ -49,6 +55,7 @@ typedef void (*FlexMaskTile)(const FlexCapture* captures, float* scores, int64_t
 inline constexpr const char* kFlexScoreTileSymbol = "te_jax_flex_score_tile";
 inline constexpr const char* kFlexDScoreTileSymbol = "te_jax_flex_dscore_tile";
 inline constexpr const char* kFlexMaskTileSymbol = "te_jax_flex_mask_tile";
+inline constexpr const char* kFlexDCapturesTileSymbol = "te_jax_flex_dcaptures_tile";
 
 #if !defined(__CUDACC_RTC__)
 // What a call with mods states, the same on both entry paths (FFI: attributes and the trailing operands' shapes;
@@ -59,12 +66,21 @@ struct FlexSpec {
   // vmap folds N examples into the batch (example n of entry b is entry b * N + n): the mods see b / batch_fold.
   int64_t batch_fold = 1;
   int64_t score_captures = 0;  // how many of the captures are the score_mod's
+  // Bit i: the score_mod's capture i (floating point) has a gradient, one float32 result of the backward each, in
+  // capture order after the workspace.
+  int64_t capture_gradients = 0;
   std::vector<std::vector<int64_t>> capture_shapes;
 
   bool has_score_mod() const { return !score_library.empty(); }
   bool has_mask_mod() const { return !mask_library.empty(); }
   bool active() const { return has_score_mod() || has_mask_mod(); }
   int64_t num_captures() const { return static_cast<int64_t>(capture_shapes.size()); }
+  bool has_capture_gradient(int64_t i) const { return i < 63 && ((capture_gradients >> i) & 1) != 0; }
+  int64_t num_capture_gradients() const {
+    int64_t n = 0;
+    for (int64_t i = 0; i < score_captures; ++i) n += has_capture_gradient(i) ? 1 : 0;
+    return n;
+  }
 };
 #endif
 

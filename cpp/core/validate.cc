@@ -101,6 +101,10 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("score_captures " + Str(f.score_captures) + " does not split the " +
                                    Str(f.num_captures()) + " captures between the call's mods");
   }
+  if (f.capture_gradients < 0 || f.score_captures > 62 || (f.capture_gradients >> f.score_captures) != 0) {
+    return Status::InvalidArgument("capture_gradients " + Str(f.capture_gradients) + " names captures the score_mod "
+                                   "does not have (it has " + Str(f.score_captures) + "; at most 62 get gradients)");
+  }
   for (const std::vector<int64_t>& shape : f.capture_shapes) {
     if (static_cast<int64_t>(shape.size()) > kMaxFlexCaptureRank) {
       return Status::InvalidArgument("a score_mod/mask_mod capture has rank " + Str(shape.size()) + "; at most " +

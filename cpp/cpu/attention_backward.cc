@@ -21,6 +21,7 @@
 #include "cpp/cpu/attention_cpu.h"
 #include "cpp/cpu/batch_masks.h"
 #include "cpp/cpu/bias_tile.h"
+#include "cpp/cpu/capture_gradients.h"
 #include "cpp/cpu/dropout_tile.h"
 #include "cpp/cpu/element_types.h"
 #include "cpp/cpu/key_rows.h"
@@ -70,6 +71,7 @@ struct BackwardArgs : OperandArgs<T> {  // k_rows, v_rows contiguous: the backwa
   T* dk;
   T* dv;
   void* dbias;  // bias's dtype
+  void* const* capture_grads;  // the score_mod's floating-point captures' float32 gradients (flex_mods.h)
 };
 
 struct BackwardScratch {
@@ -124,12 +126,14 @@ inline void CarefulProducts(const uint8_t* visible, const float* probs, const fl
 }
 
 // delta: the call's RowDeltas, [B, H, Sq]; dq_part: the float32 [B, Sq, H, D] partial dQ this tile's contribution is
-// added to; dbias_copy: the float32 copy of dbias it adds dS to (bias_tile.h; null without a bias).
+// added to; dbias_copy: the float32 copy of dbias it adds dS to (bias_tile.h; null without a bias); capture_grads: the
+// float32 partial gradients of the score_mod's captures it adds to (indexed by capture, null for those without one;
+// null without capture gradients).
 template <typename T, typename Variant>
 void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMask& mask, const TokenMask& tokens,
                    const KeyTokenBounds& key_tokens, const MatrixB& k_tile, const MatrixB& v_tile, bool kv_finite,
                    const float* delta, int64_t b, int64_t h, int64_t first_row, int64_t key0, int64_t keys,
-                   float* dq_part, float* dbias_copy) {
+                   float* dq_part, float* dbias_copy, float* const* capture_grads) {
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
@@ -196,13 +200,18 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   if (args.dropout.active()) ApplyDropout(args.dropout, b, h, first_row, rows, key0, keys, kTileQ, dscores);
   SoftmaxGradient(probs, s.delta, kIsLinear<Variant> && !linear_scale_later ? p.scale : 1.0f, kTileQ, keys, lanes,
                   dscores);
-  if (args.flex.has_score()) {
-    args.flex.DScore(kLog2e, s.unmodded.data(), dscores, kTileQ, b, h, first_row, rows, key0, keys);
-  }
-  // A pair a row does not see has dS = 0 (its P is 0) whatever dP and delta hold: dbias gets 0 there, and the careful
-  // products skip it.
+  // A pair a row does not see has dS = 0 (its P is 0) whatever dP and delta hold: the captures and dbias get 0 there,
+  // and the careful products skip it.
   if (careful) {
     for (int64_t i = 0; i < keys * kTileQ; ++i) dscores[i] = visible[i] ? dscores[i] : 0.0f;
+  }
+  if (args.flex.has_score()) {
+    // dS in the modified logits to the captures, then through the score_mod to the logits it was given.
+    if (capture_grads != nullptr) {
+      args.flex.DCaptures(kLog2e, s.unmodded.data(), dscores, capture_grads, kTileQ, b, h, first_row, rows, key0,
+                          keys);
+    }
+    args.flex.DScore(kLog2e, s.unmodded.data(), dscores, kTileQ, b, h, first_row, rows, key0, keys);
   }
   if (args.bias.active()) {
     AddBiasGradient(args.bias.layout, b, h, first_row, rows, key0, keys, dscores, kTileQ, dbias_copy);
@@ -234,7 +243,8 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
 // Writes the KV tile's dK and dV and adds its dQ contributions to dq_part, heads and Q tiles in ascending order.
 template <typename T, typename Variant>
 void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::vector<QTileReach>& q_tile_reach,
-                    const float* delta, const WorkItem& item, float* dq_part, float* dbias_copy) {
+                    const float* delta, const WorkItem& item, float* dq_part, float* dbias_copy,
+                    float* const* capture_grads) {
   const AttentionParams& p = args.params;
   const int64_t b = item.batch, kv_head = item.head;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -262,7 +272,7 @@ void BackwardKVTile(const BackwardArgs<T>& args, BackwardScratch& s, const std::
     for (int64_t t = 0; t < q_tiles; ++t) {
       if (!Meets(p, q_tile_reach[b * q_tiles + t], args.kv_tile_tokens, b, item.tile)) continue;
       BackwardQTile<T, Variant>(args, s, mask, tokens, key_tokens, k_tile, v_tile, kv_finite, delta, b, h,
-                                t * kTileQ, key0, keys, dq_part, dbias_copy);
+                                t * kTileQ, key0, keys, dq_part, dbias_copy, capture_grads);
     }
   }
 
@@ -388,8 +398,12 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
   }
   const int64_t bias_elements = MakeBiasLayout(p).elements();
   std::vector<float> dbias_copies(args.bias.active() ? BiasGradientCopies(p, runs) * bias_elements : 0, 0.0f);
+  // The captures' gradients: a part per worker, or with deterministic per item (the items of a run add to the same
+  // elements).
+  CaptureGradients capture_grads(p.flex, p.deterministic ? static_cast<int64_t>(items.size()) : workers);
   ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
     const WorkItem& item = items[i];
+    float* const* captures = capture_grads.Part(p.deterministic ? i : worker);
     std::vector<float>& dq_part = dq_parts[p.deterministic ? item.tile : worker];
     if (!p.deterministic && dq_part.empty()) dq_part.assign(dq_size, 0.0f);
     float* dbias_copy = args.bias.active() ? dbias_copies.data() + BiasGradientCopy(p, runs, item.batch, item.head,
@@ -398,9 +412,10 @@ void Backward(const AttentionParams& p, const BackwardArgs<T>& args, TaskSchedul
     const int64_t* start = run_starts.data() + item.batch * (runs + 1);
     for (int64_t t = start[item.tile]; t < start[item.tile + 1]; ++t) {
       BackwardKVTile<T, Variant>(args, scratch[worker], q_tile_reach, delta.data(),
-                                 {item.batch, item.head, t, item.cost}, dq_part.data(), dbias_copy);
+                                 {item.batch, item.head, t, item.cost}, dq_part.data(), dbias_copy, captures);
     }
   });
+  capture_grads.Sum(scheduler, args.capture_grads);
   // Without a bias this writes the placeholder dbias's one zero.
   SumBiasGradientCopies(scheduler, dbias_copies, bias_elements, p.bias_dtype, args.dbias);
 
@@ -435,7 +450,8 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
                                static_cast<T*>(buffers.dq),
                                static_cast<T*>(buffers.dk),
                                static_cast<T*>(buffers.dv),
-                               buffers.dbias};
+                               buffers.dbias,
+                               buffers.flex_capture_grads};
     DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
       Backward<T, decltype(variant_tag)>(params, args, scheduler);
     });

@@ -60,6 +60,9 @@ Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTile
   if (spec.has_score_mod()) {
     TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexScoreTileSymbol, &tiles->score_));
     TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexDScoreTileSymbol, &tiles->dscore_));
+    if (spec.capture_gradients != 0) {
+      TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexDCapturesTileSymbol, &tiles->dcaptures_));
+    }
   }
   if (spec.has_mask_mod()) TE_JAX_RETURN_IF_ERROR(FindTile(spec.mask_library, kFlexMaskTileSymbol, &tiles->mask_));
   for (int64_t i = 0; i < spec.num_captures(); ++i) {

@@ -16,6 +16,8 @@ class FlexTiles {
  public:
   bool active() const { return score_ != nullptr || mask_ != nullptr; }
   bool has_score() const { return score_ != nullptr; }
+  bool has_capture_gradients() const { return dcaptures_ != nullptr; }
+  int64_t num_score_captures() const { return score_captures_; }
 
   // The tiles hold `unit` * the logit; rows first_row.. of batch entry b (of the folded batch) and query head h.
   void Score(float unit, float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows,
@@ -26,6 +28,12 @@ class FlexTiles {
   void DScore(float unit, const float* scores, float* dscores, int64_t ld, int64_t b, int64_t h, int64_t first_row,
               int64_t rows, int64_t key0, int64_t keys) const {
     dscore_(captures_.data(), unit, scores, dscores, ld, b / batch_fold_, h, first_row, rows, key0, keys);
+  }
+  // grads[i] += dscores * d Score / d capture i (dscores: the loss's derivative in the modified logits; scores: the
+  // logits before Score); grads indexed by the score_mod's captures, null for those without a gradient.
+  void DCaptures(float unit, const float* scores, const float* dscores, float* const* grads, int64_t ld, int64_t b,
+                 int64_t h, int64_t first_row, int64_t rows, int64_t key0, int64_t keys) const {
+    dcaptures_(captures_.data(), unit, scores, dscores, grads, ld, b / batch_fold_, h, first_row, rows, key0, keys);
   }
   void Mask(float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows, int64_t key0,
             int64_t keys) const {
@@ -43,6 +51,7 @@ class FlexTiles {
  private:
   FlexScoreTile score_ = nullptr;
   FlexDScoreTile dscore_ = nullptr;
+  FlexDCapturesTile dcaptures_ = nullptr;
   FlexMaskTile mask_ = nullptr;
   std::vector<FlexCapture> captures_;  // the score_mod's, then the mask_mod's
   int64_t score_captures_ = 0;
