@@ -99,6 +99,8 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   if (d.contains("flex_batch_fold")) p.flex.batch_fold = i64("flex_batch_fold");
   if (d.contains("score_mod_captures")) p.flex.score_captures = i64("score_mod_captures");
   if (d.contains("score_mod_gradients")) p.flex.capture_gradients = i64("score_mod_gradients");
+  if (d.contains("flex_block_q")) p.flex.block_q = i64("flex_block_q");
+  if (d.contains("flex_block_kv")) p.flex.block_kv = i64("flex_block_kv");
   if (d.contains("flex_capture_shapes")) {
     p.flex.capture_shapes = Field<std::vector<std::vector<int64_t>>>(d, "flex_capture_shapes");
   }
@@ -138,6 +140,8 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
     d["flex_batch_fold"] = p.flex.batch_fold;
     d["score_mod_captures"] = p.flex.score_captures;
     d["score_mod_gradients"] = p.flex.capture_gradients;
+    d["flex_block_q"] = p.flex.block_q;
+    d["flex_block_kv"] = p.flex.block_kv;
     d["flex_capture_shapes"] = p.flex.capture_shapes;
   }
   return d;

@@ -37,6 +37,8 @@ struct AttentionAttrs {
   int64_t flex_batch_fold;
   int64_t score_mod_captures;
   int64_t score_mod_gradients;  // bit i: the score_mod's capture i has a gradient (FlexSpec::capture_gradients)
+  int64_t flex_block_q;         // a block mask's block (FlexSpec::block_q, block_kv); 0 without one
+  int64_t flex_block_kv;
 };
 
 // The packed-sequence operands (ffi/attention_signature.h: TE_JAX_FFI_TOKEN_ARGS), always present.
@@ -221,6 +223,8 @@ inline Status FlexFromFfi(const xla::ffi::RemainingArgs& captures, const Attenti
   flex->batch_fold = attrs.flex_batch_fold;
   flex->score_captures = attrs.score_mod_captures;
   flex->capture_gradients = attrs.score_mod_gradients;
+  flex->block_q = attrs.flex_block_q;
+  flex->block_kv = attrs.flex_block_kv;
   for (size_t i = 0; i < captures.size(); ++i) {
     const auto buffer = captures.get<xla::ffi::AnyBuffer>(i);
     if (!buffer.has_value()) {
@@ -328,4 +332,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(te_jax::ffi_handlers::AttentionAttrs, Stru
                                       StructMember<std::string_view>("mask_mod_library"),
                                       StructMember<int64_t>("flex_batch_fold"),
                                       StructMember<int64_t>("score_mod_captures"),
-                                      StructMember<int64_t>("score_mod_gradients"));
+                                      StructMember<int64_t>("score_mod_gradients"),
+                                      StructMember<int64_t>("flex_block_q"), StructMember<int64_t>("flex_block_kv"));

@@ -18,6 +18,8 @@ std::string PackFlex(const FlexSpec& f) {
   w.Put<int64_t>(f.batch_fold);
   w.Put<int64_t>(f.score_captures);
   w.Put<int64_t>(f.capture_gradients);
+  w.Put<int64_t>(f.block_q);
+  w.Put<int64_t>(f.block_kv);
   w.Put<uint16_t>(static_cast<uint16_t>(f.num_captures()));
   for (const std::vector<int64_t>& shape : f.capture_shapes) {
     w.Put<uint8_t>(static_cast<uint8_t>(shape.size()));
@@ -55,6 +57,8 @@ Status UnpackFlex(const char* data, size_t size, FlexSpec* f) {
   out.batch_fold = r.Get<int64_t>();
   out.score_captures = r.Get<int64_t>();
   out.capture_gradients = r.Get<int64_t>();
+  out.block_q = r.Get<int64_t>();
+  out.block_kv = r.Get<int64_t>();
   const uint16_t captures = r.Get<uint16_t>();
   for (uint16_t i = 0; i < captures && !r.overrun(); ++i) {
     std::vector<int64_t> shape(r.Get<uint8_t>());

@@ -4,7 +4,7 @@
 //
 // Wire format, little-endian, no padding:
 //   u32 magic "TEJF" | u32 total size | u16 n, n bytes: the score_mod's library | u16 n, n bytes: the mask_mod's |
-//   i64 batch_fold | i64 score_captures | i64 capture_gradients | u16 captures | per capture: u8 rank, i64 x rank (its shape) |
+//   i64 batch_fold | i64 score_captures | i64 capture_gradients | i64 block_q | i64 block_kv | u16 captures | per capture: u8 rank, i64 x rank (its shape) |
 //   u32 FNV-1a checksum of every byte before it
 #pragma once
 

@@ -1,6 +1,7 @@
 """te_jax: fused attention for JAX, one C++ core behind XLA FFI and legacy custom calls."""
 
 from te_jax.attention import fused_attn
+from te_jax.block_mask import BlockMask, create_block_mask
 from te_jax.cpu_isa import cpu_isa
 from te_jax.custom_call_path import current_custom_call_path, custom_call_path
 from te_jax.drop_in import dot_product_attention
@@ -35,7 +36,7 @@ __all__ = ["fused_attn", "flex_attention", "merge_states", "paged_attention", "s
            "dot_product_attention", "dropout_keep_mask", "MaskType", "EngineUnavailableError", "custom_call_path",
            "current_custom_call_path", "raise_legacy_failures", "reorder_for_load_balancing",
            "inverse_reorder_for_load_balancing", "cpu_isa", "disabled_export_checks", "quantize_fp8", "dequantize_fp8",
-           "quantize_kv_pages", "append_kv_pages"]
+           "quantize_kv_pages", "append_kv_pages", "BlockMask", "create_block_mask"]
 __version__ = "0.1.0"
 
 

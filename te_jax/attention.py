@@ -19,6 +19,7 @@ from te_jax.engine import requested_engine
 from te_jax.fp8 import fp8_operands
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
+from te_jax.block_mask import block_mask_operand
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_capture_gradient, refuse_slope_gradient
 
 
@@ -29,7 +30,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                context_parallel_load_balanced: bool = False, q_segment_ids=None, kv_segment_ids=None,
                q_positions=None, kv_positions=None, sink_logits=None, bias=None, dropout_rate: float = 0.0,
                dropout_rng=None, q_descale=None, k_descale=None, v_descale=None, fp8=False, fp8_amax=None,
-               out_dtype=None, score_mod=None, mask_mod=None):
+               out_dtype=None, score_mod=None, mask_mod=None, block_mask=None):
   """Fused scaled-dot-product attention.
 
   Args:
@@ -108,6 +109,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       with deterministic=True). The CPU backend serves it so far (docs/flex_attention.md).
     mask_mod: a function mask_mod(b, h, q_idx, kv_idx) -> bool: False hides the key, like the built-in masks, which
       it combines with (a key must pass them all). A row it leaves no key gives out = 0, lse = -inf. CPU so far.
+    block_mask: a te_jax.BlockMask (te_jax.create_block_mask) of a mask_mod, which it then brings (pass mask_mod=None):
+      the kernels skip the blocks it hides (their keys kept out of the products, like the built-in masks' keys) and
+      call the mask_mod only on the blocks it cuts.
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype (an FP8 call's: out_dtype), and lse if return_lse. Rows with no visible key give
@@ -129,7 +133,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                                                   batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced,
                               (q, k, v))
+  mask_mod, blocks, block_shape = block_mask_operand(block_mask, mask_mod, batch, num_heads, seqlen_q, seqlen_kv)
   score_spec, mask_spec, captures = mod_operands(score_mod, mask_mod)
+  if blocks is not None:  # the last capture
+    captures = (*captures, blocks)
   if cp is not None and (score_spec is not None or mask_spec is not None):
     raise ValueError("score_mod/mask_mod do not go with context parallelism yet (the mods see global indices, which "
                      "the blocks would need offsets for); pass context_parallel_axis=None")
@@ -141,7 +148,7 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            dropout_threshold=threshold,
                            # context parallelism merges the sinks after its blocks' merge (_attention)
                            has_sinks=sink_logits is not None and cp is None, fp8=is_fp8, score_mod=score_spec,
-                           mask_mod=mask_spec)
+                           mask_mod=mask_spec, block_mask=block_shape)
   alibi = alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias = bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))

@@ -53,6 +53,8 @@ class AttentionConfig:
   score_mod: ModSpec | None = None
   mask_mod: ModSpec | None = None
   flex_batch_fold: int = 1
+  # A block mask of the mask_mod (te_jax/block_mask.py): its (block_q, block_kv); its blocks are the last capture.
+  block_mask: tuple[int, int] | None = None
 
   @property
   def has_mods(self) -> bool:
@@ -60,7 +62,8 @@ class AttentionConfig:
 
   @property
   def num_captures(self) -> int:
-    return sum(len(m.capture_types) for m in (self.score_mod, self.mask_mod) if m is not None)
+    return sum(len(m.capture_types) for m in (self.score_mod, self.mask_mod) if m is not None) + \
+        (self.block_mask is not None)
 
   @property
   def capture_gradients(self) -> tuple[int, ...]:
@@ -79,6 +82,8 @@ class AttentionConfig:
                 flex_batch_fold=int(self.flex_batch_fold),
                 score_mod_captures=len(self.score_mod.capture_types) if self.score_mod else 0,
                 score_mod_gradients=gradients,
+                flex_block_q=self.block_mask[0] if self.block_mask else 0,
+                flex_block_kv=self.block_mask[1] if self.block_mask else 0,
                 flex_capture_shapes=tuple(tuple(map(int, shape)) for shape in capture_shapes))
 
   def ffi_attributes(self, engine_code: int, flex: dict) -> dict:
@@ -93,7 +98,8 @@ class AttentionConfig:
                 page_size=np.int64(self.page_size), score_mod_library=flex["score_mod_library"],
                 mask_mod_library=flex["mask_mod_library"], flex_batch_fold=np.int64(flex["flex_batch_fold"]),
                 score_mod_captures=np.int64(flex["score_mod_captures"]),
-                score_mod_gradients=np.int64(flex["score_mod_gradients"]))
+                score_mod_gradients=np.int64(flex["score_mod_gradients"]),
+                flex_block_q=np.int64(flex["flex_block_q"]), flex_block_kv=np.int64(flex["flex_block_kv"]))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
                   bias_dtype=np.float32, page_table_shape=None) -> dict:

@@ -319,6 +319,84 @@ def test_differentiating_a_mask_mods_capture_is_refused():
   jax.grad(lambda t: loss(jax.lax.stop_gradient(t)))(TEMPERATURE)  # a fixed capture is fine
 
 
+def _dense_block_states(mask_mod, batch, heads, block_q, block_kv):
+  """The block states from the dense mask, written the obvious way."""
+  b, h, i, j = np.meshgrid(np.arange(batch), np.arange(heads), np.arange(SQ), np.arange(SKV), indexing="ij")
+  keep = np.asarray(jax.vmap(mask_mod)(*(jnp.asarray(x.ravel(), jnp.int32) for x in (b, h, i, j)))).reshape(b.shape)
+  rows, cols = -(-SQ // block_q), -(-SKV // block_kv)
+  states = np.zeros((batch, heads, rows, cols), np.int8)
+  for r in range(rows):
+    for c in range(cols):
+      block = keep[:, :, r * block_q:(r + 1) * block_q, c * block_kv:(c + 1) * block_kv]
+      states[:, :, r, c] = np.where(block.all(axis=(2, 3)), 2, np.where(block.any(axis=(2, 3)), 1, 0))
+  return states
+
+
+@pytest.mark.parametrize("name", ["python_causal", "prefix_lm", "document", "by_batch_and_head"])
+@pytest.mark.parametrize("block", [16, (8, 32)])
+def test_create_block_mask_states(name, block):
+  """Each block hidden, cut or kept as the dense mask says, lengths not multiples of the blocks; B and H None give
+  one block row for all where the mask depends on neither."""
+  mask_mod = MASK_MODS[name]
+  mask = te_jax.create_block_mask(mask_mod, B, H, SQ, SKV, block=block)
+  block_q, block_kv = (block, block) if isinstance(block, int) else block
+  np.testing.assert_array_equal(mask.blocks, _dense_block_states(mask_mod, B, H, block_q, block_kv))
+  assert (mask.block_q, mask.block_kv, mask.seqlen_q, mask.seqlen_kv) == (block_q, block_kv, SQ, SKV)
+  if name == "python_causal":
+    shared = te_jax.create_block_mask(mask_mod, None, None, SQ, SKV, block=block)
+    assert shared.blocks.shape[:2] == (1, 1)
+    np.testing.assert_array_equal(shared.blocks[0, 0], mask.blocks[1, 2])
+    assert set(np.unique(mask.blocks)) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("name", ["python_causal", "document", "by_batch_and_head"])
+def test_a_block_mask_gives_its_mask_mods_attention(name):
+  """flex_attention with the block mask (blocks of 16: tiles cut several of them) equals it with the mask_mod alone,
+  and the reference, forward and every gradient, on both paths; under jit with the block mask an argument."""
+  q, k, v = _qkv()
+  mask_mod = MASK_MODS[name]
+  block_mask = te_jax.create_block_mask(mask_mod, B, H, SQ, SKV, block=16)
+  _check_against_reference(q, k, v, SCORE_MODS["head_temperature"], mask_mod, block_mask=block_mask)
+  weights = _loss_weights((B, SQ, H, DV), (B, H, SQ))
+  got, _ = _te(q, k, v, "ffi", weights, mask_mod=mask_mod, block_mask=block_mask)
+  without, _ = _te(q, k, v, "ffi", weights, mask_mod=mask_mod)
+  for a, b in zip(got, without):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  ffi, _ = _te(q, k, v, "ffi", weights, block_mask=block_mask)
+  legacy, _ = _te(q, k, v, "legacy", weights, block_mask=block_mask)
+  for a, b in zip(ffi, legacy):
+    np.testing.assert_array_equal(a, b)
+  f = jax.jit(lambda q, k, v, bm: te_jax.flex_attention(q, k, v, block_mask=bm))
+  np.testing.assert_array_equal(f(q, k, v, block_mask), te_jax.flex_attention(q, k, v, block_mask=block_mask))
+
+
+def test_a_hidden_block_keeps_its_keys_out_of_the_products():
+  """Keys of blocks the block mask hides stay out of P.V, as the built-in masks' do: a NaN in their V rows reaches no
+  row (the mask_mod alone lets it in, 0 x NaN)."""
+  q, k, v = _array((1, 64, 2, D)), _array((1, 256, 2, D)), _array((1, 256, 2, DV))
+  mask_mod = MASK_MODS["python_causal"]
+  v = v.at[:, 200].set(jnp.nan)  # no row sees key 200: its whole key tile (the CPU's 128 keys) is hidden
+  block_mask = te_jax.create_block_mask(mask_mod, None, None, 64, 256, block=64)
+  out = np.asarray(te_jax.flex_attention(q, k, v, block_mask=block_mask))
+  assert np.isfinite(out).all()
+  assert np.isnan(np.asarray(te_jax.flex_attention(q, k, v, mask_mod=mask_mod))).all()
+
+
+def test_bad_block_masks_raise_naming_the_argument():
+  q, k, v = _qkv()
+  block_mask = te_jax.create_block_mask(MASK_MODS["python_causal"], B, H, SQ, SKV, block=16)
+  with pytest.raises(TypeError, match="block_mask must be a te_jax.BlockMask"):
+    te_jax.flex_attention(q, k, v, block_mask=block_mask.blocks)
+  with pytest.raises(ValueError, match="block_mask carries its own mask_mod"):
+    te_jax.flex_attention(q, k, v, mask_mod=MASK_MODS["document"], block_mask=block_mask)
+  with pytest.raises(ValueError, match="block_mask was made for Sq, Skv = 37, 45"):
+    te_jax.flex_attention(q[:, :20], k, v, block_mask=block_mask)
+  with pytest.raises(ValueError, match="block_q must be a positive int"):
+    te_jax.create_block_mask(MASK_MODS["python_causal"], B, H, SQ, SKV, block=(0, 16))
+  with pytest.raises(TypeError, match="mask_mod must be a function"):
+    te_jax.create_block_mask(None, B, H, SQ, SKV)
+
+
 def test_the_mods_key_the_configuration():
   """jit's cache key: the same mod written twice is one configuration, another mod another."""
   config = lambda mod: AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, score_mod=mod)
@@ -374,7 +452,8 @@ def test_legacy_opaque_bytes_carry_the_mods():
   unpacked = extension.unpack_descriptor(packed)
   assert {key: unpacked[key] for key in config.flex_params(("", ""), [], "backward")} == {
       "score_mod_library": "/cache/flex-score_mod.so", "mask_mod_library": "", "flex_batch_fold": 1,
-      "score_mod_captures": 1, "score_mod_gradients": 1, "flex_capture_shapes": [[SQ + SKV]]}
+      "score_mod_captures": 1, "score_mod_gradients": 1, "flex_block_q": 0, "flex_block_kv": 0,
+      "flex_capture_shapes": [[SQ + SKV]]}
   for index in (extension.descriptor_size + 9, len(packed) - 1):
     corrupted = bytearray(packed)
     corrupted[index] ^= 1

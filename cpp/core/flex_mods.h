@@ -28,6 +28,9 @@
 
 namespace te_jax {
 
+// A block's state in a block mask's blocks: the mask_mod hides all its pairs, some, or none.
+inline constexpr int8_t kBlockHidden = 0, kBlockPartial = 1, kBlockVisible = 2;
+
 // The most dimensions a captured array may have.
 inline constexpr int kMaxFlexCaptureRank = 8;
 
@@ -69,11 +72,19 @@ struct FlexSpec {
   // Bit i: the score_mod's capture i (floating point) has a gradient, one float32 result of the backward each, in
   // capture order after the workspace.
   int64_t capture_gradients = 0;
+  // A block mask of the mask_mod (te_jax/block_mask.py): its blocks' queries and keys (0: none). Its blocks, int8
+  // [B or 1, H or 1, ceil(Sq / block_q), ceil(Skv / block_kv)] of kBlockHidden / kBlockPartial / kBlockVisible, are the
+  // last capture.
+  int64_t block_q = 0;
+  int64_t block_kv = 0;
   std::vector<std::vector<int64_t>> capture_shapes;
 
   bool has_score_mod() const { return !score_library.empty(); }
   bool has_mask_mod() const { return !mask_library.empty(); }
   bool active() const { return has_score_mod() || has_mask_mod(); }
+  bool has_block_mask() const { return block_q > 0; }
+  // The mask_mod's captures (after the score_mod's, before the block mask's blocks).
+  int64_t mask_captures() const { return num_captures() - score_captures - (has_block_mask() ? 1 : 0); }
   int64_t num_captures() const { return static_cast<int64_t>(capture_shapes.size()); }
   bool has_capture_gradient(int64_t i) const { return i < 63 && ((capture_gradients >> i) & 1) != 0; }
   int64_t num_capture_gradients() const {

@@ -97,9 +97,25 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
                                    Str(f.batch_fold));
   }
   if (f.score_captures < 0 || f.score_captures > f.num_captures() ||
-      (!f.has_score_mod() && f.score_captures != 0) || (!f.has_mask_mod() && f.score_captures != f.num_captures())) {
+      (!f.has_score_mod() && f.score_captures != 0) ||
+      (!f.has_mask_mod() && f.score_captures != f.num_captures() - (f.has_block_mask() ? 1 : 0))) {
     return Status::InvalidArgument("score_captures " + Str(f.score_captures) + " does not split the " +
                                    Str(f.num_captures()) + " captures between the call's mods");
+  }
+  if (f.block_q < 0 || f.block_kv < 0 || (f.block_q > 0) != (f.block_kv > 0)) {
+    return Status::InvalidArgument("a block mask's blocks must have positive sizes, got " + Str(f.block_q) + " x " +
+                                   Str(f.block_kv));
+  }
+  if (f.has_block_mask()) {
+    const std::vector<int64_t> want{-1, -1, (p.seqlen_q + f.block_q - 1) / f.block_q,
+                                    (p.seqlen_kv + f.block_kv - 1) / f.block_kv};
+    const std::vector<int64_t>* blocks = f.num_captures() > 0 ? &f.capture_shapes.back() : nullptr;
+    if (!f.has_mask_mod() || f.mask_captures() < 0 || blocks == nullptr || blocks->size() != 4 ||
+        ((*blocks)[0] != 1 && (*blocks)[0] != p.batch / f.batch_fold) ||
+        ((*blocks)[1] != 1 && (*blocks)[1] != p.num_heads) || (*blocks)[2] != want[2] || (*blocks)[3] != want[3]) {
+      return Status::InvalidArgument("a block mask goes with a mask_mod, its blocks the last capture, of shape [1 or "
+                                     "B, 1 or H, " + Str(want[2]) + ", " + Str(want[3]) + "]");
+    }
   }
   if (f.capture_gradients < 0 || f.score_captures > 62 || (f.capture_gradients >> f.score_captures) != 0) {
     return Status::InvalidArgument("capture_gradients " + Str(f.capture_gradients) + " names captures the score_mod "

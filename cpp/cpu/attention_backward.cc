@@ -137,6 +137,9 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
+  // A block mask: a pair of tiles whose blocks hide every pair adds nothing (P = 0); one they keep takes no mask_mod.
+  const int8_t block_state = args.flex.TileState(b, h, first_row, rows, key0, keys);
+  if (block_state == kBlockHidden) return;
   const int64_t lanes = RoundUpToLanes(rows);
   const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
   const HeadRows<const T> dout = Head(args.dout, p.seqlen_q, p.num_heads, dv, b, h);
@@ -176,7 +179,9 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   }
   if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
   if (args.flex.has_score()) std::copy(scores, scores + keys * kTileQ, s.unmodded.data());
-  if (args.flex.active()) args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys);
+  if (args.flex.active()) {
+    args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys, block_state == kBlockVisible);
+  }
   const bool all_see = s.ranges.AllSee(key0, key0 + keys, key_tokens);
   if (!all_see) s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
   // Masked pairs (and -inf logits) must add nothing even where an operand is non-finite: which pairs a row sees, kept

@@ -125,6 +125,9 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
       if (key0 == key_end) continue;
     }
     const int64_t keys = key_end - key0;
+    // A block mask: a tile whose blocks hide every pair is skipped like a masked one; one they keep takes no mask_mod.
+    const int8_t block_state = args.flex.TileState(b, h, first_row, rows, key0, keys);
+    if (block_state == kBlockHidden) continue;
     const int64_t next_keys = std::min(kTileKV, s.ranges.any.end - (tile0 + kTileKV));
     if (next_keys > 0) {
       PrefetchKeyRows(args.k, args.k_rows, b, kv_head, tile0 + kTileKV, next_keys);
@@ -142,7 +145,9 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     if (key_lanes) s.key_lane_scores.Scores(keys, rows, lanes, s.q_t.data(), kTileQ, scores, kTileQ);
     if constexpr (!kIsLinear<Variant>) ApplyLogits(variant, s.logits, scores, scores, keys, lanes, key0, tokens);
     if (args.bias.active()) AddBias(args.bias, b, h, first_row, rows, key0, keys, kLog2e, kTileQ, scores);
-    if (args.flex.active()) args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys);
+    if (args.flex.active()) {
+      args.flex.Apply(kLog2e, scores, kTileQ, b, h, first_row, rows, key0, keys, block_state == kBlockVisible);
+    }
     if (!all_see) {
       s.ranges.MaskScores(scores, kTileQ, key0, keys, lanes);
     } else if (tokens.active()) {

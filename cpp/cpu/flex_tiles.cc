@@ -70,7 +70,29 @@ Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTile
   }
   tiles->score_captures_ = spec.score_captures;
   tiles->batch_fold_ = spec.batch_fold;
+  if (spec.has_block_mask()) {
+    tiles->blocks_ = &tiles->captures_.back();
+    tiles->block_q_ = spec.block_q;
+    tiles->block_kv_ = spec.block_kv;
+  }
   return Status::Ok();
+}
+
+int8_t FlexTiles::TileState(int64_t b, int64_t h, int64_t first_row, int64_t rows, int64_t key0, int64_t keys) const {
+  if (blocks_ == nullptr || rows <= 0 || keys <= 0) return kBlockPartial;
+  const int8_t* blocks = static_cast<const int8_t*>(blocks_->data);
+  const int64_t* shape = blocks_->shape;
+  const int64_t* strides = blocks_->strides;
+  const int64_t base = (shape[0] == 1 ? 0 : b / batch_fold_) * strides[0] + (shape[1] == 1 ? 0 : h) * strides[1];
+  bool all_hidden = true, all_visible = true;
+  for (int64_t row = first_row / block_q_; row <= (first_row + rows - 1) / block_q_; ++row) {
+    for (int64_t col = key0 / block_kv_; col <= (key0 + keys - 1) / block_kv_; ++col) {
+      const int8_t state = blocks[base + row * strides[2] + col * strides[3]];
+      all_hidden &= state == kBlockHidden;
+      all_visible &= state == kBlockVisible;
+    }
+  }
+  return all_hidden ? kBlockHidden : all_visible ? kBlockVisible : kBlockPartial;
 }
 
 }  // namespace te_jax::cpu

@@ -39,12 +39,16 @@ class FlexTiles {
             int64_t keys) const {
     mask_(captures_.data() + score_captures_, scores, ld, b / batch_fold_, h, first_row, rows, key0, keys);
   }
-  // Score and Mask where the call has them.
+  // Score and Mask where the call has them; Mask not where `visible` (a block mask keeps the whole tile).
   void Apply(float unit, float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows,
-             int64_t key0, int64_t keys) const {
+             int64_t key0, int64_t keys, bool visible = false) const {
     if (score_ != nullptr) Score(unit, scores, ld, b, h, first_row, rows, key0, keys);
-    if (mask_ != nullptr) Mask(scores, ld, b, h, first_row, rows, key0, keys);
+    if (mask_ != nullptr && !visible) Mask(scores, ld, b, h, first_row, rows, key0, keys);
   }
+
+  // What the call's block mask says of a tile (the blocks it overlaps): kBlockHidden if they all hide every pair,
+  // kBlockVisible if they all keep every pair, else kBlockPartial (and without a block mask).
+  int8_t TileState(int64_t b, int64_t h, int64_t first_row, int64_t rows, int64_t key0, int64_t keys) const;
 
   friend Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTiles* tiles);
 
@@ -53,7 +57,9 @@ class FlexTiles {
   FlexDScoreTile dscore_ = nullptr;
   FlexDCapturesTile dcaptures_ = nullptr;
   FlexMaskTile mask_ = nullptr;
-  std::vector<FlexCapture> captures_;  // the score_mod's, then the mask_mod's
+  std::vector<FlexCapture> captures_;  // the score_mod's, then the mask_mod's (then the block mask's blocks)
+  const FlexCapture* blocks_ = nullptr;  // the block mask's blocks, null without one
+  int64_t block_q_ = 0, block_kv_ = 0;
   int64_t score_captures_ = 0;
   int64_t batch_fold_ = 1;
 };

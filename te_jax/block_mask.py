@@ -1,0 +1,97 @@
+"""Block masks (FlexAttention's): which blocks of (query, key) pairs a mask_mod hides wholly, keeps wholly, or cuts,
+computed once and reused across layers and calls, so the kernels skip the blocks it hides and call the mask_mod only
+on the blocks it cuts (docs/flex_attention.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A block's state in BlockMask.blocks.
+HIDDEN, PARTIAL, VISIBLE = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """blocks: int8 [B or 1, H or 1, ceil(Sq / block_q), ceil(Skv / block_kv)], per block of queries and keys
+  HIDDEN (0: the mask_mod hides every pair), PARTIAL (1) or VISIBLE (2: it keeps every pair); a size-1 batch or head
+  dim serves every batch entry or head. mask_mod is the function it was made from, which a call with the block mask
+  applies on its PARTIAL blocks."""
+  blocks: jax.Array
+  mask_mod: object = dataclasses.field(metadata=dict(static=True))
+  seqlen_q: int = dataclasses.field(metadata=dict(static=True))
+  seqlen_kv: int = dataclasses.field(metadata=dict(static=True))
+  block_q: int = dataclasses.field(metadata=dict(static=True))
+  block_kv: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _positive(value, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def create_block_mask(mask_mod, B, H, Sq: int, Skv: int, *, block=128) -> BlockMask:
+  """The BlockMask of mask_mod(b, h, q_idx, kv_idx) -> bool over B x H x Sq x Skv.
+
+  Args:
+    mask_mod: the mask_mod (te_jax.flex_attention's contract).
+    B, H: the batch size and query heads, or None where the mask does not depend on b (h): one block row serves all.
+    Sq, Skv: the query and key lengths.
+    block: the block's queries and keys, an int or (block_q, block_kv); te_jax's kernels read any size, and skip more
+      work with blocks that are multiples of their tiles (CPU: 64 queries x 128 keys).
+
+  Evaluated on the default device one block row of queries at a time (lax.map), so it never holds more than
+  B x H x block_q x Skv mask values: under jit, inside the step that uses it, or once outside and passed in.
+  """
+  if not callable(mask_mod):
+    raise TypeError(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+  batch = 1 if B is None else _positive(B, "B")
+  heads = 1 if H is None else _positive(H, "H")
+  seqlen_q, seqlen_kv = _positive(Sq, "Sq"), _positive(Skv, "Skv")
+  block_q, block_kv = (block, block) if not isinstance(block, (tuple, list)) else tuple(block)
+  block_q, block_kv = _positive(block_q, "block_q"), _positive(block_kv, "block_kv")
+  rows, cols = math.ceil(seqlen_q / block_q), math.ceil(seqlen_kv / block_kv)
+
+  b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
+  h = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+  kv = jnp.arange(cols * block_kv, dtype=jnp.int32)[None, None, None, :]
+  mod = jnp.vectorize(lambda b, h, q, kv: jnp.asarray(mask_mod(b, h, q, kv), bool))
+
+  def block_row(row):
+    q = (row * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None]
+    inside = (q < seqlen_q) & (kv < seqlen_kv)
+    keep = mod(b, h, jnp.minimum(q, seqlen_q - 1), jnp.minimum(kv, seqlen_kv - 1)) & inside
+    keep = keep.reshape(batch, heads, block_q, cols, block_kv)
+    inside = jnp.broadcast_to(inside, keep.shape[:3] + (cols * block_kv,)).reshape(keep.shape)
+    some = keep.any(axis=(2, 4))
+    every = (keep | ~inside).all(axis=(2, 4))
+    return jnp.where(every, VISIBLE, jnp.where(some, PARTIAL, HIDDEN)).astype(jnp.int8)
+
+  blocks = jax.lax.map(block_row, jnp.arange(rows, dtype=jnp.int32))  # [rows, batch, heads, cols]
+  return BlockMask(jnp.transpose(blocks, (1, 2, 0, 3)), mask_mod, seqlen_q, seqlen_kv, block_q, block_kv)
+
+
+def block_mask_operand(block_mask, mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_kv: int):
+  """(the mask_mod a call applies, the blocks operand or None, (block_q, block_kv) or None) of fused_attn's
+  block_mask= and mask_mod=."""
+  if block_mask is None:
+    return mask_mod, None, None
+  if not isinstance(block_mask, BlockMask):
+    raise TypeError(f"block_mask must be a te_jax.BlockMask (te_jax.create_block_mask) or None, got "
+                    f"{type(block_mask).__name__}")
+  if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+    raise ValueError("block_mask carries its own mask_mod: pass mask_mod=None (or the block mask's own mask_mod)")
+  if (block_mask.seqlen_q, block_mask.seqlen_kv) != (seqlen_q, seqlen_kv):
+    raise ValueError(f"block_mask was made for Sq, Skv = {block_mask.seqlen_q}, {block_mask.seqlen_kv}; this call "
+                     f"has {seqlen_q}, {seqlen_kv}")
+  b, h = block_mask.blocks.shape[:2]
+  if b not in (1, batch) or h not in (1, heads):
+    raise ValueError(f"block_mask's blocks have batch and head dims {b}, {h}; this call needs 1 or {batch}, and 1 or "
+                     f"{heads}")
+  return block_mask.mask_mod, block_mask.blocks, (block_mask.block_q, block_mask.block_kv)
