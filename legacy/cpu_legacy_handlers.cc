@@ -50,8 +50,10 @@ extern "C" void TeJaxLegacyAttentionBackwardCpu(void* out, const void** in, cons
   legacy::RunLegacyCpu<legacy::kBackwardOutputs>(
       "te_jax_attention_backward_cpu_legacy", out, opaque, opaque_len, legacy::BackwardOutputBytes,
       [&](const AttentionParams& params, void* const* outputs) {
-        return cpu::AttentionBackward(
-            params, legacy::BackwardBuffersFromLegacy(in, outputs, cpu::BackwardWorkspaceBytes(params)),
-            cpu::DefaultTaskScheduler());
+        const BackwardBuffers buffers =
+            legacy::BackwardBuffersFromLegacy(in, outputs, cpu::BackwardWorkspaceBytes(params));
+        const Status status = cpu::AttentionBackward(params, buffers, cpu::DefaultTaskScheduler());
+        if (!status.ok()) legacy::PoisonCaptureGradients(params, buffers);
+        return status;
       });
 }

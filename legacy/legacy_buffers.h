@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "cpp/core/attention_params.h"
 #include "cpp/core/bias.h"
@@ -81,6 +82,19 @@ inline void ForwardOutputBytes(const AttentionParams& p, size_t bytes[kForwardOu
   bytes[0] = static_cast<size_t>(p.batch * p.seqlen_q * p.num_heads * p.head_dim_v) * DTypeSize(p.dtype);
   bytes[1] = static_cast<size_t>(p.batch * p.num_heads * p.seqlen_q) * sizeof(float);
   bytes[2] = 0;
+}
+
+// A failed backward's capture gradients (after the fixed outputs), filled with 0xFF like them.
+inline void PoisonCaptureGradients(const AttentionParams& p, const BackwardBuffers& b) {
+  const FlexSpec& f = p.flex;
+  int64_t output = 0;
+  for (int64_t i = 0; i < f.score_captures && i < f.num_captures(); ++i) {
+    if (!f.has_capture_gradient(i)) continue;
+    int64_t elements = 1;
+    for (int64_t extent : f.capture_shapes[i]) elements *= extent;
+    if (elements > 0) std::memset(b.flex_capture_grads[output], 0xFF, static_cast<size_t>(elements) * sizeof(float));
+    ++output;
+  }
 }
 
 // dk and dv have k's and v's shapes: [B, Skv, ...], or the pool [num_pages, page_size, ...] of a paged call (which
