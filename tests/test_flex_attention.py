@@ -370,6 +370,18 @@ def test_a_block_mask_gives_its_mask_mods_attention(name):
   np.testing.assert_array_equal(f(q, k, v, block_mask), te_jax.flex_attention(q, k, v, block_mask=block_mask))
 
 
+def test_a_block_mask_under_vmap():
+  """Shared by the examples of a vmap (folded into the batch), a block mask of a mask on b and h gives each example
+  its own blocks."""
+  examples = [_qkv() for _ in range(3)]
+  q, k, v = (jnp.stack(x) for x in zip(*examples))
+  block_mask = te_jax.create_block_mask(MASK_MODS["by_batch_and_head"], B, H, SQ, SKV, block=16)
+  attend = lambda q, k, v: te_jax.flex_attention(q, k, v, block_mask=block_mask)
+  mapped = jax.jit(jax.vmap(attend))(q, k, v)
+  for n, example in enumerate(examples):
+    np.testing.assert_array_equal(mapped[n], attend(*example))
+
+
 def test_a_hidden_block_keeps_its_keys_out_of_the_products():
   """Keys of blocks the block mask hides stay out of P.V, as the built-in masks' do: a NaN in their V rows reaches no
   row (the mask_mod alone lets it in, 0 x NaN)."""
