@@ -97,10 +97,11 @@ def test_ffi_hlo():
   assert "TEJD" not in text and "_legacy" not in text
   # Typed attributes, one per option, in the mhlo.backend_config dictionary.
   assert text.count("mhlo.backend_config = {deterministic = false, dropout_threshold = 0 : i64, engine = 0 : i64, "
-                    "flex_batch_fold = 1 : i64, has_alibi = true, has_bias = false, has_positions = false, "
+                    "flex_batch_fold = 1 : i64, flex_block_kv = 0 : i64, flex_block_q = 0 : i64, "
+                    "has_alibi = true, has_bias = false, has_positions = false, "
                     "has_segment_ids = false, has_sinks = false, mask_mod_library = \"\", "
                     "mask_type = 5 : i64, page_size = 0 : i64, scale = 2.500000e-01 : f32, "
-                    "score_mod_captures = 0 : i64, score_mod_library = \"\", "
+                    "score_mod_captures = 0 : i64, score_mod_gradients = 0 : i64, score_mod_library = \"\", "
                     "softcap = 4.000000e+00 : f32, window_left = 3 : i64, window_right = 1 : i64}") == 2
   # Operands: forward q, k, v, q_seqlens, kv_seqlens, alibi_slopes (float32 [B, H] here), then the placeholders of
   # sinks, the four token operands (q/kv segment ids, q/kv positions), the page table, the bias and the dropout
