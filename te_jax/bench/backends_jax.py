@@ -309,6 +309,34 @@ class DeterministicBackend(TeJaxBackend):
     return dict(super().fused_attn_kwargs(case), deterministic=True)
 
 
+class MaskModBackend(TeJaxBackend):
+  """te_jax's kernels with the case's mask written as a mask_mod (te_jax-mask-mod; no mask: one that keeps every key),
+  and with a block mask of it made in setup and reused (te_jax-block-mask): what a mask costs as a Python function
+  against the built-in one (te_jax-ffi). The CPU serves mods so far."""
+
+  def __init__(self, block_mask: bool):
+    super().__init__("ffi")
+    self.block_mask = block_mask
+    self.name = "te_jax-block-mask" if block_mask else "te_jax-mask-mod"
+    self.label = "te_jax, the mask as a mask_mod" + (" with a block mask" if block_mask else "")
+    self.url = "te_jax.fused_attn(mask_mod=..." + (", block_mask=te_jax.create_block_mask(...))" if block_mask else ")")
+    self.caps = Capabilities(platforms={"cpu": ALL}, causal_cross=False)
+
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    import te_jax
+    causal = case.causal
+
+    def mask_mod(b, h, i, j):
+      return j <= i if causal else j >= 0
+
+    kwargs = dict(super().fused_attn_kwargs(case), mask_type="no_mask")
+    if self.block_mask:
+      kwargs["block_mask"] = te_jax.create_block_mask(mask_mod, None, None, case.seq_q, case.seq_kv)
+    else:
+      kwargs["mask_mod"] = mask_mod
+    return kwargs
+
+
 class RingPermutesBackend(ContextParallelBackend):
   """Not attention: te_jax-cp-ring's communication alone, its N - 1 steps each passing every device's K and V shard to
   the next (lax.ppermute under shard_map), on the ring's sharded inputs, nothing computed. Beside te_jax-cp-ring and
@@ -592,7 +620,7 @@ class KvReadBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 DeterministicBackend(), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
+                 DeterministicBackend(), MaskModBackend(False), MaskModBackend(True), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
                  JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
