@@ -43,6 +43,7 @@ COMPLEX = jnp.ones(2, jnp.complex64)
 SCORE_MODS = {
     "relative_position_bias": (lambda s, b, h, q, kv: s + REL_TABLE[q - kv + K - 1], 0),
     "head_temperature": (lambda s, b, h, q, kv: s / TEMPERATURE[h], 0),
+    "static_slices": (lambda s, b, h, q, kv: s * SMALL[1:4][h] + REL_TABLE[2:][q + kv], 0),
     "alibi": (lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q), 0),
     "softcap": (lambda s, b, h, q, kv: 30.0 * jnp.tanh(s / 30.0), 8),
     "causal_minus_inf": (lambda s, b, h, q, kv: jnp.where(q >= kv, s, -jnp.inf), 0),
@@ -183,7 +184,8 @@ def test_mask_mod_matches_jax(name, tmp_path):
   assert 0 < expected.sum() < expected.size  # the mask masks something and keeps something
 
 
-GRADIENT_MODS = ("relative_position_bias", "head_temperature", "alibi", "out_of_bounds_indices", "half_precision")
+GRADIENT_MODS = ("relative_position_bias", "head_temperature", "static_slices", "alibi", "out_of_bounds_indices",
+                 "half_precision")
 
 
 def _capture_gradients_cpp(mod: flex.FlexMod, tmp_path, scores, cts) -> list[np.ndarray]:
