@@ -110,8 +110,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     mask_mod: a function mask_mod(b, h, q_idx, kv_idx) -> bool: False hides the key, like the built-in masks, which
       it combines with (a key must pass them all). A row it leaves no key gives out = 0, lse = -inf. CPU so far.
     block_mask: a te_jax.BlockMask (te_jax.create_block_mask) of a mask_mod, which it then brings (pass mask_mod=None):
-      the kernels skip the blocks it hides (their keys kept out of the products, like the built-in masks' keys) and
-      call the mask_mod only on the blocks it cuts.
+      the kernels skip the blocks it hides and call the mask_mod only on the blocks it cuts: the same results as the
+      mask_mod alone, faster. A mask_mod given without one gets one built in the call (te_jax/block_mask.py).
 
   Returns:
     out [B, Sq, H, Dv] in q's dtype (an FP8 call's: out_dtype), and lse if return_lse. Rows with no visible key give

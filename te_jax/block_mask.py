@@ -10,6 +10,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core
+
+from te_jax import _logging
+
+logger = _logging.logger.getChild("flex")
 
 # A block's state in BlockMask.blocks.
 HIDDEN, PARTIAL, VISIBLE = 0, 1, 2
@@ -77,9 +82,41 @@ def create_block_mask(mask_mod, B, H, Sq: int, Skv: int, *, block=128) -> BlockM
   return BlockMask(jnp.transpose(blocks, (1, 2, 0, 3)), mask_mod, seqlen_q, seqlen_kv, block_q, block_kv)
 
 
+# The block of a call's own block mask: the CPU kernels' tile (cpp/cpu/tile_shape.h: kTileQ queries, kTileKV keys), so
+# that each tile is one block.
+CALL_BLOCK = (64, 128)
+# A call's own block mask costs B x H x Sq x Skv evaluations of the mask_mod in XLA (B or H 1 where the mask does not
+# read b or h); above this many the call runs without one.
+MAX_CALL_BLOCK_MASK_EVALUATIONS = 1 << 26
+
+
+def _reads_b_and_h(mask_mod) -> tuple[bool, bool]:
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda b, h, q, kv: mask_mod(b, h, q, kv))(index, index, index, index).jaxpr
+  used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, core.Var)}
+  used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+  return jaxpr.invars[0] in used, jaxpr.invars[1] in used
+
+
+def call_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> BlockMask | None:
+  """The block mask a call given a mask_mod and no block mask builds for itself (one block row for every batch entry
+  or head where the mask does not read b or h), or None where that costs more than MAX_CALL_BLOCK_MASK_EVALUATIONS."""
+  reads_b, reads_h = _reads_b_and_h(mask_mod)
+  evaluations = (batch if reads_b else 1) * (heads if reads_h else 1) * seqlen_q * seqlen_kv
+  if evaluations > MAX_CALL_BLOCK_MASK_EVALUATIONS:
+    logger.debug("mask_mod without a block mask: %d evaluations would build one, more than %d; none built",
+                 evaluations, MAX_CALL_BLOCK_MASK_EVALUATIONS)
+    return None
+  logger.debug("mask_mod without a block mask: building one in the call, %d evaluations", evaluations)
+  return create_block_mask(mask_mod, batch if reads_b else None, heads if reads_h else None, seqlen_q, seqlen_kv,
+                           block=CALL_BLOCK)
+
+
 def block_mask_operand(block_mask, mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_kv: int):
   """(the mask_mod a call applies, the blocks operand or None, (block_q, block_kv) or None) of fused_attn's
-  block_mask= and mask_mod=."""
+  block_mask= and mask_mod=; a mask_mod without a block mask gets the call's own (call_block_mask)."""
+  if block_mask is None and mask_mod is not None and callable(mask_mod):
+    block_mask = call_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_kv)
   if block_mask is None:
     return mask_mod, None, None
   if not isinstance(block_mask, BlockMask):

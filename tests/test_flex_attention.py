@@ -370,6 +370,24 @@ def test_a_block_mask_gives_its_mask_mods_attention(name):
   np.testing.assert_array_equal(f(q, k, v, block_mask), te_jax.flex_attention(q, k, v, block_mask=block_mask))
 
 
+def test_a_mask_mod_alone_gets_a_block_mask_built_in_the_call(monkeypatch):
+  """One block row for every batch entry and head where the mask_mod reads neither b nor h, per batch entry and head
+  where it does, CPU-tile blocks; none above the evaluation limit."""
+  from te_jax import block_mask as block_masks
+  causal = block_masks.call_block_mask(MASK_MODS["python_causal"], B, H, SQ, SKV)
+  assert causal.blocks.shape == (1, 1, 1, 1) and (causal.block_q, causal.block_kv) == block_masks.CALL_BLOCK
+  per_head = block_masks.call_block_mask(MASK_MODS["by_batch_and_head"], B, H, 200, 300)
+  assert per_head.blocks.shape == (B, H, 4, 3)
+  assert block_masks.call_block_mask(MASK_MODS["document"], B, H, 200, 300).blocks.shape == (B, 1, 4, 3)
+  monkeypatch.setattr(block_masks, "MAX_CALL_BLOCK_MASK_EVALUATIONS", B * H * 200 * 300 - 1)
+  assert block_masks.call_block_mask(MASK_MODS["by_batch_and_head"], B, H, 200, 300) is None
+  q, k, v = _qkv()
+  built = te_jax.flex_attention(q, k, v, mask_mod=MASK_MODS["by_batch_and_head"])  # the call's own, CPU-tile blocks
+  np.testing.assert_allclose(built, te_jax.flex_attention(
+      q, k, v, block_mask=te_jax.create_block_mask(MASK_MODS["by_batch_and_head"], B, H, SQ, SKV, block=16)),
+      rtol=1e-5, atol=1e-6)
+
+
 def test_a_block_mask_under_vmap():
   """Shared by the examples of a vmap (folded into the batch), a block mask of a mask on b and h gives each example
   its own blocks."""
@@ -382,16 +400,26 @@ def test_a_block_mask_under_vmap():
     np.testing.assert_array_equal(mapped[n], attend(*example))
 
 
-def test_a_hidden_block_keeps_its_keys_out_of_the_products():
-  """Keys of blocks the block mask hides stay out of P.V, as the built-in masks' do: a NaN in their V rows reaches no
-  row (the mask_mod alone lets it in, 0 x NaN)."""
+@pytest.mark.parametrize("operand", ["q", "v", "none"])
+def test_a_block_mask_changes_no_result_where_an_operand_is_nan(operand):
+  """A hidden key tile is skipped only where its operands are finite: a NaN in the V of a key no row sees still
+  enters as 0 x NaN, and a NaN in a query row still reaches dK, as with the mask_mod alone; all finite, the skip
+  leaves every result as it was. Forward and gradients, the block mask against the mask_mod alone."""
   q, k, v = _array((1, 64, 2, D)), _array((1, 256, 2, D)), _array((1, 256, 2, DV))
+  if operand == "v":
+    v = v.at[:, 200].set(jnp.nan)  # no row sees key 200: its whole key tile (the CPU's 128 keys) is hidden
+  if operand == "q":
+    q = q.at[:, 10].set(jnp.nan)
   mask_mod = MASK_MODS["python_causal"]
-  v = v.at[:, 200].set(jnp.nan)  # no row sees key 200: its whole key tile (the CPU's 128 keys) is hidden
   block_mask = te_jax.create_block_mask(mask_mod, None, None, 64, 256, block=64)
-  out = np.asarray(te_jax.flex_attention(q, k, v, block_mask=block_mask))
-  assert np.isfinite(out).all()
-  assert np.isnan(np.asarray(te_jax.flex_attention(q, k, v, mask_mod=mask_mod))).all()
+  weights = _loss_weights((1, 64, 2, DV), (1, 2, 64))
+  got, _ = _te(q, k, v, "ffi", weights, block_mask=block_mask)
+  want, _ = _te(q, k, v, "ffi", weights, mask_mod=mask_mod)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    np.testing.assert_allclose(np.where(np.isnan(b), 0, a), np.where(np.isnan(b), 0, b), rtol=1e-5, atol=1e-6)
+  if operand != "none":
+    assert np.isnan(got[0]).any()
 
 
 def test_bad_block_masks_raise_naming_the_argument():

@@ -137,9 +137,7 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
   const AttentionParams& p = args.params;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = std::min(kTileQ, p.seqlen_q - first_row);
-  // A block mask: a pair of tiles whose blocks hide every pair adds nothing (P = 0); one they keep takes no mask_mod.
   const int8_t block_state = args.flex.TileState(b, h, first_row, rows, key0, keys);
-  if (block_state == kBlockHidden) return;
   const int64_t lanes = RoundUpToLanes(rows);
   const HeadRows<const T> q = Head(args.q, p.seqlen_q, p.num_heads, d, b, h);
   const HeadRows<const T> dout = Head(args.dout, p.seqlen_q, p.num_heads, dv, b, h);
@@ -164,6 +162,13 @@ void BackwardQTile(const BackwardArgs<T>& args, BackwardScratch& s, const RowMas
     // A row that saw no key (lse = -inf) has every score masked to -inf: lse2 = +inf makes its P 0 rather than NaN.
     s.lse2[r] = lse[r] == -INFINITY ? INFINITY : lse[r] * kLog2e;
     s.delta[r] = row_delta[r];
+  }
+  // A block mask: a pair of tiles whose blocks hide every pair adds nothing (P = 0) and is skipped, unless an operand
+  // is non-finite, whose NaN would enter as 0 x NaN (as without the block mask); one whose blocks keep every pair takes
+  // no mask_mod.
+  if (block_state == kBlockHidden &&
+      !NeedsCarefulProducts(kv_finite, q_rows, dout_rows, s.lse2, s.delta, rows, d, dv)) {
+    return;
   }
 
   // P^T = exp2(S^T - lse), zero where masked.

@@ -125,9 +125,17 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
       if (key0 == key_end) continue;
     }
     const int64_t keys = key_end - key0;
-    // A block mask: a tile whose blocks hide every pair is skipped like a masked one; one they keep takes no mask_mod.
+    // A block mask: a tile whose blocks hide every pair adds nothing to its rows (P = 0) and is skipped, unless its V
+    // rows hold a NaN or inf, which enters as 0 x NaN (a hidden key's, as without the block mask); one whose blocks
+    // keep every pair takes no mask_mod.
     const int8_t block_state = args.flex.TileState(b, h, first_row, rows, key0, keys);
-    if (block_state == kBlockHidden) continue;
+    if (block_state == kBlockHidden) {
+      const auto v_runs = KeyRowsAsFloat<kTileKV>(args.v, args.v_rows, b, kv_head, key0, keys, v_in_place, s.v.data());
+      if (std::all_of(v_runs.begin(), v_runs.end(),
+                      [&](const KeyRun& v_run) { return AllFinite(v_run.rows, v_run.count, dv); })) {
+        continue;
+      }
+    }
     const int64_t next_keys = std::min(kTileKV, s.ranges.any.end - (tile0 + kTileKV));
     if (next_keys > 0) {
       PrefetchKeyRows(args.k, args.k_rows, b, kv_head, tile0 + kTileKV, next_keys);
