@@ -15,11 +15,11 @@ from te_jax.arguments import (alibi_operand, as_array, bias_operand, check_bool,
                               check_window, dropout_operand, mod_operands, seqlens_operand, sink_operand,
                               token_operands)
 from te_jax.attention_config import AttentionConfig
+from te_jax.block_mask import block_mask_operand
 from te_jax.engine import requested_engine
 from te_jax.fp8 import fp8_operands
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
-from te_jax.block_mask import block_mask_operand
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_capture_gradient, refuse_slope_gradient
 
 
@@ -133,13 +133,13 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                                                   batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced,
                               (q, k, v))
+  if cp is not None and any(x is not None for x in (score_mod, mask_mod, block_mask)):
+    raise ValueError("score_mod/mask_mod do not go with context parallelism yet (the mods see global indices, which "
+                     "the blocks would need offsets for); pass context_parallel_axis=None")
   mask_mod, blocks, block_shape = block_mask_operand(block_mask, mask_mod, batch, num_heads, seqlen_q, seqlen_kv)
   score_spec, mask_spec, captures = mod_operands(score_mod, mask_mod)
   if blocks is not None:  # the last capture
     captures = (*captures, blocks)
-  if cp is not None and (score_spec is not None or mask_spec is not None):
-    raise ValueError("score_mod/mask_mod do not go with context parallelism yet (the mods see global indices, which "
-                     "the blocks would need offsets for); pass context_parallel_axis=None")
   config = AttentionConfig(mask_type=mask, window_left=window_left, window_right=window_right,
                            scale=check_scale(scale, head_dim), softcap=check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, deterministic=bool(deterministic),
