@@ -121,7 +121,7 @@ def rules(base: dict) -> dict:
     return base["convert_element_type"](em, eqn, x)
 
   return {**base, "broadcast_in_dim": broadcast_in_dim, "dynamic_update_slice": dynamic_update_slice,
-          "scatter-add": scatter_add, "scatter_add": scatter_add, "pad": pad, "add_any": add("add_any"),
+          "scatter-add": scatter_add, "pad": pad, "add_any": add("add_any"),
           "add": add("add"), "convert_element_type": convert_element_type}
 
 
