@@ -90,8 +90,7 @@ inline void PoisonCaptureGradients(const AttentionParams& p, const BackwardBuffe
   int64_t output = 0;
   for (int64_t i = 0; i < f.score_captures && i < f.num_captures(); ++i) {
     if (!f.has_capture_gradient(i)) continue;
-    int64_t elements = 1;
-    for (int64_t extent : f.capture_shapes[i]) elements *= extent;
+    const int64_t elements = f.capture_elements(i);
     if (elements > 0) std::memset(b.flex_capture_grads[output], 0xFF, static_cast<size_t>(elements) * sizeof(float));
     ++output;
   }

@@ -86,6 +86,11 @@ struct FlexSpec {
   // The mask_mod's captures (after the score_mod's, before the block mask's blocks).
   int64_t mask_captures() const { return num_captures() - score_captures - (has_block_mask() ? 1 : 0); }
   int64_t num_captures() const { return static_cast<int64_t>(capture_shapes.size()); }
+  int64_t capture_elements(int64_t i) const {
+    int64_t n = 1;
+    for (int64_t extent : capture_shapes[i]) n *= extent;
+    return n;
+  }
   bool has_capture_gradient(int64_t i) const { return i < 63 && ((capture_gradients >> i) & 1) != 0; }
   int64_t num_capture_gradients() const {
     int64_t n = 0;

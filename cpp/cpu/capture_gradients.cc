@@ -7,8 +7,7 @@ namespace te_jax::cpu {
 CaptureGradients::CaptureGradients(const FlexSpec& spec, int64_t parts) {
   if (spec.num_capture_gradients() == 0) return;
   for (int64_t i = 0; i < spec.score_captures; ++i) {
-    int64_t size = 1;
-    for (int64_t extent : spec.capture_shapes[i]) size *= extent;
+    const int64_t size = spec.capture_elements(i);
     const bool has = spec.has_capture_gradient(i);
     offsets_.push_back(has ? elements_ : -1);
     sizes_.push_back(has ? size : 0);

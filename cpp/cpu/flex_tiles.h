@@ -16,8 +16,6 @@ class FlexTiles {
  public:
   bool active() const { return score_ != nullptr || mask_ != nullptr; }
   bool has_score() const { return score_ != nullptr; }
-  bool has_capture_gradients() const { return dcaptures_ != nullptr; }
-  int64_t num_score_captures() const { return score_captures_; }
 
   // The tiles hold `unit` * the logit; rows first_row.. of batch entry b (of the folded batch) and query head h.
   void Score(float unit, float* scores, int64_t ld, int64_t b, int64_t h, int64_t first_row, int64_t rows,
