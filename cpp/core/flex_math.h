@@ -203,6 +203,16 @@ TE_JAX_HOST_DEVICE float Float16Value(uint16_t bits) {
 // An index into a captured array's dimension, clamped to [0, last] as lax.dynamic_slice and gather (mode clip) do.
 TE_JAX_HOST_DEVICE int64_t ClampIndex(int64_t i, int64_t last) { return i < 0 ? 0 : (i > last ? last : i); }
 
+// A capture gradient's term: the CPU gives each worker its own arrays; the GPU's threads share one, so they add
+// atomically.
+TE_JAX_HOST_DEVICE void AddGradient(float* at, float value) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(at, value);
+#else
+  *at += value;
+#endif
+}
+
 // The platform's libm (glibc on the host, CUDA's device math without fast-math on the GPU): XLA:CPU uses its own
 // approximations for some (tanh, erf: a few ulp from glibc), so these match JAX within ulps, not bitwise.
 TE_JAX_HOST_DEVICE float Exp(float x) { return expf(x); }

@@ -4,8 +4,6 @@ elements, so the per-element Score / DScore / Mask call is inlined."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from te_jax.flex import dtypes
 
 _TILE = "int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows, int64_t kv0, int64_t cols"
@@ -14,14 +12,7 @@ _INDICES = "static_cast<int>(b), static_cast<int>(h), static_cast<int>(q0 + r), 
 
 def _bind(spec) -> list[str]:
   """The struct with its members pointing at the captures."""
-  lines = [f"te_jax::flex::{'ScoreMod' if spec.kind == 'score_mod' else 'MaskMod'} mod;"]
-  for i, capture in enumerate(spec.capture_types):
-    lines.append(f"mod.capture{i} = static_cast<const {dtypes.ELEMENT_TYPES[np.dtype(capture.dtype)]}*>"
-                 f"(captures[{i}].data);")
-    for axis in range(len(capture.shape)):
-      lines += [f"mod.capture{i}_shape[{axis}] = captures[{i}].shape[{axis}];",
-                f"mod.capture{i}_strides[{axis}] = captures[{i}].strides[{axis}];"]
-  return lines
+  return [f"const auto mod = te_jax::flex::{'ScoreMod' if spec.kind == 'score_mod' else 'MaskMod'}::Bind(captures);"]
 
 
 def _function(name: str, parameters: str, bind: list[str], element: list[str]) -> list[str]:
