@@ -58,7 +58,8 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 // A module request from Python (te_jax/aot.py's configurations): {"direction", "dtype" (core code), "head_dim",
 // "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and optionally "deterministic", "decode", "tokens",
 // "dropout" (bools, default false), "bias_dtype" (core code of the additive bias's dtype; absent or None: no bias) and
-// "bias_fits_tma" (bool). {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
+// "bias_fits_tma" (bool), "score_mod" and "mask_mod" (paths of generated mod sources, te_jax/flex/cuda_source.py).
+// {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 // Which module serves the request, and what no module serves, is ConfigFor's decision (cpp/cuda/kernel_config.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   if (d.contains("kind")) {
@@ -80,6 +81,8 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   r.bias = d.contains("bias_dtype") && !d["bias_dtype"].is_none();
   if (r.bias) r.bias_dtype = DTypeFromInt(nb::cast<int>(d["bias_dtype"]), "bias_dtype");
   r.bias_fits_tma = flag("bias_fits_tma");
+  if (d.contains("score_mod")) r.score_mod = nb::cast<std::string>(d["score_mod"]);
+  if (d.contains("mask_mod")) r.mask_mod = nb::cast<std::string>(d["mask_mod"]);
   r.arch = nb::cast<std::string>(d["arch"]);
   cuda::KernelConfig config;
   ThrowIfError(cuda::ConfigFor(r, &config));

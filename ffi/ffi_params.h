@@ -245,9 +245,9 @@ inline Status CaptureGradientsFromFfi(const xla::ffi::RemainingRets& grads, cons
                                    "score_mod's floating-point captures need " +
                                    std::to_string(flex.num_capture_gradients()));
   }
-  int64_t capture = 0;
+  const std::vector<int64_t> captures = flex.gradient_captures();
   for (size_t i = 0; i < grads.size(); ++i) {
-    while (!flex.has_capture_gradient(capture)) ++capture;
+    const int64_t capture = captures[i];
     auto buffer = grads.get<xla::ffi::AnyBuffer>(i);
     if (!buffer.has_value() || (*buffer)->element_type() != xla::ffi::DataType::F32) {
       return Status::InvalidArgument("capture gradient " + std::to_string(i) + " is not a float32 array");
@@ -257,7 +257,6 @@ inline Status CaptureGradientsFromFfi(const xla::ffi::RemainingRets& grads, cons
       return Status::InvalidArgument("capture gradient " + std::to_string(i) + " does not have its capture's shape");
     }
     data->push_back((*buffer)->untyped_data());
-    ++capture;
   }
   return Status::Ok();
 }

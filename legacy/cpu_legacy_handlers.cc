@@ -53,7 +53,10 @@ extern "C" void TeJaxLegacyAttentionBackwardCpu(void* out, const void** in, cons
         const BackwardBuffers buffers =
             legacy::BackwardBuffersFromLegacy(in, outputs, cpu::BackwardWorkspaceBytes(params));
         const Status status = cpu::AttentionBackward(params, buffers, cpu::DefaultTaskScheduler());
-        if (!status.ok()) legacy::PoisonCaptureGradients(params, buffers);
+        if (!status.ok()) {
+          legacy::PoisonCaptureGradients(params, buffers,
+                                         [](void* at, size_t bytes) { std::memset(at, 0xFF, bytes); });
+        }
         return status;
       });
 }

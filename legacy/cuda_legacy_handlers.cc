@@ -9,9 +9,10 @@
 namespace te_jax::legacy {
 namespace {
 
-template <int kNumInputs, int kNumOutputs, typename OutputBytes, typename Run>
+// run(params, inputs, outputs); poison_more(params, outputs, fill) fills a failed call's outputs past the fixed ones.
+template <int kNumInputs, int kNumOutputs, typename OutputBytes, typename Run, typename PoisonMore>
 void RunLegacyCuda(const char* target, CUstream stream, void** buffers, const char* opaque, size_t opaque_len,
-                   OutputBytes output_bytes, Run run) {
+                   OutputBytes output_bytes, Run run, PoisonMore poison_more) {
   AttentionParams params;
   Status status = UnpackOpaque(opaque, opaque_len, &params);
   if (!status.ok()) {
@@ -26,9 +27,13 @@ void RunLegacyCuda(const char* target, CUstream stream, void** buffers, const ch
   output_bytes(params, bytes);
   const cuda::DriverApi* driver = nullptr;
   if (cuda::GetDriver(&driver).ok()) {
+    const auto fill = [&](void* at, size_t n) {
+      driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(at), 0xFF, n, stream);
+    };
     for (int i = 0; i < kNumOutputs; ++i) {
-      if (bytes[i] > 0) driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(outputs[i]), 0xFF, bytes[i], stream);
+      if (bytes[i] > 0) fill(outputs[i], bytes[i]);
     }
+    poison_more(params, outputs, fill);
   }
   RecordLegacyFailure(target, status);
 }
@@ -44,7 +49,8 @@ extern "C" void TeJaxLegacyAttentionForwardCuda(CUstream stream, void** buffers,
       [&](const AttentionParams& params, const void* const* in, void* const* out) {
         return cuda::AttentionForward(params, legacy::ForwardBuffersFromLegacy(in, out, cuda::ForwardWorkspaceBytes(params)),
                                       stream);
-      });
+      },
+      [](const AttentionParams&, void* const*, auto) {});
 }
 
 extern "C" void TeJaxLegacyAttentionBackwardCuda(CUstream stream, void** buffers, const char* opaque,
@@ -55,5 +61,9 @@ extern "C" void TeJaxLegacyAttentionBackwardCuda(CUstream stream, void** buffers
       [&](const AttentionParams& params, const void* const* in, void* const* out) {
         return cuda::AttentionBackward(
             params, legacy::BackwardBuffersFromLegacy(in, out, cuda::BackwardWorkspaceBytes(params)), stream);
+      },
+      [&](const AttentionParams& params, void* const* out, auto fill) {
+        const BackwardBuffers b = legacy::BackwardBuffersFromLegacy(buffers, out, 0);
+        legacy::PoisonCaptureGradients(params, b, fill);
       });
 }

@@ -84,15 +84,14 @@ inline void ForwardOutputBytes(const AttentionParams& p, size_t bytes[kForwardOu
   bytes[2] = 0;
 }
 
-// A failed backward's capture gradients (after the fixed outputs), filled with 0xFF like them.
-inline void PoisonCaptureGradients(const AttentionParams& p, const BackwardBuffers& b) {
-  const FlexSpec& f = p.flex;
-  int64_t output = 0;
-  for (int64_t i = 0; i < f.score_captures && i < f.num_captures(); ++i) {
-    if (!f.has_capture_gradient(i)) continue;
-    const int64_t elements = f.capture_elements(i);
-    if (elements > 0) std::memset(b.flex_capture_grads[output], 0xFF, static_cast<size_t>(elements) * sizeof(float));
-    ++output;
+// A failed backward's capture gradients (after the fixed outputs), filled with 0xFF like them: fill(address, bytes),
+// a memset on the backend's memory.
+template <typename Fill>
+void PoisonCaptureGradients(const AttentionParams& p, const BackwardBuffers& b, Fill fill) {
+  const std::vector<int64_t> captures = p.flex.gradient_captures();
+  for (size_t i = 0; i < captures.size(); ++i) {
+    const int64_t elements = p.flex.capture_elements(captures[i]);
+    if (elements > 0) fill(b.flex_capture_grads[i], static_cast<size_t>(elements) * sizeof(float));
   }
 }
 

@@ -30,8 +30,9 @@ class Backend:
   # Whether the backend serves FP8 attention (AttentionConfig.fp8): the CPU attends over the dequantized values in
   # float32, the reference; a backend without FP8 kernels refuses such a call at lowering.
   serves_fp8: bool = False
-  # (te_jax.flex.ModSpec) -> the path of the library serving the mod, compiled or found in the disk cache; None: the
-  # backend serves no score_mod / mask_mod and refuses such a call at lowering.
+  # (te_jax.flex.ModSpec) -> the path of what serves the mod (the CPU: its compiled library; CUDA: its generated source,
+  # which the kernels compile in), made or found in the disk cache; None: the backend serves no score_mod / mask_mod
+  # and refuses such a call at lowering.
   flex_library: Callable[[Any], str] | None = None
 
   def target_name(self, direction: str, path: str) -> str:

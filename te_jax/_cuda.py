@@ -21,6 +21,7 @@ from te_jax._backends import Backend, register_backend
 from te_jax._engine_choice import EngineTuner, table_choice
 from te_jax._primitives import register_lowering
 from te_jax.engine import Choice, EngineUnavailableError
+from te_jax.flex.cuda_source import source_path
 
 logger = _logging.logger.getChild("cuda")
 
@@ -115,6 +116,11 @@ def choose_engine(params: dict, direction: str, config) -> Choice:
   return _tuner().choose(params, direction)
 
 
+def _flex_source(spec) -> str:
+  """A mod's generated source, which the sm90 kernels compile in (te_jax/flex/cuda_source.py)."""
+  return source_path(spec, ext.cache_dir())
+
+
 register_backend(Backend(platform="cuda", code=1, extension_name="_te_jax_cuda", legacy_api_version=2,
-                         prepare=prepare, choose_engine=choose_engine))
+                         prepare=prepare, choose_engine=choose_engine, flex_library=_flex_source))
 register_lowering("cuda")

@@ -188,8 +188,8 @@ def _mod_libraries(config: AttentionConfig, backend) -> tuple[str, str]:
   if not config.has_mods:
     return "", ""
   if backend.flex_library is None:
-    raise ValueError(f"score_mod/mask_mod are served by the CPU backend so far; this call lowers for "
-                     f"{backend.platform}: run it on the CPU, or write it with fused_attn's built-in options "
+    raise ValueError(f"score_mod/mask_mod have no {backend.platform} kernels in te_jax (the CPU and CUDA backends "
+                     "serve them): run the call on one of those, or write it with fused_attn's built-in options "
                      "(mask_type, window_size, segment ids, bias, softcap, alibi_slopes)")
   return tuple(backend.flex_library(mod) if mod is not None else "" for mod in (config.score_mod, config.mask_mod))
 

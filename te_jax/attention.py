@@ -106,9 +106,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
       table, per-head temperatures): it rewrites each logit after the built-in ones (scale, softcap, ALiBi, + bias),
       before the masks. b, h (the query head), q_idx and kv_idx are global indices. Its derivatives in score and in
       the floating-point arrays it captures come with it (the captures' gradients summed in float32; in a fixed order
-      with deterministic=True). The CPU backend serves it so far (docs/flex_attention.md).
+      with deterministic=True on the CPU; by atomic adds on the GPU, which refuses deterministic=True with them). The
+      CPU backend and the sm90 kernels of Hopper GPUs serve it (docs/flex_attention.md).
     mask_mod: a function mask_mod(b, h, q_idx, kv_idx) -> bool: False hides the key, like the built-in masks, which
-      it combines with (a key must pass them all). A row it leaves no key gives out = 0, lse = -inf. CPU so far.
+      it combines with (a key must pass them all). A row it leaves no key gives out = 0, lse = -inf. CPU and Hopper.
     block_mask: a te_jax.BlockMask (te_jax.create_block_mask) of a mask_mod, which it then brings (pass mask_mod=None):
       the kernels skip the blocks it hides and call the mask_mod only on the blocks it cuts: the same results as the
       mask_mod alone, faster. A mask_mod given without one gets one built in the call (te_jax/block_mask.py).

@@ -404,3 +404,25 @@ def test_backward_workspace_holds_a_summed_dbias_accumulator():
   bias_elements = 4 * 100 * 90  # [1, H, Sq, Skv] of [2, 4, 100, 90]
   assert ext.workspace_bytes(params(False, 0b0001), "backward") == (dq_accum + 255) // 256 * 256 + 4 * bias_elements
   assert ext.workspace_bytes(params(False, 0b1111), "backward") == (dq_accum + 255) // 256 * 256 + 4
+
+
+def test_modules_with_mods_compile_and_are_named_by_them(cache_dir):
+  """A score_mod (a captured table, so its kernels add capture gradients) and a mask_mod compile into the sm90 forward
+  and backward; the modules are named by the mods' hashes, and the sm80 family refuses them."""
+  _nvrtc_or_skip()
+  import jax.numpy as jnp
+  from te_jax import flex
+  from te_jax.flex.cuda_source import source_path
+  table = jnp.zeros((4, 64))
+  score = flex.translate_score_mod(lambda s, b, h, q, kv: s + table[h, jnp.clip(q - kv + 32, 0, 63)])
+  mask = flex.translate_mask_mod(lambda b, h, q, kv: (q >= kv) | (kv < 16))
+  mods = dict(score_mod=source_path(score.spec(), str(cache_dir)), mask_mod=source_path(mask.spec(), str(cache_dir)))
+  base = dict(dtype=1, head_dim=64, head_dim_v=64, softcap=False, alibi=False, arch="sm_90a", **mods)
+  for direction in ("forward", "backward"):
+    config = dict(base, direction=direction)
+    name = ext.kernel_name(config)
+    assert f"_score{score.key[-16:]}_mask{mask.key[-16:]}_" in name and "_sm90_" in name, name
+    assert ext.compile(config)["origin"] == "compiled"
+    assert "te_jax::flex::ScoreMod" in ext.render_source(config)
+  with pytest.raises(ValueError, match="score_mod/mask_mod run in the sm90 kernels so far"):
+    ext.kernel_name(dict(base, direction="forward", arch="sm_80"))

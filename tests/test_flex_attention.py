@@ -468,17 +468,30 @@ def test_a_second_process_loads_the_library_from_disk(tmp_path):
   assert len(list(tmp_path.glob("flex-*.so"))) == 2 and not list(tmp_path.glob(".flex-*"))
 
 
-def test_the_gpu_refuses_mods_at_lowering():
+def test_a_backend_without_mod_kernels_refuses_them_at_lowering():
   spec = te_jax.flex.translate_mask_mod(MASK_MODS["python_causal"]).spec()
   config = AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, mask_mod=spec)
-  gpu = dataclasses.replace(backend_for("cpu"), platform="cuda", code=1, flex_library=None)
-  with pytest.raises(ValueError, match="score_mod/mask_mod are served by the CPU backend so far"):
-    _primitives._mod_libraries(config, gpu)
-  # The core refuses it on the CUDA backend too, so a call reaching a CUDA handler fails with the same words.
-  params = config.core_params((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), np.float32)
-  params.update(config.flex_params(("", "/some/library.so"), [], "forward"), dtype=1)
-  with pytest.raises(ValueError, match="score_mod/mask_mod are served by the CPU backend so far"):
-    backend_for("cpu").extension.validate(params, 1, "forward")
+  other = dataclasses.replace(backend_for("cpu"), platform="rocm", code=1, flex_library=None)
+  with pytest.raises(ValueError, match="score_mod/mask_mod have no rocm kernels"):
+    _primitives._mod_libraries(config, other)
+
+
+@pytest.mark.parametrize("captures, deterministic, match", [
+    ([(4,)] * 9, False, "at most 8 arrays"),
+    ([(2, 2, 2, 2, 2)], False, "at most 4 dims"),
+    ([(4,)], True, "deterministic=True with a score_mod"),
+])
+def test_the_cuda_kernels_limits_on_captures(captures, deterministic, match):
+  """The core checks what the CUDA kernels take (cpp/core/validate.cc), so either path's handler refuses it too."""
+  spec = te_jax.flex.translate_score_mod(SCORE_MODS["head_temperature"]).spec()
+  config = AttentionConfig(MaskType.NO_MASK, -1, -1, 0.25, 0.0, False, score_mod=spec, deterministic=deterministic)
+  params = config.core_params((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), jnp.bfloat16)
+  params.update(config.flex_params(("/cache/flex-score_mod.cuh", ""), captures, "backward"),
+                score_mod_captures=len(captures), score_mod_gradients=1)
+  extension = backend_for("cpu").extension
+  with pytest.raises(ValueError, match=match):
+    extension.validate(params, 1, "backward")
+  extension.validate(params, 0, "backward")  # the CPU takes them
 
 
 def test_legacy_opaque_bytes_carry_the_mods():

@@ -31,8 +31,11 @@ namespace te_jax {
 // A block's state in a block mask's blocks: the mask_mod hides all its pairs, some, or none.
 inline constexpr int8_t kBlockHidden = 0, kBlockPartial = 1, kBlockVisible = 2;
 
-// The most dimensions a captured array may have.
+// The most dimensions a captured array may have; the CUDA kernels take fewer captures, of fewer dimensions
+// (cpp/cuda/kernel_args.h: FlexArgs).
 inline constexpr int kMaxFlexCaptureRank = 8;
+inline constexpr int kMaxKernelCaptures = 8;
+inline constexpr int kMaxKernelCaptureRank = 4;
 
 // A captured array: its elements row-major (what XLA passes), strides in elements.
 struct FlexCapture {
@@ -92,10 +95,14 @@ struct FlexSpec {
     return n;
   }
   bool has_capture_gradient(int64_t i) const { return i < 63 && ((capture_gradients >> i) & 1) != 0; }
-  int64_t num_capture_gradients() const {
-    int64_t n = 0;
-    for (int64_t i = 0; i < score_captures; ++i) n += has_capture_gradient(i) ? 1 : 0;
-    return n;
+  int64_t num_capture_gradients() const { return static_cast<int64_t>(gradient_captures().size()); }
+  // The capture of each capture gradient, in the backward's result order.
+  std::vector<int64_t> gradient_captures() const {
+    std::vector<int64_t> captures;
+    for (int64_t i = 0; i < score_captures && i < num_captures(); ++i) {
+      if (has_capture_gradient(i)) captures.push_back(i);
+    }
+    return captures;
   }
 };
 #endif

@@ -73,8 +73,8 @@ Status CheckPaging(const AttentionParams& p, Backend backend) {
   return Status::Ok();
 }
 
-// score_mod / mask_mod (cpp/core/flex_mods.h): the CPU backend serves them so far; their captures' shapes, the batch
-// fold and a paged call, whose keys are no positions in k, are checked here.
+// score_mod / mask_mod (cpp/core/flex_mods.h): their captures' shapes, the batch fold, a paged call (whose keys are no
+// positions in k) and what the CUDA kernels take are checked here; which kernel family serves them, by the backend.
 Status CheckFlex(const AttentionParams& p, Backend backend) {
   const FlexSpec& f = p.flex;
   if (!f.active()) {
@@ -85,9 +85,22 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
     return Status::Ok();
   }
   if (backend == Backend::kCuda) {
-    return Status::InvalidArgument("score_mod/mask_mod are served by the CPU backend so far: run the call on the CPU "
-                                   "(jax.default_device(jax.devices('cpu')[0])), or write it with fused_attn's "
-                                   "built-in options (mask_type, window_size, bias, softcap, alibi_slopes)");
+    if (f.num_captures() > kMaxKernelCaptures) {
+      return Status::InvalidArgument("the CUDA kernels take at most " + Str(kMaxKernelCaptures) + " arrays the "
+                                     "score_mod and mask_mod capture (a block mask's counts as one), got " +
+                                     Str(f.num_captures()) + ": pack tables into one array, or run on the CPU");
+    }
+    for (const std::vector<int64_t>& shape : f.capture_shapes) {
+      if (static_cast<int64_t>(shape.size()) > kMaxKernelCaptureRank) {
+        return Status::InvalidArgument("the CUDA kernels take captures of at most " + Str(kMaxKernelCaptureRank) +
+                                       " dims, got one of " + Str(shape.size()) + ": reshape it");
+      }
+    }
+    if (p.deterministic && f.num_capture_gradients() > 0) {
+      return Status::InvalidArgument("deterministic=True with a score_mod whose floating-point captures get "
+                                     "gradients: the CUDA kernels add those atomically, in no fixed order (the CPU "
+                                     "backend's are reproducible); drop deterministic, or run the call on the CPU");
+    }
   }
   if (p.page_size != 0) {
     return Status::InvalidArgument("score_mod/mask_mod take no paged KV cache (page_size must be 0)");

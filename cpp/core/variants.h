@@ -8,6 +8,8 @@
 // BiasElement (CUDA kernels) is the additive logit bias's element type (te_jax::cuda::BFloat16, Float16,
 // Float32), or NoBias. The kernels add the bias after Logit, s = Logit(x) + bias, from a tile they stage per key tile
 // (cpp/cuda/kernels/sm80/bias_tile.h); its gradient is dS before DLogitDDot.
+// Mods (sm90 CUDA kernels) is a score_mod and mask_mod written in Python (cpp/cuda/kernels/common/kernel_mods.h), or
+// NoMods: s = Score(s) after the bias, and a key hidden where Mask is false, both per element with its indices.
 #pragma once
 
 #include "cpp/core/host_device.h"
@@ -38,6 +40,12 @@ TE_JAX_HOST_DEVICE float SoftcapTanh(float s, float cap) {
 #endif
 }
 
+// The Mods of a variant without score_mod and mask_mod.
+struct NoMods {
+  static constexpr bool kScore = false;
+  static constexpr bool kMask = false;
+};
+
 // The integer type of the positions a kernel hands Logit. Row and column indices (with a diagonal offset) are int:
 // their distance fits in 32 bits and converts in one instruction. Packed sequences' positions are any int32 each, so
 // their distance takes 64 bits, and its conversion (I2F.S64; one per logit of the sm90 forward when every kernel took
@@ -52,18 +60,23 @@ struct PositionType<true> {
 };
 
 template <bool kSoftcapOn, bool kAlibiOn, bool kTokensOn = false, bool kDropoutOn = false,
-          typename BiasElement = NoBias>
+          typename BiasElement = NoBias, typename ModsT = NoMods>
 struct LogitsVariant {
   static constexpr bool kHasSoftcap = kSoftcapOn;
   static constexpr bool kHasAlibi = kAlibiOn;
   static constexpr bool kHasTokens = kTokensOn;
   static constexpr bool kHasDropout = kDropoutOn;
   static constexpr bool kHasBias = BiasElement::kBytes > 0;
+  static constexpr bool kHasScoreMod = ModsT::kScore;
+  static constexpr bool kHasMaskMod = ModsT::kMask;
+  static constexpr bool kHasMods = kHasScoreMod || kHasMaskMod;
   using Bias = BiasElement;
+  using Mods = ModsT;
   using Position = typename PositionType<kTokensOn>::Type;  // what the CUDA kernels hand Logit
   float scale;
   float cap;    // read only with kHasSoftcap
   float slope;  // read only with kHasAlibi; per (batch, head)
+  Mods mods;    // bound to the call's captures by the kernel (KernelMods::Of)
 
   template <typename Position>
   TE_JAX_HOST_DEVICE float Logit(float x, Position p, Position j) const {

@@ -85,6 +85,51 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
   return Status::Ok();
 }
 
+// The captures of a call with mods as the kernels read them (kernel_args.h), strides row-major; `grads` (the
+// backward's, null in the forward): the score_mod's capture gradients, flex.num_capture_gradients() of them.
+FlexArgs MakeFlexArgs(const AttentionParams& p, const void* const* captures, void* const* grads) {
+  FlexArgs f{};
+  const FlexSpec& flex = p.flex;
+  for (int64_t i = 0; i < flex.num_captures(); ++i) {
+    KernelCapture& c = f.captures[i];
+    c.data = captures[i];
+    const std::vector<int64_t>& shape = flex.capture_shapes[i];
+    int64_t stride = 1;
+    for (int64_t axis = static_cast<int64_t>(shape.size()) - 1; axis >= 0; --axis) {
+      c.shape[axis] = shape[axis];
+      c.strides[axis] = stride;
+      stride *= shape[axis];
+    }
+  }
+  const std::vector<int64_t> gradients = flex.gradient_captures();
+  for (size_t i = 0; grads != nullptr && i < gradients.size(); ++i) f.grads[gradients[i]] = static_cast<float*>(grads[i]);
+  f.batch_fold = static_cast<int32_t>(flex.batch_fold);
+  if (flex.has_block_mask()) {
+    const std::vector<int64_t>& shape = flex.capture_shapes.back();  // [B' or 1, H or 1, rows, cols]
+    const KernelCapture& blocks = f.captures[flex.num_captures() - 1];
+    f.block_mask = BlockMaskArgs{static_cast<const int8_t*>(blocks.data),
+                                 shape[0] == 1 ? 0 : blocks.strides[0],
+                                 shape[1] == 1 ? 0 : blocks.strides[1],
+                                 static_cast<int32_t>(flex.block_q),
+                                 static_cast<int32_t>(flex.block_kv),
+                                 static_cast<int32_t>(shape[2]),
+                                 static_cast<int32_t>(shape[3])};
+  }
+  return f;
+}
+
+// An attention kernel's launch: with mods (`flex` not null) its arguments are WithFlex<Args> (kernel_args.h).
+template <typename Args>
+Status LaunchAttention(const DriverApi* driver, CUkernel kernel, const char* what, unsigned gx, unsigned gy,
+                       unsigned gz, unsigned threads, unsigned smem, CUstream stream, Args* args,
+                       const FlexArgs* flex) {
+  if (flex == nullptr) return Launch(driver, kernel, what, gx, gy, gz, threads, smem, stream, args);
+  WithFlex<Args> with;
+  static_cast<Args&>(with) = *args;
+  with.flex = *flex;
+  return Launch(driver, kernel, what, gx, gy, gz, threads, smem, stream, &with);
+}
+
 unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
 // The kernels' dropout arguments: the operand, the threshold and 1 / the keep probability.
@@ -368,8 +413,10 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     tma.next_work = static_cast<unsigned*>(b.workspace);
     TE_JAX_RETURN_IF_ERROR(ZeroCounter(driver, tma.next_work, "the forward's work counter", stream));
   }
-  return Launch(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
-                sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma);
+  const FlexArgs flex = p.flex.active() ? MakeFlexArgs(p, b.flex_captures, nullptr) : FlexArgs{};
+  return LaunchAttention(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
+                         sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma,
+                         p.flex.active() ? &flex : nullptr);
 }
 
 namespace {
@@ -502,6 +549,17 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                 : nullptr};
   // Without a single (b, h, i, j) pair no kernel adds to dbias, whose elements (of size-1 dims) are then all 0.
   const bool no_pairs = p.batch == 0 || p.seqlen_q == 0 || p.seqlen_kv == 0;
+  // The score_mod's capture gradients: the dk/dv kernel adds to them.
+  const std::vector<int64_t> gradients = p.flex.gradient_captures();
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const int64_t elements = p.flex.capture_elements(gradients[i]);
+    if (elements == 0) continue;
+    const CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(b.flex_capture_grads[i]), 0,
+                                                static_cast<size_t>(elements), stream);
+    if (r != CUDA_SUCCESS) return Status::Internal("te_jax: zeroing the capture gradients failed: " + driver->ErrorString(r));
+  }
+  const FlexArgs flex = p.flex.active() ? MakeFlexArgs(p, b.flex_captures, b.flex_capture_grads) : FlexArgs{};
+  const FlexArgs* mods = p.flex.active() ? &flex : nullptr;
   if (p.has_bias && no_pairs) {
     const CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(b.dbias), 0,
                                                static_cast<size_t>(args.bias.elements * DTypeSize(p.bias_dtype)), stream);
@@ -537,17 +595,18 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                     sm90::kBackwardThreads, module->smem_bytes[kBackwardDocumentKernelEntry], stream,
                                     &tma));
     }
-    TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[1], "attention backward dk/dv",
-                                  p.has_bias ? batch : key_blocks, p.has_bias ? key_blocks : heads,
-                                  p.has_bias ? heads : batch, sm90::kBackwardThreads, module->smem_bytes[1], stream,
-                                  &tma));
+    TE_JAX_RETURN_IF_ERROR(LaunchAttention(driver, module->kernels[1], "attention backward dk/dv",
+                                           p.has_bias ? batch : key_blocks, p.has_bias ? key_blocks : heads,
+                                           p.has_bias ? heads : batch, sm90::kBackwardThreads, module->smem_bytes[1],
+                                           stream, &tma, mods));
     if (accumulate_dq) {
       TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq conversion", row_blocks, 1, 1,
                                     kRowKernelThreads, module->smem_bytes[2], stream, &args));
     } else {
-      TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[2], "attention backward dq", CeilDiv(p.seqlen_q, owned),
-                                    static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch),
-                                    sm90::kBackwardThreads, module->smem_bytes[2], stream, &tma));
+      TE_JAX_RETURN_IF_ERROR(LaunchAttention(driver, module->kernels[2], "attention backward dq",
+                                             CeilDiv(p.seqlen_q, owned), static_cast<unsigned>(p.num_heads),
+                                             static_cast<unsigned>(p.batch), sm90::kBackwardThreads,
+                                             module->smem_bytes[2], stream, &tma, mods));
     }
     return LaunchBiasGradConversion(driver, module, args, dbias_accum && !no_pairs, stream);
   }

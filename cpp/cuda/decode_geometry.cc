@@ -19,7 +19,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // have none of them.
 bool UsesDecodeKernels(const AttentionParams& p) {
   return p.seqlen_q >= 1 && p.seqlen_q <= kMaxDecodeSeqlenQ && !p.has_segment_ids && !p.has_positions &&
-         p.dropout_threshold == 0 && !p.has_bias;
+         p.dropout_threshold == 0 && !p.has_bias && !p.flex.active();
 }
 
 int DecodeKernelFor(const AttentionParams& p) {

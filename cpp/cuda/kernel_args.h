@@ -2,6 +2,7 @@
 // NVRTC (the kernels read them), so both sides see one layout: only pointers, 32/64-bit integers and floats.
 #pragma once
 
+#include "cpp/core/flex_mods.h"
 #include "cpp/core/host_device.h"
 #if !defined(__CUDACC_RTC__)
 #include <cstdint>
@@ -243,6 +244,43 @@ struct TmaBackwardArgs {
   TensorMap v;
   TensorMap dout;
   TensorMap bias;  // read only by kernels built with a bias (sm90/bias_tile.h)
+};
+
+// score_mod / mask_mod (te_jax.flex): the captured arrays a mod's generated struct reads, as its Bind takes them
+// (te_jax/flex/codegen.py), the score_mod's first, then the mask_mod's (a block mask's blocks after them, also in
+// block_mask). A kernel built with mods (LogitsVariant::Mods) takes WithFlex<its arguments>, so the arguments of
+// every other kernel keep their size.
+
+struct KernelCapture {
+  const void* data;
+  int64_t shape[kMaxKernelCaptureRank];
+  int64_t strides[kMaxKernelCaptureRank];  // in elements
+};
+
+// A block mask of the mask_mod (te_jax/block_mask.py): int8 blocks [B' or 1, H or 1, rows, cols] of kBlockHidden /
+// kBlockPartial / kBlockVisible over blocks of block_q queries and block_kv keys (a broadcast dim's stride 0); blocks
+// null without one.
+struct BlockMaskArgs {
+  const int8_t* blocks;
+  int64_t batch_stride;
+  int64_t head_stride;
+  int32_t block_q;
+  int32_t block_kv;
+  int32_t rows;
+  int32_t cols;
+};
+
+struct FlexArgs {
+  KernelCapture captures[kMaxKernelCaptures];
+  BlockMaskArgs block_mask;
+  // The backward: the float32 gradients of the score_mod's captures, zeroed by the host; null for a capture without one.
+  float* grads[kMaxKernelCaptures];
+  int32_t batch_fold;  // vmap's examples folded into the batch: the mods see b / batch_fold
+};
+
+template <typename Args>
+struct WithFlex : Args {
+  FlexArgs flex;
 };
 
 }  // namespace te_jax::cuda

@@ -31,6 +31,13 @@ const char* VariantName(bool softcap, bool alibi) {
   return alibi ? "alibi" : "scaled";
 }
 
+// A mod's name in module names: "_<kind><the source's hash, 16 digits>", from its file name (kernel_config.h).
+std::string ModName(const char* kind, const std::string& path) {
+  if (path.empty()) return "";
+  const size_t end = path.size() >= 4 ? path.size() - 4 : 0;  // before ".cuh"
+  return std::string("_") + kind + path.substr(end >= 16 ? end - 16 : 0, 16);
+}
+
 // The bias's element type in module names.
 const char* BiasName(DType dtype) {
   return dtype == DType::kFloat32 ? "_bias_f32" : dtype == DType::kBFloat16 ? "_bias_bf16" : "_bias_fp16";
@@ -50,17 +57,17 @@ KernelFamily KernelConfig::Family() const {
 
 bool KernelConfig::PlainSm90Forward() const {
   return direction == Direction::kForward && Family() == KernelFamily::kSm90 && !softcap && !alibi && !tokens &&
-         !dropout && !bias;
+         !dropout && !bias && !mods();
 }
 
 bool KernelConfig::HasDocumentForward() const {
   return direction == Direction::kForward && Family() == KernelFamily::kSm90 && tokens && !softcap && !alibi &&
-         !dropout && !bias && sm90::ForwardHasPersistentKernel(head_dim, head_dim_v, true);
+         !dropout && !bias && !mods() && sm90::ForwardHasPersistentKernel(head_dim, head_dim_v, true);
 }
 
 bool KernelConfig::HasDocumentBackward() const {
   return direction == Direction::kBackward && Family() == KernelFamily::kSm90 && tokens && !softcap && !alibi &&
-         !dropout && !bias && !deterministic &&
+         !dropout && !bias && !mods() && !deterministic &&
          sm90::ServesBackward(head_dim, head_dim_v, /*accumulate_dq=*/true, /*tokens=*/false);
 }
 
@@ -81,7 +88,8 @@ std::string KernelConfig::BaseName() const {
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
                      VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + (dropout ? "_dropout" : "") +
-                     (bias ? BiasName(bias_dtype) : "") + "_" + arch;
+                     (bias ? BiasName(bias_dtype) : "") + ModName("score", score_mod) + ModName("mask", mask_mod) +
+                     "_" + arch;
   if (decode) return name + "_decode_n" + std::to_string(decode::kBlockN);
   if (direction != Direction::kForward) {
     if (!sm90) return name;
@@ -118,6 +126,14 @@ Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
   }
   if (r.decode && r.bias) return Status::InvalidArgument("the decode kernels take no bias");
   if (r.bias_fits_tma && !r.bias) return Status::InvalidArgument("bias_fits_tma applies to a bias (bias_dtype) only");
+  if (r.mods() && (r.decode || r.Family() != KernelFamily::kSm90)) {
+    return Status::InvalidArgument(
+        "score_mod/mask_mod run in the sm90 kernels so far (Hopper, sm_90a; head dims the sm90 " +
+        std::string(r.direction == Direction::kForward ? "forward" : "backward") + " serves, a bias whose rows are "
+        "whole 16-byte chunks); this call's GPU (" + r.arch + "), head dims (" + std::to_string(r.head_dim) + ", " +
+        std::to_string(r.head_dim_v) + ") or bias take another kernel family: run it on the CPU backend, or write it "
+        "with fused_attn's built-in options");
+  }
   *config = r;
   config->kind = ModuleKind::kAttention;
   config->deterministic = r.direction == Direction::kBackward &&
@@ -142,6 +158,8 @@ KernelConfig RequestFor(const AttentionParams& params, Direction direction, cons
   r.bias = params.has_bias;
   r.bias_dtype = params.bias_dtype;
   r.bias_fits_tma = BiasFitsTma(params);
+  r.score_mod = params.flex.score_library;
+  r.mask_mod = params.flex.mask_library;
   r.arch = arch;
   return r;
 }

@@ -51,6 +51,12 @@ struct KernelConfig {
   bool bias = false;
   DType bias_dtype = DType::kFloat32;
   bool bias_fits_tma = false;
+  // score_mod / mask_mod (te_jax.flex): the paths of their generated CUDA sources, flex-<kind>-<sha256 of the
+  // source>.cuh in the cache folder (te_jax/flex/cuda_source.py); empty: none. The module renders them into its
+  // translation unit and names them by their hashes. The sm90 family's forward and backward serve them.
+  std::string score_mod;
+  std::string mask_mod;
+  bool mods() const { return !score_mod.empty() || !mask_mod.empty(); }
   int BiasBytes() const { return bias ? DTypeSize(bias_dtype) : 0; }  // the bias's element size, 0 without one
   std::string arch;  // NVRTC --gpu-architecture value, e.g. "sm_90a"
   // A test build whose sm90 pipelines sleep at random at every stage hand-over (kernels/primitives/pipeline.h): set by

@@ -33,15 +33,18 @@ class Errors:
 _reference_cache: dict[tuple, dict] = {}
 
 
-def reference(inputs, mode: str) -> dict:
+def reference(inputs, mode: str, extra_bias=None) -> dict:
+  """extra_bias: Backend.reference_bias's, added to the case's bias (a case with its own bias takes none)."""
   from te_jax.reference import attention_reference
   case = inputs.case
-  key = (case, mode != "fwd")
+  key = (case, mode != "fwd", None if extra_bias is None else extra_bias.tobytes())
   if key not in _reference_cache:
     s = inputs.first
     kwargs = case.te_jax_kwargs()
     options = dict(mask_type=kwargs["mask_type"], window_size=kwargs["window_size"], softcap=kwargs["softcap"],
                    alibi_slopes=inputs.alibi, bias=None if inputs.bias is None else np.asarray(inputs.bias, np.float64))
+    if extra_bias is not None:
+      options["bias"] = np.asarray(extra_bias, np.float64)
     if case.dropout:
       import te_jax
       mask_shape = (case.batch, case.heads, case.seq_q, case.seq_kv)
@@ -82,4 +85,5 @@ def measure_errors(backend, case: Case, mode: str, seed: int = 0) -> Errors:
     results = prepared.outputs()
   finally:
     prepared.close()
-  return compare(results, reference(inputs, mode), FP8_TOLERANCE if backend.fp8 else TOLERANCE[case.dtype])
+  return compare(results, reference(inputs, mode, backend.reference_bias(small)),
+                 FP8_TOLERANCE if backend.fp8 else TOLERANCE[case.dtype])

@@ -312,7 +312,7 @@ class DeterministicBackend(TeJaxBackend):
 class MaskModBackend(TeJaxBackend):
   """te_jax's kernels with the case's mask written as a mask_mod (te_jax-mask-mod; no mask: one that keeps every key),
   and with a block mask of it made in setup and reused (te_jax-block-mask): what a mask costs as a Python function
-  against the built-in one (te_jax-ffi). The CPU serves mods so far."""
+  against the built-in one (te_jax-ffi)."""
 
   def __init__(self, block_mask: bool):
     super().__init__("ffi")
@@ -320,7 +320,7 @@ class MaskModBackend(TeJaxBackend):
     self.name = "te_jax-block-mask" if block_mask else "te_jax-mask-mod"
     self.label = "te_jax, the mask as a mask_mod" + (" with a block mask" if block_mask else "")
     self.url = "te_jax.fused_attn(mask_mod=..." + (", block_mask=te_jax.create_block_mask(...))" if block_mask else ")")
-    self.caps = Capabilities(platforms={"cpu": ALL}, causal_cross=False)
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, causal_cross=False)
 
   def fused_attn_kwargs(self, case: Case) -> dict:
     import te_jax
@@ -335,6 +335,36 @@ class MaskModBackend(TeJaxBackend):
     else:
       kwargs["mask_mod"] = mask_mod
     return kwargs
+
+
+class ScoreModBackend(TeJaxBackend):
+  """te_jax's kernels with a T5-style relative-position bias written as a score_mod (te_jax-score-mod): a float32
+  table [H, 256] of learned values read at the clipped distance, whose gradient the backward adds up too. Beside
+  te_jax-ffi (plain attention), what a score_mod with a captured table costs."""
+
+  def __init__(self):
+    super().__init__("ffi")
+    self.name = "te_jax-score-mod"
+    self.label = "te_jax, a relative-position table as a score_mod"
+    self.url = "te_jax.fused_attn(score_mod=lambda s, b, h, q, kv: s + table[h, clip(q - kv)])"
+    self.caps = Capabilities(platforms={"cpu": ALL, "gpu": HALF}, causal_cross=False)
+
+  @staticmethod
+  def _table(case: Case) -> np.ndarray:
+    return (np.random.default_rng(0).standard_normal((case.heads, 256)) * 0.1).astype(np.float32)
+
+  def fused_attn_kwargs(self, case: Case) -> dict:
+    import jax.numpy as jnp
+    table = jnp.asarray(self._table(case))
+
+    def score_mod(s, b, h, i, j):
+      return s + table[h, jnp.clip(i - j + 128, 0, 255)]
+
+    return dict(super().fused_attn_kwargs(case), score_mod=score_mod)
+
+  def reference_bias(self, case: Case):
+    i, j = np.arange(case.seq_q)[:, None], np.arange(case.seq_kv)[None, :]
+    return self._table(case)[:, np.clip(i - j + 128, 0, 255)][None]
 
 
 class RingPermutesBackend(ContextParallelBackend):
@@ -620,7 +650,7 @@ class KvReadBackend(JaxBackend):
 
 
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
-                 DeterministicBackend(), MaskModBackend(False), MaskModBackend(True), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
+                 DeterministicBackend(), MaskModBackend(False), MaskModBackend(True), ScoreModBackend(), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
                  JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),

@@ -1,5 +1,5 @@
 """PyTorch backends, where torch is installed: SDPA restricted to one kernel (flash, cuDNN, memory-efficient) with
-torch.nn.attention.sdpa_kernel, and Dao's FlashAttention (flash_attn / FA3's flash_attn_interface). Inputs are
+torch.nn.attention.sdpa_kernel, Dao's FlashAttention (flash_attn / FA3's flash_attn_interface) and FlexAttention. Inputs are
 converted once in setup (NumPy -> tensors in the backend's native layout on the device); on a GPU calls are timed with
 CUDA events after a synchronisation, on the CPU (SDPA's flash kernel has a CPU version) with the wall clock."""
 
@@ -265,9 +265,44 @@ class FlashAttnBackend(TorchBackend):
     return call
 
 
+class TorchFlexBackend(TorchBackend):
+  """PyTorch's FlexAttention (torch.nn.attention.flex_attention under torch.compile, its Triton kernels) with the
+  case's mask as a mask_mod and its block mask made in setup: the peer of te_jax-block-mask."""
+
+  def __init__(self):
+    self.name = "torch-flex"
+    self.label = "torch FlexAttention (compiled), the mask as a mask_mod"
+    self.url = "torch.compile(flex_attention)(q, k, v, block_mask=create_block_mask(mask_mod, ...))"
+    self.caps = Capabilities(platforms={"gpu": HALF}, causal_cross=False)
+
+  def platform_reason(self, platform: str) -> str | None:
+    reason = super().platform_reason(platform)
+    if reason:
+      return reason
+    try:
+      from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError as e:
+      return f"this torch has no FlexAttention ({e})"
+    return None
+
+  def attention_fn(self, case: Case, alibi, device):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def causal(b, h, q_idx, kv_idx):
+      return q_idx >= kv_idx
+
+    block_mask = create_block_mask(causal, None, None, case.seq_q, case.seq_kv, device=device) if case.causal else None
+    compiled = torch.compile(flex_attention)
+
+    def call(q, k, v):
+      return compiled(q, k, v, block_mask=block_mask, enable_gqa=case.gqa)
+    return call
+
+
 for _backend in (TorchSdpaBackend("FLASH_ATTENTION", "flash", {"gpu": HALF, "cpu": ("float32", "bfloat16")}),
                  TorchSdpaBackend("CUDNN_ATTENTION", "cudnn", {"gpu": HALF}),
                  TorchSdpaBackend("EFFICIENT_ATTENTION", "efficient", {"gpu": HALF + ("float32",)}),
                  FlashAttnBackend("flash_attn", "flash-attn", "FlashAttention 2"),
-                 FlashAttnBackend("flash_attn_interface", "flash-attn-3", "FlashAttention 3")):
+                 FlashAttnBackend("flash_attn_interface", "flash-attn-3", "FlashAttention 3"), TorchFlexBackend()):
   register(_backend)

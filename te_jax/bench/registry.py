@@ -148,6 +148,11 @@ class Backend:
   def prepare(self, inputs, mode: str, num_sets: int) -> Prepared:
     raise NotImplementedError
 
+  def reference_bias(self, case: Case):
+    """An additive bias [1, H, Sq, Skv] the reference adds where the backend computes more than the case's attention
+    (a score_mod that adds a table), else None."""
+    return None
+
   def error_case(self, case: Case) -> Case:
     """The case whose errors against the reference stand for `case`'s: its small version."""
     return case.small()

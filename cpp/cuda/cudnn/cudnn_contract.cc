@@ -29,6 +29,9 @@ Status CheckCudnnContract(const AttentionParams& p) {
     // repack the rows, which is not done yet.
     return Status::InvalidArgument("the cuDNN engine does not take segment ids or positions (te_jax's kernels do)");
   }
+  if (p.flex.active()) {
+    return Status::InvalidArgument("the cuDNN engine does not run a score_mod or mask_mod (te_jax's kernels do)");
+  }
   if (p.page_size > 0) {
     return Status::InvalidArgument("the cuDNN engine does not read a paged KV cache (te_jax's decode kernels do)");
   }

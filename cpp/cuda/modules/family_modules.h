@@ -17,6 +17,8 @@ KernelModule LengthGuardModule();
 std::string ElementType(DType dtype);
 // The template arguments every attention kernel takes: "<element>, <d>, <dv>, <variant>".
 std::string KernelTemplateArgs(const KernelConfig& config);
+// The argument struct of a kernel that applies the variant: `args`, or WithFlex<args> with mods (kernel_args.h).
+std::string AttentionArgs(const KernelConfig& config, const std::string& args);
 // "<element>, <d>, <dv>": the row kernels' arguments.
 std::string RowKernelTemplateArgs(const KernelConfig& config);
 

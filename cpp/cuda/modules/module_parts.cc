@@ -5,10 +5,18 @@ namespace {
 
 const char* Bool(bool b) { return b ? "true" : "false"; }
 
-// The variant (cpp/core/variants.h) the configuration's kernels are built with.
+// The variant (cpp/core/variants.h) the configuration's kernels are built with; mods are the structs the translation
+// unit holds (RenderSource).
 std::string VariantType(const KernelConfig& c) {
-  return std::string("te_jax::LogitsVariant<") + Bool(c.softcap) + ", " + Bool(c.alibi) + ", " + Bool(c.tokens) +
-         ", " + Bool(c.dropout) + (c.bias ? ", " + ElementType(c.bias_dtype) : "") + ">";
+  std::string variant = std::string("te_jax::LogitsVariant<") + Bool(c.softcap) + ", " + Bool(c.alibi) + ", " +
+                        Bool(c.tokens) + ", " + Bool(c.dropout);
+  if (c.bias || c.mods()) variant += ", " + (c.bias ? ElementType(c.bias_dtype) : std::string("te_jax::NoBias"));
+  if (c.mods()) {
+    variant += std::string(", te_jax::cuda::KernelMods<") +
+               (c.score_mod.empty() ? "te_jax::cuda::NoScoreMod" : "te_jax::flex::ScoreMod") + ", " +
+               (c.mask_mod.empty() ? "te_jax::cuda::NoMaskMod" : "te_jax::flex::MaskMod") + ">";
+  }
+  return variant + ">";
 }
 
 }  // namespace
@@ -24,6 +32,10 @@ std::string RowKernelTemplateArgs(const KernelConfig& c) {
 }
 
 std::string KernelTemplateArgs(const KernelConfig& c) { return RowKernelTemplateArgs(c) + ", " + VariantType(c); }
+
+std::string AttentionArgs(const KernelConfig& c, const std::string& args) {
+  return c.mods() ? "te_jax::cuda::WithFlex<" + args + ">" : args;
+}
 
 ModuleEntry BackwardPreprocessEntry(const KernelConfig& c) {
   return {"te_jax_attention_backward_preprocess",

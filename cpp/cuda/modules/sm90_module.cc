@@ -22,7 +22,7 @@ KernelModule Forward(const KernelConfig& c) {
   m.entries.push_back(TmaEntry(
       "te_jax_attention_forward",
       "te_jax::cuda::sm90::ForwardKernel<" + args + ", " + std::to_string(consumers) + ">",
-      "te_jax::cuda::TmaForwardArgs",
+      AttentionArgs(c, "te_jax::cuda::TmaForwardArgs"),
       sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, consumers, c.BiasBytes())));
   const int persistent_smem = sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2,
                                                      /*bias_bytes=*/0, /*persistent=*/true);
@@ -63,13 +63,13 @@ KernelModule Backward(const KernelConfig& c) {
   m.entries.push_back(TmaEntry(
       accumulate_dq ? "te_jax_attention_backward_dkdv_dq" : "te_jax_attention_backward_dkdv",
       "te_jax::cuda::sm90::BackwardKernel<" + args + ", true, " + (accumulate_dq ? "true" : "false") + ">",
-      "te_jax::cuda::TmaBackwardArgs", smem(accumulate_dq ? Kind::kDkDvAccumulatingDq : Kind::kDkDv)));
+      AttentionArgs(c, "te_jax::cuda::TmaBackwardArgs"), smem(accumulate_dq ? Kind::kDkDvAccumulatingDq : Kind::kDkDv)));
   if (accumulate_dq) {
     m.entries.push_back(DqConvertEntry(c));
   } else {
     m.entries.push_back(TmaEntry("te_jax_attention_backward_dq",
                                  "te_jax::cuda::sm90::BackwardKernel<" + args + ", false>",
-                                 "te_jax::cuda::TmaBackwardArgs", smem(Kind::kDq)));
+                                 AttentionArgs(c, "te_jax::cuda::TmaBackwardArgs"), smem(Kind::kDq)));
   }
   if (c.bias) m.entries.push_back(BiasGradConvertEntry(c));
   if (c.HasDocumentBackward()) {

@@ -173,6 +173,18 @@ struct BackwardKernel {
     }
   };
 
+  // A block mask: a work's step tiles narrowed to those its blocks may show for some query head it takes
+  // (KernelMods::NarrowTiles; every thread).
+  static __device__ __forceinline__ void NarrowToBlockMask(const typename Variant::Mods& mods, Work& w) {
+    int begin = w.tile_begin, end = w.tile_begin + w.tiles;
+    const int h0 = kOwnsKeys ? w.owned_head * w.group : w.owned_head;
+    mods.template NarrowTiles<kStep, kOwnsKeys>(mods.Batch(w.b), h0, h0 + (kOwnsKeys ? w.group : 1), w.owned0,
+                                                w.owned0 + kOwned, begin, end);
+    w.tile_begin = begin;
+    w.tiles = end - begin;
+    w.steps = kOwnsKeys ? w.tiles * w.group : w.tiles;
+  }
+
   static __device__ __forceinline__ Work WorkOf(const ShapeArgs& s, const BackwardArgs& args) {
     Work w;
     w.group = s.num_heads / s.num_kv_heads;
@@ -340,14 +352,17 @@ struct BackwardKernel {
       FenceMbarrierInit();
     }
     __syncthreads();
-    const Work w = WorkOf(args.shape, args);
+    Work w = WorkOf(args.shape, args);
+    typename Variant::Mods mods{};
+    if constexpr (Variant::kHasMods) mods = Variant::Mods::Of(a);
+    if constexpr (Variant::kHasMaskMod) NarrowToBlockMask(mods, w);
     if (warpgroup == 0) {
       DecreaseRegisters<24>();
       if (warp == 0 && lane == 0 && w.steps > 0) Produce(a, sm, w);
       if (kOwnsKeys && warp == kStatsWarp) ProduceStats(args, sm, w, lane);
     } else {
       IncreaseRegisters<240>();
-      Consume(args, sm, w, warpgroup - 1, warp & 3, lane);
+      Consume(args, mods, sm, w, warpgroup - 1, warp & 3, lane);
     }
   }
 
@@ -400,7 +415,8 @@ struct BackwardKernel {
     }
   }
 
-  static __device__ __forceinline__ void Consume(const BackwardArgs& args, const Smem& sm, const Work& w, int wg,
+  static __device__ __forceinline__ void Consume(const BackwardArgs& args, const typename Variant::Mods& mods,
+                                                 const Smem& sm, const Work& w, int wg,
                                                  int warp_in_wg, int lane) {
     const ShapeArgs& s = args.shape;
     const int g = lane >> 2, t = lane & 3;
@@ -416,6 +432,12 @@ struct BackwardKernel {
     variant.scale = s.scale;
     variant.cap = s.softcap;
     variant.slope = 0.0f;
+    variant.mods = mods;
+    [[maybe_unused]] int mod_b = 0;
+    if constexpr (Variant::kHasMods) {
+      mod_b = mods.Batch(w.b);
+      if constexpr (!kOwnsKeys) variant.mods.grads = nullptr;  // the dk/dv kernel adds the captures' gradients
+    }
 
     // Accumulators, this warpgroup's columns of them: dk and dv (dk/dv kernel) or dq (acc0 only).
     float acc0[kAcc0Cols / 8][4];
@@ -596,11 +618,13 @@ struct BackwardKernel {
               if constexpr (decltype(masked)::value) visible = visible & TokenSees(query_entry, key_entry);
               const float dlogit = ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query_entry.w,
                                                                    key_entry.y, visible, lse, delta,
-                                                                   bias_at(query, key), keep);
+                                                                   bias_at(query, key), keep,
+                                                                   ModIndex{mod_b, head, query, key});
               add_dbias(query, key, dlogit, e >> 1);
             } else {
-              const float dlogit = ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key,
-                                                                   visible, lse, delta, bias_at(query, key), keep);
+              const float dlogit =
+                  ProbabilityGrad<Variant>::Apply(variant, sc[j][e], dp[j][e], query + diag, key, visible, lse, delta,
+                                                  bias_at(query, key), keep, ModIndex{mod_b, head, query, key});
               add_dbias(query, key, dlogit, e >> 1);
             }
           }

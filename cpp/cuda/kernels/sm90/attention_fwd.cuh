@@ -11,6 +11,7 @@
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
 #include "cpp/cuda/kernels/common/dropout.h"
+#include "cpp/cuda/kernels/common/kernel_mods.h"
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/common/token_mask.h"
 #include "cpp/cuda/kernels/primitives/fragment.h"
@@ -111,8 +112,11 @@ struct ForwardKernel {
 
   // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h); a
   // bias adds to natural-unit logits. ALiBi over index positions adds its term over the scale (AlibiOverScale).
-  static constexpr bool kRawAlibi = Variant::kHasAlibi && !Variant::kHasSoftcap && !kBias && !kTokens;
-  static constexpr bool kRawScores = (!Variant::kHasSoftcap && !Variant::kHasAlibi && !kBias) || kRawAlibi;
+  // A score_mod takes the logit itself.
+  static constexpr bool kScoreMod = Variant::kHasScoreMod;
+  static constexpr bool kRawAlibi = Variant::kHasAlibi && !Variant::kHasSoftcap && !kBias && !kTokens && !kScoreMod;
+  static constexpr bool kRawScores =
+      (!Variant::kHasSoftcap && !Variant::kHasAlibi && !kBias && !kScoreMod) || kRawAlibi;
 
   // The shared-memory map, from the 1024-byte-aligned base.
   struct Smem {
@@ -317,8 +321,17 @@ struct ForwardKernel {
   // CTAs at work at one time share their K/V in L2; between them come the careful passes blocks ask for. The producer
   // thread stores each item beside its q buffer; the consumers read it once the q has landed (the q full barrier orders
   // the store before).
+  // A block mask: a work's key tiles narrowed to those its blocks may show (KernelMods::NarrowTiles; a whole warp).
+  static __device__ __forceinline__ void NarrowToBlockMask(const typename Variant::Mods& mods, Work& w) {
+    QueryBlockOfCta& cta = w.cta;
+    mods.template NarrowTiles<kBlockN, false>(mods.Batch(cta.b), cta.head, cta.head + 1, cta.m0, cta.m0 + kBlockM,
+                                              cta.tile_begin, cta.tile_end);
+    w.tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
+  }
+
   template <typename F>
-  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Smem& sm, bool producer, F&& f) {
+  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const typename Variant::Mods& mods,
+                                                     const Smem& sm, bool producer, F&& f) {
     if constexpr (kPersistent) {
       const int works = PersistentWorks(args);
       for (int n = 0;; ++n) {
@@ -329,7 +342,9 @@ struct ForwardKernel {
         f(PersistentWork(args, item & kItemIndex), n, (item & kCarefulItem) != 0);
       }
     } else {
-      f(WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z), 0, false);
+      Work w = WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z);
+      if constexpr (Variant::kHasMaskMod) NarrowToBlockMask(mods, w);
+      f(w, 0, false);
     }
   }
 
@@ -431,13 +446,15 @@ struct ForwardKernel {
 
     // Both sides count the ring positions a CTA's items take (a work's tiles, twice for a rerun) from 0.
     int ring = 0;
+    typename Variant::Mods mods{};
+    if constexpr (Variant::kHasMods) mods = Variant::Mods::Of(a);
     if (warpgroup == 0) {
       DecreaseRegisters<ForwardProducerRegisters(kPersistent)>();
       if constexpr (kPersistent) {
         // One thread copies every tile, and no other has a vote to take part in.
         if (tid != 0) return;
         int next = -1;  // a work taken from the counter and not yet given a q buffer
-        ForEachWork(args, sm, true, [&](const Work& w, int n, bool careful) {
+        ForEachWork(args, mods, sm, true, [&](const Work& w, int n, bool careful) {
           if (n == 0) LoadQ(a, sm, w.cta, 0);  // later items' q come with PrefetchWork
           if (next < 0) next = TakeWork(a);
           ProduceTiles(a, sm, w.cta, ring);
@@ -448,7 +465,7 @@ struct ForwardKernel {
       } else {
         if (warp != 0) return;
         const bool producer = lane == 0;
-        ForEachWork(args, sm, producer, [&](const Work& w, int, bool) {
+        ForEachWork(args, mods, sm, producer, [&](const Work& w, int, bool) {
           if (producer) {
             LoadQ(a, sm, w.cta, 0);
             ProduceTiles(a, sm, w.cta, 0);
@@ -459,16 +476,17 @@ struct ForwardKernel {
       }
     } else {
       IncreaseRegisters<ForwardConsumerRegisters(kTile, kPersistent)>();
-      ForEachWork(args, sm, false, [&](const Work& w, int n, bool careful) {
-        ring += Consume(args, sm, w, n, careful, ring, warpgroup - 1, warp & 3, lane);
+      ForEachWork(args, mods, sm, false, [&](const Work& w, int n, bool careful) {
+        ring += Consume(args, mods, sm, w, n, careful, ring, warpgroup - 1, warp & 3, lane);
       });
     }
   }
 
   // The consumers' side of the CTA's n-th item (`careful`: a persistent CTA's careful pass of w), its ring positions
   // from `first`; returns how many it took.
-  static __device__ __forceinline__ int Consume(const ForwardArgs& args, const Smem& sm, const Work& w, int n,
-                                                bool careful, int first, int wg, int warp_in_wg, int lane) {
+  static __device__ __forceinline__ int Consume(const ForwardArgs& args, const typename Variant::Mods& mods,
+                                                const Smem& sm, const Work& w, int n, bool careful, int first, int wg,
+                                                int warp_in_wg, int lane) {
     // The ring positions are the same in every thread, but the persistent kernel's sum of earlier works' positions
     // (reruns included) is not one the compiler can prove so; read from one lane, it is, and the stages' addresses
     // and parities stay in uniform registers, where the wgmma descriptors need them (computed per thread and moved
@@ -499,6 +517,9 @@ struct ForwardKernel {
     variant.cap = s.softcap;
     variant.slope = 0.0f;
     if constexpr (Variant::kHasAlibi) variant.slope = args.alibi_slopes[cta.b * s.num_heads + cta.head];
+    variant.mods = mods;
+    [[maybe_unused]] int mod_b = 0;
+    if constexpr (Variant::kHasMods) mod_b = mods.Batch(cta.b);
     const int diag = static_cast<int>(cta.mask.diag_offset);
     const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
     [[maybe_unused]] const float alibi_step = kRawAlibi ? variant.slope / s.scale : 0.0f;
@@ -548,6 +569,10 @@ struct ForwardKernel {
       auto key_token = [&](int j, int e) {
         const int4 pair = pairs[4 * j + t];
         return e & 1 ? make_int2(pair.z, pair.w) : make_int2(pair.x, pair.y);
+      };
+      // Element e of n8 tile j as the mods see it.
+      [[maybe_unused]] auto mod_at = [&](int j, int e) {
+        return ModIndex{mod_b, cta.head, cta.m0 + local_row + 8 * (e >> 1), n0 + 8 * j + 2 * t + (e & 1)};
       };
       auto key_position = [&](int j, int e) -> typename Variant::Position {
         if constexpr (kTokens) {
@@ -601,6 +626,12 @@ struct ForwardKernel {
 #pragma unroll
             for (int e = 0; e < 4; ++e) sc[j][e] = variant.Logit(sc[j][e], row_position(e >> 1), key_position(j, e));
         }
+        if constexpr (kScoreMod) {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[j][e] = variant.mods.Score(sc[j][e], mod_at(j, e));
+        }
       };
       // Any other tile: the per-element mask, -inf where a row does not see a key.
       auto masked_tile = [&]() {
@@ -628,6 +659,7 @@ struct ForwardKernel {
               float logit = sc[j][e];
               if constexpr (!kRawScores && !kBias) logit = variant.Logit(logit, row_position(r), key_position(j, e));
               if constexpr (kRawAlibi) logit += alibi[r].Term(8 * j + (e & 1));
+              if constexpr (kScoreMod) logit = variant.mods.Score(logit, mod_at(j, e));
               bool visible;
               if constexpr (kTokens) {
                 visible = sees(j, e, rows);
@@ -637,6 +669,7 @@ struct ForwardKernel {
               } else {
                 visible = col >= keys[r].x && col < keys[r].y;
               }
+              if constexpr (Variant::kHasMaskMod) visible = visible && variant.mods.Mask(mod_at(j, e));
               sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
             }
         };
@@ -652,8 +685,14 @@ struct ForwardKernel {
           }
         }
       };
+      // A mask_mod leaves a tile interior only where the block mask says it keeps every pair.
       // The test written twice: without tokens, the kernels keep the exact code they had before tokens existed.
+      bool blocks_visible = true;
+      if constexpr (Variant::kHasMaskMod) {
+        blocks_visible = variant.mods.AllVisible(mod_b, cta.head, cta.m0, cta.m0 + kBlockM, n0, n0 + kBlockN);
+      }
       if constexpr (kTokens) {
+        interior = interior && blocks_visible;
         if (interior) {
           interior_tile();
         } else {
@@ -670,7 +709,7 @@ struct ForwardKernel {
           }
         }
       } else {
-        if (tile >= full_begin && tile < full_end) {
+        if (tile >= full_begin && tile < full_end && blocks_visible) {
           interior_tile();
         } else {
           masked_tile();
@@ -822,7 +861,7 @@ struct ForwardKernel {
       for (int r = 0; r < 2; ++r) sees_keys[r] = row_seen(r) != 0;
     }
     float inv_sum[2], lse[2];
-    if constexpr (kBias) {
+    if constexpr (kBias || Variant::kHasMods) {  // a -inf bias, score or hidden key can leave a row no probability
       softmax.FinishWithBias(sees_keys, inv_sum, lse);
     } else {
       softmax.Finish(sees_keys, inv_sum, lse);
