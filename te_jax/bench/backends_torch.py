@@ -125,16 +125,23 @@ class TorchBackend(Backend):
   framework = "torch"
   requires = ("torch",)
   layout = "bhsd"
+  torch_module = ""  # a torch module the backend needs, which older torches lack
 
   def platform_reason(self, platform: str) -> str | None:
     reason = super().platform_reason(platform)
     if reason:
       return reason
+    import importlib
     import torch
     if platform == "gpu" and not torch.cuda.is_available():
       return f"torch {torch.__version__} sees no CUDA GPU"
     if platform == "cpu" and torch.cuda.is_available():
       return "JAX runs on the CPU here but torch would use the GPU"
+    if self.torch_module:
+      try:
+        importlib.import_module(self.torch_module)
+      except ImportError as e:
+        return f"this torch has no {self.torch_module} ({e})"
     return None
 
   @contextlib.contextmanager
@@ -167,6 +174,7 @@ def _sdpa_has_gqa() -> bool:
 
 class TorchSdpaBackend(TorchBackend):
   """F.scaled_dot_product_attention with only one SDPA kernel allowed."""
+  torch_module = "torch.nn.attention"
 
   def __init__(self, kernel: str, label: str, platforms: dict):
     self.kernel = kernel  # SDPBackend member name
@@ -179,10 +187,7 @@ class TorchSdpaBackend(TorchBackend):
     reason = super().platform_reason(platform)
     if reason:
       return reason
-    try:
-      from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
-    except ImportError as e:
-      return f"this torch has no torch.nn.attention.sdpa_kernel ({e})"
+    from torch.nn.attention import SDPBackend
     if not hasattr(SDPBackend, self.kernel):
       return f"this torch has no SDPBackend.{self.kernel}"
     return None
@@ -268,22 +273,13 @@ class FlashAttnBackend(TorchBackend):
 class TorchFlexBackend(TorchBackend):
   """PyTorch's FlexAttention (torch.nn.attention.flex_attention under torch.compile, its Triton kernels) with the
   case's mask as a mask_mod and its block mask made in setup: the peer of te_jax-block-mask."""
+  torch_module = "torch.nn.attention.flex_attention"
 
   def __init__(self):
     self.name = "torch-flex"
     self.label = "torch FlexAttention (compiled), the mask as a mask_mod"
     self.url = "torch.compile(flex_attention)(q, k, v, block_mask=create_block_mask(mask_mod, ...))"
     self.caps = Capabilities(platforms={"gpu": HALF}, causal_cross=False)
-
-  def platform_reason(self, platform: str) -> str | None:
-    reason = super().platform_reason(platform)
-    if reason:
-      return reason
-    try:
-      from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
-    except ImportError as e:
-      return f"this torch has no FlexAttention ({e})"
-    return None
 
   def attention_fn(self, case: Case, alibi, device):
     import torch
