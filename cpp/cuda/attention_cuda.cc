@@ -86,8 +86,10 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
 }
 
 // The captures of a call with mods as the kernels read them (kernel_args.h), strides row-major; `grads` (the
-// backward's, null in the forward): the score_mod's capture gradients, flex.num_capture_gradients() of them.
-FlexArgs MakeFlexArgs(const AttentionParams& p, const void* const* captures, void* const* grads) {
+// backward's, null in the forward): the score_mod's capture gradients, flex.num_capture_gradients() of them, added up
+// in the dk/dv kernel's `scratch_bytes` of shared memory first where they fit.
+FlexArgs MakeFlexArgs(const AttentionParams& p, const void* const* captures, void* const* grads,
+                      int scratch_bytes = 0) {
   FlexArgs f{};
   const FlexSpec& flex = p.flex;
   for (int64_t i = 0; i < flex.num_captures(); ++i) {
@@ -103,6 +105,16 @@ FlexArgs MakeFlexArgs(const AttentionParams& p, const void* const* captures, voi
   }
   const std::vector<int64_t> gradients = flex.gradient_captures();
   for (size_t i = 0; grads != nullptr && i < gradients.size(); ++i) f.grads[gradients[i]] = static_cast<float*>(grads[i]);
+  int64_t floats = 0;
+  for (int i = 0; i < kMaxKernelCaptures; ++i) {
+    f.gradient_scratch[i] = -1;
+    if (f.grads[i] == nullptr) continue;
+    f.gradient_scratch[i] = static_cast<int32_t>(floats);
+    f.gradient_elements[i] = static_cast<int32_t>(flex.capture_elements(i));
+    floats += flex.capture_elements(i);
+  }
+  const bool fits = floats * 4 + 8 * kMaxKernelCaptures <= scratch_bytes;
+  f.gradient_scratch_floats = fits ? static_cast<int32_t>(floats) : 0;
   f.batch_fold = static_cast<int32_t>(flex.batch_fold);
   if (flex.has_block_mask()) {
     const std::vector<int64_t>& shape = flex.capture_shapes.back();  // [B' or 1, H or 1, rows, cols]
@@ -558,7 +570,15 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                                 static_cast<size_t>(elements), stream);
     if (r != CUDA_SUCCESS) return Status::Internal("te_jax: zeroing the capture gradients failed: " + driver->ErrorString(r));
   }
-  const FlexArgs flex = p.flex.active() ? MakeFlexArgs(p, b.flex_captures, b.flex_capture_grads) : FlexArgs{};
+  const int scratch = call.family == KernelFamily::kSm90 && p.flex.has_score_mod()
+                          ? sm90::BackwardCaptureScratchBytes(
+                                static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
+                                accumulate_dq ? sm90::BackwardKernelKind::kDkDvAccumulatingDq
+                                              : sm90::BackwardKernelKind::kDkDv,
+                                UsesTokens(p), p.dropout_threshold > 0, p.has_bias ? DTypeSize(p.bias_dtype) : 0)
+                          : 0;
+  const FlexArgs flex =
+      p.flex.active() ? MakeFlexArgs(p, b.flex_captures, b.flex_capture_grads, scratch) : FlexArgs{};
   const FlexArgs* mods = p.flex.active() ? &flex : nullptr;
   if (p.has_bias && no_pairs) {
     const CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(b.dbias), 0,

@@ -275,6 +275,12 @@ struct FlexArgs {
   BlockMaskArgs block_mask;
   // The backward: the float32 gradients of the score_mod's captures, zeroed by the host; null for a capture without one.
   float* grads[kMaxKernelCaptures];
+  // Where they fit in the dk/dv kernel's scratch (sm90/tile_size.h: CaptureGradientScratchBytes), each CTA adds them
+  // up there first: capture i's at float gradient_scratch[i] of it (-1: none), gradient_elements[i] of them;
+  // gradient_scratch_floats in all (0: the kernel adds to memory directly).
+  int32_t gradient_scratch[kMaxKernelCaptures];
+  int32_t gradient_elements[kMaxKernelCaptures];
+  int32_t gradient_scratch_floats;
   int32_t batch_fold;  // vmap's examples folded into the batch: the mods see b / batch_fold
 };
 

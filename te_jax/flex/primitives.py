@@ -21,6 +21,7 @@ UNARY = {
     "neg": {"f": "(-{0})", "i": "WrapNeg({0})"},
     "sign": {"f": "Sign({0})", "i": "IntSign({0})"},
     "square": {"f": "({0} * {0})", "i": "WrapMul({0}, {0})"},
+    "one_minus_square": {"f": "(1.0f - {0} * {0})"},  # newer JAX's tanh derivative
     "not": {"b": "(!{0})", "i": "{t}(~{0})"},
     "copy": {"f": "{0}", "i": "{0}", "b": "{0}"},
     "copy_p": {"f": "{0}", "i": "{0}", "b": "{0}"},

@@ -56,6 +56,11 @@ KernelModule Backward(const KernelConfig& c) {
     return sm90::BackwardSmemBytes(c.head_dim, c.head_dim_v, kind, c.tokens, c.dropout, c.BiasBytes());
   };
   const bool accumulate_dq = !c.deterministic;
+  const Kind dkdv = accumulate_dq ? Kind::kDkDvAccumulatingDq : Kind::kDkDv;
+  // A score_mod's dk/dv kernel has its capture gradients' scratch after the rest.
+  const int scratch = c.score_mod.empty() ? 0
+                                          : sm90::BackwardCaptureScratchBytes(c.head_dim, c.head_dim_v, dkdv, c.tokens,
+                                                                              c.dropout, c.BiasBytes());
   KernelModule m;
   m.includes = {"cpp/core/variants.h", "cpp/cuda/kernels/common/backward_row_kernels.cuh",
                 "cpp/cuda/kernels/sm90/attention_bwd.cuh"};
@@ -63,7 +68,7 @@ KernelModule Backward(const KernelConfig& c) {
   m.entries.push_back(TmaEntry(
       accumulate_dq ? "te_jax_attention_backward_dkdv_dq" : "te_jax_attention_backward_dkdv",
       "te_jax::cuda::sm90::BackwardKernel<" + args + ", true, " + (accumulate_dq ? "true" : "false") + ">",
-      AttentionArgs(c, "te_jax::cuda::TmaBackwardArgs"), smem(accumulate_dq ? Kind::kDkDvAccumulatingDq : Kind::kDkDv)));
+      AttentionArgs(c, "te_jax::cuda::TmaBackwardArgs"), smem(dkdv) + scratch));
   if (accumulate_dq) {
     m.entries.push_back(DqConvertEntry(c));
   } else {

@@ -52,13 +52,39 @@ struct KernelMods {
   float* const* grads;
   BlockMaskArgs block_mask;
   int batch_fold;
+  const FlexArgs* flex;  // the arguments (in parameter space), for what only the kernels' prologue and epilogue read
 
   // args: the kernel's arguments, a WithFlex<Args> (the kernel's entry point takes one where its variant has mods).
   template <typename Args>
   __device__ __forceinline__ static KernelMods Of(const Args& args) {
     const FlexArgs& f = static_cast<const WithFlex<Args>&>(args).flex;
     return {ScoreModT::Bind(f.captures), MaskModT::Bind(f.captures + ScoreModT::kCaptures), f.grads, f.block_mask,
-            f.batch_fold};
+            f.batch_fold, &f};
+  }
+
+  // A CTA's capture gradients in shared memory (`scratch`: gradient_scratch_floats floats after kMaxKernelCaptures
+  // pointers), where the call's fit (FlexArgs): Begin zeroes them and points grads at them (`thread` of `threads`,
+  // which then meet at a barrier), End adds them to memory after the CTA's last addition.
+  template <int kThreads>
+  __device__ __forceinline__ void BeginScratchGradients(float** scratch, int thread) {
+    if (!kScore || flex->gradient_scratch_floats == 0) return;
+    float* values = reinterpret_cast<float*>(scratch + kMaxKernelCaptures);
+    for (int i = thread; i < flex->gradient_scratch_floats; i += kThreads) values[i] = 0.0f;
+    if (thread < kMaxKernelCaptures) {
+      scratch[thread] = flex->gradient_scratch[thread] < 0 ? nullptr : values + flex->gradient_scratch[thread];
+    }
+    grads = scratch;
+  }
+  template <int kThreads>
+  __device__ __forceinline__ void EndScratchGradients(float* const* scratch, int thread) const {
+    if (!kScore || flex->gradient_scratch_floats == 0) return;
+    for (int c = 0; c < kMaxKernelCaptures; ++c) {
+      if (scratch[c] == nullptr) continue;
+      for (int i = thread; i < flex->gradient_elements[c]; i += kThreads) {
+        const float value = scratch[c][i];
+        if (value != 0.0f) atomicAdd(flex->grads[c] + i, value);
+      }
+    }
   }
 
   __device__ __forceinline__ int Batch(int b) const { return b / batch_fold; }

@@ -20,9 +20,9 @@ struct ProbabilityGrad {
   // p = exp(logit - lse) where visible, else 0; ds = p * (dp - delta') * dlogit/ddot. delta' = delta - dlse. With an
   // additive bias the logit is Logit(x) + bias. With dropout, `keep` is the element's factor (1 / (1 - rate) or 0;
   // dropout.h): x_to_p becomes p * keep (what dV takes) and the logit's gradient p * (keep * dp - delta'); without it
-  // keep is the constant 1 and folds away. With mods (`at` the element's indices), the mask_mod hides keys and the
-  // softmax sees Score(logit); the gradient goes back through DScore (and to the score_mod's captures). Returns the
-  // logit's gradient (and so the bias's).
+  // keep is the constant 1 and folds away. With mods (`at` the element's indices; the caller's `visible` has the
+  // mask_mod's answer) the softmax sees Score(logit), and the gradient goes back through DScore (and to the
+  // score_mod's captures). Returns the logit's gradient (and so the bias's).
   static __device__ __forceinline__ float Apply(const Variant& variant, float& x_to_p, float& dp_to_ds,
                                                 typename Variant::Position pos, typename Variant::Position key,
                                                 bool visible, float lse, float delta, float bias = 0.0f,
@@ -32,7 +32,6 @@ struct ProbabilityGrad {
     if constexpr (Variant::kHasMods) {
       // A row every key of which the mods hid or sent to -inf has lse = -inf: its p is 0.
       if (lse == -__int_as_float(0x7f800000)) lse = __int_as_float(0x7f800000);
-      if constexpr (Variant::kHasMaskMod) visible = visible && variant.mods.Mask(at);
       const float logit = Logit(variant, x, pos, key, bias);
       p = visible ? Exp2(fmaf(variant.mods.Score(logit, at), kLog2e, -lse * kLog2e)) : 0.0f;
       x_to_p = p * keep;

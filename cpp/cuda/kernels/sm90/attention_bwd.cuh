@@ -104,6 +104,8 @@ struct BackwardKernel {
   static_assert(kSmemBytes == BackwardSmemBytes(kD, kDv, kKind, kTokens, kDropout, kBiasBytes),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(kSmemBytes <= kMaxDynamicSmem, "the kernel's tiles fit in shared memory");
+  // A score_mod's dk/dv kernel: its capture gradients' scratch past the rest (the launch adds it to the shared memory).
+  static constexpr bool kGradientScratch = kOwnsKeys && Variant::kHasScoreMod;
   static_assert(!kTokens || kStepTokensOffset + kStages * kStepTokenBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token tables");
   static_assert(!kTokens || kStep == kTokenGranule, "a step's rows are one granule of tokens");
@@ -134,6 +136,9 @@ struct BackwardKernel {
       return {base + kBiasOffset + stage * BiasStage::kBytes};
     }
     __device__ __forceinline__ StepTile Ds() const { return {base + kDsOffset}; }
+    __device__ __forceinline__ float** GradientScratch() const {
+      return reinterpret_cast<float**>(reinterpret_cast<char*>(stats) - kStatsOffset + kSmemBytes - 1024);
+    }
     __device__ __forceinline__ StepTile P() const { return {base + kPOffset}; }
     __device__ __forceinline__ uint32_t DqBlock() const { return base + kDqOffset; }
     __device__ __forceinline__ uint32_t OwnedFull() const { return base + kBarrierOffset; }
@@ -438,6 +443,10 @@ struct BackwardKernel {
       mod_b = mods.Batch(w.b);
       if constexpr (!kOwnsKeys) variant.mods.grads = nullptr;  // the dk/dv kernel adds the captures' gradients
     }
+    if constexpr (kGradientScratch) {
+      variant.mods.template BeginScratchGradients<256>(sm.GradientScratch(), 128 * wg + 32 * warp_in_wg + lane);
+      ConsumersSync();
+    }
 
     // Accumulators, this warpgroup's columns of them: dk and dv (dk/dv kernel) or dq (acc0 only).
     float acc0[kAcc0Cols / 8][4];
@@ -555,6 +564,13 @@ struct BackwardKernel {
       };
 
       // p and ds in place of s and dp; (query, key) of element e of n8 tile j.
+      // A mask_mod: spared on a step whose block mask's blocks all keep every pair.
+      [[maybe_unused]] bool apply_mask_mod = true;
+      if constexpr (Variant::kHasMaskMod) {
+        const int queries0 = kOwnsKeys ? step0 : w.owned0, keys0 = kOwnsKeys ? w.owned0 : step0;
+        apply_mask_mod = !variant.mods.AllVisible(mod_b, head, queries0, queries0 + (kOwnsKeys ? kStep : kOwned), keys0,
+                                                  keys0 + (kOwnsKeys ? kOwned : kStep));
+      }
       auto apply = [&](auto masked) {
         // Tokens: the entries of the thread's two owned rows (loaded once a step), and of element e of n8 tile j's
         // query and key; the step's are the thread's columns col0 + 8 j + 2 t (+ 1), a pair of keys in one 16-byte
@@ -605,6 +621,9 @@ struct BackwardKernel {
             const int own = owned_row + 8 * (e >> 1), other = step0 + col0 + 8 * j + 2 * t + (e & 1);
             const int query = kOwnsKeys ? other : own, key = kOwnsKeys ? own : other;
             bool visible = decltype(masked)::value ? seen[e >> 1].Contains(8 * j + (e & 1)) : true;
+            if constexpr (Variant::kHasMaskMod) {
+              if (apply_mask_mod) visible = visible && variant.mods.Mask(ModIndex{mod_b, head, query, key});
+            }
             // dk/dv: the columns are the step's queries, their lse and delta' in the stage.
             const float lse = kOwnsKeys ? sm.Lse(stage)[other - step0] : row_lse[e >> 1];
             const float delta = kOwnsKeys ? sm.Delta(stage)[other - step0] : row_delta[e >> 1];
@@ -714,6 +733,10 @@ struct BackwardKernel {
     }
     if constexpr (kAccumulateDq) {
       if (leader) BulkWaitComplete();  // the block's shared memory lives until the copy engine is done with it
+    }
+    if constexpr (kGradientScratch) {
+      ConsumersSync();
+      variant.mods.template EndScratchGradients<256>(sm.GradientScratch(), 128 * wg + 32 * warp_in_wg + lane);
     }
     if constexpr (kBias && kOwnsKeys) {
       // Written straight, dbias gets the zeros of the query rows no step visited, for the owned keys of each head.

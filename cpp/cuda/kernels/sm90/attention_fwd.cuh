@@ -329,9 +329,18 @@ struct ForwardKernel {
     w.tiles = cta.tile_end > cta.tile_begin ? cta.tile_end - cta.tile_begin : 0;
   }
 
+  // One CTA per block: the CTA's work, narrowed by a block mask (every thread, before the producer gives up its
+  // registers).
+  static __device__ __forceinline__ Work OwnWork(const ForwardArgs& args, const typename Variant::Mods& mods) {
+    Work w = WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z);
+    if constexpr (Variant::kHasMaskMod) NarrowToBlockMask(mods, w);
+    return w;
+  }
+
+  // own: the CTA's work where it has one (not persistent).
   template <typename F>
-  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const typename Variant::Mods& mods,
-                                                     const Smem& sm, bool producer, F&& f) {
+  static __device__ __forceinline__ void ForEachWork(const ForwardArgs& args, const Work& own, const Smem& sm,
+                                                     bool producer, F&& f) {
     if constexpr (kPersistent) {
       const int works = PersistentWorks(args);
       for (int n = 0;; ++n) {
@@ -342,9 +351,7 @@ struct ForwardKernel {
         f(PersistentWork(args, item & kItemIndex), n, (item & kCarefulItem) != 0);
       }
     } else {
-      Work w = WorkOf(args, static_cast<int>(gridDim.x - 1 - blockIdx.x), blockIdx.y, blockIdx.z);
-      if constexpr (Variant::kHasMaskMod) NarrowToBlockMask(mods, w);
-      f(w, 0, false);
+      f(own, 0, false);
     }
   }
 
@@ -448,13 +455,15 @@ struct ForwardKernel {
     int ring = 0;
     typename Variant::Mods mods{};
     if constexpr (Variant::kHasMods) mods = Variant::Mods::Of(a);
+    Work own{};
+    if constexpr (!kPersistent) own = OwnWork(args, mods);
     if (warpgroup == 0) {
       DecreaseRegisters<ForwardProducerRegisters(kPersistent)>();
       if constexpr (kPersistent) {
         // One thread copies every tile, and no other has a vote to take part in.
         if (tid != 0) return;
         int next = -1;  // a work taken from the counter and not yet given a q buffer
-        ForEachWork(args, mods, sm, true, [&](const Work& w, int n, bool careful) {
+        ForEachWork(args, own, sm, true, [&](const Work& w, int n, bool careful) {
           if (n == 0) LoadQ(a, sm, w.cta, 0);  // later items' q come with PrefetchWork
           if (next < 0) next = TakeWork(a);
           ProduceTiles(a, sm, w.cta, ring);
@@ -465,7 +474,7 @@ struct ForwardKernel {
       } else {
         if (warp != 0) return;
         const bool producer = lane == 0;
-        ForEachWork(args, mods, sm, producer, [&](const Work& w, int, bool) {
+        ForEachWork(args, own, sm, producer, [&](const Work& w, int, bool) {
           if (producer) {
             LoadQ(a, sm, w.cta, 0);
             ProduceTiles(a, sm, w.cta, 0);
@@ -476,7 +485,7 @@ struct ForwardKernel {
       }
     } else {
       IncreaseRegisters<ForwardConsumerRegisters(kTile, kPersistent)>();
-      ForEachWork(args, mods, sm, false, [&](const Work& w, int n, bool careful) {
+      ForEachWork(args, own, sm, false, [&](const Work& w, int n, bool careful) {
         ring += Consume(args, mods, sm, w, n, careful, ring, warpgroup - 1, warp & 3, lane);
       });
     }
@@ -570,6 +579,11 @@ struct ForwardKernel {
         const int4 pair = pairs[4 * j + t];
         return e & 1 ? make_int2(pair.z, pair.w) : make_int2(pair.x, pair.y);
       };
+      // A mask_mod: a tile is interior, and spared the mask_mod, only where the block mask's blocks all keep every pair.
+      bool blocks_visible = true;
+      if constexpr (Variant::kHasMaskMod) {
+        blocks_visible = variant.mods.AllVisible(mod_b, cta.head, cta.m0, cta.m0 + kBlockM, n0, n0 + kBlockN);
+      }
       // Element e of n8 tile j as the mods see it.
       [[maybe_unused]] auto mod_at = [&](int j, int e) {
         return ModIndex{mod_b, cta.head, cta.m0 + local_row + 8 * (e >> 1), n0 + 8 * j + 2 * t + (e & 1)};
@@ -669,7 +683,9 @@ struct ForwardKernel {
               } else {
                 visible = col >= keys[r].x && col < keys[r].y;
               }
-              if constexpr (Variant::kHasMaskMod) visible = visible && variant.mods.Mask(mod_at(j, e));
+              if constexpr (Variant::kHasMaskMod) {
+                if (!blocks_visible) visible = visible && variant.mods.Mask(mod_at(j, e));
+              }
               sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
             }
         };
@@ -685,12 +701,7 @@ struct ForwardKernel {
           }
         }
       };
-      // A mask_mod leaves a tile interior only where the block mask says it keeps every pair.
       // The test written twice: without tokens, the kernels keep the exact code they had before tokens existed.
-      bool blocks_visible = true;
-      if constexpr (Variant::kHasMaskMod) {
-        blocks_visible = variant.mods.AllVisible(mod_b, cta.head, cta.m0, cta.m0 + kBlockM, n0, n0 + kBlockN);
-      }
       if constexpr (kTokens) {
         interior = interior && blocks_visible;
         if (interior) {

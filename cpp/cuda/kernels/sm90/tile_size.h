@@ -182,6 +182,19 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
          8 * (1 + 2 * kBackwardStages);  // mbarriers: owned tiles full; each stage full and empty
 }
 
+// The dk/dv kernels of a score_mod: shared memory past the kernel's own in which a CTA's additions to its captures'
+// gradients add up before they go to memory (kernels/common/kernel_mods.h): 16 KB where the kernel leaves that much,
+// else what it leaves in whole KB, none below 4 KB.
+TE_JAX_HOST_DEVICE constexpr int CaptureGradientScratchBytes(int smem_bytes) {
+  const int room = kMaxDynamicSmem - smem_bytes;
+  return room >= 16384 ? 16384 : room >= 4096 ? room / 1024 * 1024 : 0;
+}
+
+TE_JAX_HOST_DEVICE constexpr int BackwardCaptureScratchBytes(int d, int dv, BackwardKernelKind kind, bool tokens,
+                                                             bool dropout, int bias_bytes = 0) {
+  return CaptureGradientScratchBytes(BackwardSmemBytes(d, dv, kind, tokens, dropout, bias_bytes));
+}
+
 // With split columns the default scheme's dq block (64 x d floats) does not fit beside the ring: those head dims take
 // the deterministic scheme, which the sm80 tuning picks for d + dv > 256 (rounded up to 16); the default scheme of the
 // rest (e.g. d 192, dv 64) stays on the sm80 family, as do the kernels whose bias ring does not fit (a float bias
