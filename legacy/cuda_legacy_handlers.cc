@@ -19,8 +19,9 @@ void RunLegacyCuda(const char* target, CUstream stream, void** buffers, const ch
     RecordLegacyFailure(target, status);  // without params the output sizes are unknown: nothing can be poisoned
     return;
   }
+  // The mods' captures follow the fixed operands (legacy_buffers.h), so the results start after them.
   const void* const* inputs = buffers;
-  void* const* outputs = buffers + kNumInputs;
+  void* const* outputs = buffers + kNumInputs + params.flex.num_captures();
   status = run(params, inputs, outputs);
   if (status.ok()) return;
   size_t bytes[kNumOutputs];

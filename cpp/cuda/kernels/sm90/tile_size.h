@@ -183,11 +183,12 @@ TE_JAX_HOST_DEVICE constexpr int BackwardSmemBytes(int d, int dv, BackwardKernel
 }
 
 // The dk/dv kernels of a score_mod: shared memory past the kernel's own in which a CTA's additions to its captures'
-// gradients add up before they go to memory (kernels/common/kernel_mods.h): 16 KB where the kernel leaves that much,
-// else what it leaves in whole KB, none below 4 KB.
+// gradients add up before they go to memory (kernels/common/kernel_mods.h): 16 KB of them (a relative-position table
+// of 16 heads x 256 distances) and a pointer per capture where the kernel leaves that much, else what it leaves in
+// whole KB, none below 4 KB.
 TE_JAX_HOST_DEVICE constexpr int CaptureGradientScratchBytes(int smem_bytes) {
-  const int room = kMaxDynamicSmem - smem_bytes;
-  return room >= 16384 ? 16384 : room >= 4096 ? room / 1024 * 1024 : 0;
+  const int room = kMaxDynamicSmem - smem_bytes, full = 16384 + 8 * kMaxKernelCaptures;
+  return room >= full ? full : room >= 4096 ? room / 1024 * 1024 : 0;
 }
 
 TE_JAX_HOST_DEVICE constexpr int BackwardCaptureScratchBytes(int d, int dv, BackwardKernelKind kind, bool tokens,
