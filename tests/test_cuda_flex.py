@@ -1,7 +1,8 @@
 """GPU: score_mod / mask_mod compiled into te_jax's sm90 kernels, bf16, against the float64 reference of
 tests/test_flex_attention.py written from the same Python mods: out, lse, dq, dk, dv and the score_mod's capture
 gradients (a relative-position table, a per-head temperature), over masks, GQA, head dims, segment ids, a bias,
-deterministic, rows every key of which the mods hide, vmap, and FFI == legacy. Skipped without a GPU."""
+deterministic, rows every key of which the mods hide, vmap, block masks, FFI == legacy; the built-ins written as mods
+against the built-ins; -inf and NaN scores. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -199,3 +200,41 @@ def test_a_block_mask_that_keeps_every_pair_skips_the_mask_mod():
   with jax.enable_x64(True):
     want, _ = reference(q, k, v)
   _check("every pair kept", got, want, False)
+
+
+@pytest.mark.parametrize("builtin, score_mod, mask_mod", [
+    (dict(softcap=20.0), SCORE_MODS["tanh_cap"](None), None),
+    (None, "alibi", None),
+    (dict(mask_type="causal"), None, MASK_MODS["causal"]),
+], ids=["softcap", "alibi", "causal"])
+def test_builtins_written_as_mods_equal_them(builtin, score_mod, mask_mod):
+  rng = np.random.default_rng(58)
+  b, s, h, d = 2, 300, 4, 128
+  q, k, v, dout = (_bf16(rng, b, s, h, d) for _ in range(4))
+  if score_mod == "alibi":
+    slopes = jnp.asarray(2.0 ** -np.arange(1, h + 1), jnp.float32)
+    builtin = dict(alibi_slopes=slopes)
+    score_mod = lambda x, bb, hh, i, j: x + slopes[hh] * (j - i)  # noqa: E731
+
+  def run(**kwargs):
+    def loss(q, k, v):
+      out = te_jax.fused_attn(q, k, v, engine="te", **kwargs)
+      return jnp.sum(out * dout), out
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+  (mod_grads, mod_out), (ref_grads, ref_out) = run(score_mod=score_mod, mask_mod=mask_mod), run(**builtin)
+  _check("out", mod_out, ref_out, False)  # the same sums, rounded apart
+  for what, got, want in zip(("dq", "dk", "dv"), mod_grads, ref_grads):
+    _check(what, got, want, True)
+
+
+def test_minus_inf_and_nan_scores_propagate_as_on_the_cpu():
+  rng = np.random.default_rng(59)
+  q, k, v = (_bf16(rng, 1, 200, 2, 64) for _ in range(3))
+  minus_inf = lambda s, b, h, i, j: jnp.where((i + j) % 3 == 0, -jnp.inf, s)  # noqa: E731
+  nan_at = lambda s, b, h, i, j: jnp.where((i == 5) & (j == 9), jnp.nan, s)  # noqa: E731
+  with jax.enable_x64(True):
+    want, _ = reference(q, k, v, minus_inf)
+  _check("-inf scores", te_jax.fused_attn(q, k, v, score_mod=minus_inf, engine="te"), want, False)
+  out = np.asarray(te_jax.fused_attn(q, k, v, score_mod=nan_at, engine="te"), np.float32)
+  assert np.isnan(out[:, 5]).all() and not np.isnan(np.delete(out, 5, axis=1)).any()
