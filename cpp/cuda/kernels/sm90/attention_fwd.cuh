@@ -689,7 +689,11 @@ struct ForwardKernel {
               sc[j][e] = visible ? logit : -__int_as_float(0x7f800000);
             }
         };
-        if (!kTokens && __all_sync(0xffffffffu, keys[0].x <= n0 && keys[1].x <= n0)) {
+        // Mods keep one copy of the element loop: their code per element outweighs the test saved, and a copy more
+        // of it adds seconds to the first compile of a new mod.
+        if constexpr (Variant::kHasMods) {
+          mask_elements(BoolConstant<false>{});
+        } else if (!kTokens && __all_sync(0xffffffffu, keys[0].x <= n0 && keys[1].x <= n0)) {
           mask_elements(BoolConstant<true>{});
         } else {
           mask_elements(BoolConstant<false>{});
