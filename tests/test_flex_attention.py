@@ -479,6 +479,7 @@ def test_a_backend_without_mod_kernels_refuses_them_at_lowering():
 @pytest.mark.parametrize("captures, deterministic, match", [
     ([(4,)] * 9, False, "at most 8 arrays"),
     ([(2, 2, 2, 2, 2)], False, "at most 4 dims"),
+    ([(1 << 16, 1 << 15)], False, "fewer than 2\\^31 elements"),
     ([(4,)], True, "deterministic=True with a score_mod"),
 ])
 def test_the_cuda_kernels_limits_on_captures(captures, deterministic, match):

@@ -200,8 +200,21 @@ TE_JAX_HOST_DEVICE float Float16Value(uint16_t bits) {
   return FloatFromBits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-// An index into a captured array's dimension, clamped to [0, last] as lax.dynamic_slice and gather (mode clip) do.
-TE_JAX_HOST_DEVICE int64_t ClampIndex(int64_t i, int64_t last) { return i < 0 ? 0 : (i > last ? last : i); }
+// The type of positions in captured arrays (their shapes, strides and the indices into them): 64 bits on the host;
+// 32 in the CUDA kernels, whose captures hold fewer than 2^31 elements (cpp/core/validate.cc), so a read costs 32-bit
+// arithmetic there. An index of a wider type (int64, uint32 with jax_enable_x64) is clamped in its own type first.
+#if defined(__CUDA_ARCH__)
+typedef int32_t FlexIndex;
+#else
+typedef int64_t FlexIndex;
+#endif
+
+// An index into a captured array's dimension, clamped to [0, last] as lax.dynamic_slice and gather (mode clip) do; i
+// is a FlexIndex or an int64_t.
+template <typename T>
+TE_JAX_HOST_DEVICE FlexIndex ClampIndex(T i, FlexIndex last) {
+  return i < T(0) ? FlexIndex(0) : (i > T(last) ? last : FlexIndex(i));
+}
 
 // A capture gradient's term: the CPU gives each worker its own arrays; the GPU's threads share one, so they add
 // atomically.

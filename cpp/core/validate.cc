@@ -90,10 +90,15 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
                                      "score_mod and mask_mod capture (a block mask's counts as one), got " +
                                      Str(f.num_captures()) + ": pack tables into one array, or run on the CPU");
     }
-    for (const std::vector<int64_t>& shape : f.capture_shapes) {
+    for (int64_t i = 0; i < f.num_captures(); ++i) {
+      const std::vector<int64_t>& shape = f.capture_shapes[i];
       if (static_cast<int64_t>(shape.size()) > kMaxKernelCaptureRank) {
         return Status::InvalidArgument("the CUDA kernels take captures of at most " + Str(kMaxKernelCaptureRank) +
                                        " dims, got one of " + Str(shape.size()) + ": reshape it");
+      }
+      if (f.capture_elements(i) > 0x7fffffffll) {  // their reads index in 32 bits (cpp/core/flex_math.h: FlexIndex)
+        return Status::InvalidArgument("the CUDA kernels take captures of fewer than 2^31 elements, got one of " +
+                                       Str(f.capture_elements(i)));
       }
     }
     if (p.deterministic && f.num_capture_gradients() > 0) {

@@ -19,7 +19,7 @@ from te_jax.flex import codegen, emitter, primitives, trace
 @dataclasses.dataclass(frozen=True)
 class CaptureType:
   """A capture as the generated struct sees it: members capture{i} (const T*), and for rank > 0
-  capture{i}_shape[rank] and capture{i}_strides[rank] (int64, strides in elements)."""
+  capture{i}_shape[rank] and capture{i}_strides[rank] (FlexIndex, strides in elements)."""
   dtype: np.dtype
   shape: tuple[int, ...]
 

@@ -1,8 +1,8 @@
-"""The generated C++: a struct whose members are the captures (pointer, then shape and strides in elements, int64
-per dimension), filled by its static Bind from an array of captures (anything with data, shape[] and strides[]: the
-CPU's FlexCapture, the kernels' KernelCapture), and whose TE_JAX_HOST_DEVICE methods evaluate the mod. The text depends on the mod's jaxpr and its
-captures' dtypes and ranks (and shapes only where JAX's own index arithmetic bakes them in), never on captured
-values; its sha256 is the cache key."""
+"""The generated C++: a struct whose members are the captures (pointer, then shape and strides in elements, a
+FlexIndex per dimension: cpp/core/flex_math.h), filled by its static Bind from an array of captures (anything with
+data, shape[] and strides[]: the CPU's FlexCapture, the kernels' KernelCapture), and whose TE_JAX_HOST_DEVICE methods
+evaluate the mod. The text depends on the mod's jaxpr and its captures' dtypes and ranks (and shapes only where JAX's
+own index arithmetic bakes them in), never on captured values; its sha256 is the cache key."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _members(captures: tuple) -> list[str]:
     dtype, rank = np.dtype(capture.dtype), np.ndim(capture)
     lines.append(f"const {dtypes.ELEMENT_TYPES[dtype]}* capture{i};  // {dtype}, rank {rank}")
     if rank:
-      lines += [f"int64_t capture{i}_shape[{rank}];", f"int64_t capture{i}_strides[{rank}];  // in elements"]
+      lines += [f"FlexIndex capture{i}_shape[{rank}];", f"FlexIndex capture{i}_strides[{rank}];  // in elements"]
   return lines
 
 

@@ -15,7 +15,6 @@ import numpy as np
 from te_jax.flex import dtypes
 from te_jax.flex.values import Dense
 
-INT64 = np.dtype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +50,7 @@ def rules(base: dict) -> dict:
         raise em.unsupported("broadcast_in_dim", f" of a capture's cotangent {x.shape} to {shape}")
       windows = []
       for w in x.windows:
-        starts, kept = ["int64_t(0)"] * len(shape), iter(w.starts)
+        starts, kept = ["FlexIndex(0)"] * len(shape), iter(w.starts)
         for d in dims:
           starts[d] = next(kept)
         windows.append(Window(tuple(starts), Dense(w.values.dtype, w.values.exprs.reshape(
@@ -67,8 +66,8 @@ def rules(base: dict) -> dict:
     update = em.dense(update, "dynamic_update_slice")
     starts = []
     for index, extent, size in zip(indices, operand.shape, update.shape):
-      index = em.dense(index, "dynamic_update_slice").expr()
-      starts.append(em.bind(INT64, f"ClampIndex(int64_t({index}), int64_t({extent - size}))"))
+      _, index = dtypes.index_cast(em.dense(index, "dynamic_update_slice"))
+      starts.append(em.bind(dtypes.INDEX, f"ClampIndex({index}, FlexIndex({extent - size}))"))
     return dataclasses.replace(operand, windows=(Window(tuple(starts), update),))
 
   def scatter_add(em, eqn, operand, indices, updates):
@@ -84,12 +83,12 @@ def rules(base: dict) -> dict:
     window_shape, kept = [], iter(updates.shape)
     for axis in range(len(operand.shape)):
       window_shape.append(1 if axis in numbers.inserted_window_dims else next(kept))
-    starts, in_bounds = ["int64_t(0)"] * len(operand.shape), []
+    starts, in_bounds = ["FlexIndex(0)"] * len(operand.shape), []
     for index, axis in zip(indices.exprs, numbers.scatter_dims_to_operand_dims):
       last = operand.shape[axis] - window_shape[axis]
-      wide = em.bind(INT64, f"int64_t({index})")
+      wide = em.bind(*dtypes.index_cast(Dense.scalar(indices.dtype, index)))
       in_bounds.append(f"({wide} >= 0 && {wide} <= {last})")
-      starts[axis] = em.bind(INT64, f"ClampIndex({wide}, int64_t({last}))")
+      starts[axis] = em.bind(dtypes.INDEX, f"ClampIndex({wide}, FlexIndex({last}))")
     keep = em.bind(np.bool_, " && ".join(in_bounds)) if mode.name == "FILL_OR_DROP" and in_bounds else ""
     values = Dense(updates.dtype, updates.exprs.reshape(window_shape))
     return dataclasses.replace(operand, windows=operand.windows + (Window(tuple(starts), values, keep),))
@@ -102,7 +101,7 @@ def rules(base: dict) -> dict:
       raise em.unsupported("pad", " other than with zeros around a capture's cotangent")
     if not isinstance(operand, Scattered):
       operand = Scattered(np.dtype(operand.dtype), tuple(operand.shape),
-                          (Window(("int64_t(0)",) * len(shape), em.dense(operand, "pad")),))
+                          (Window(("FlexIndex(0)",) * len(shape), em.dense(operand, "pad")),))
     moved = tuple(Window(tuple(f"({start} + {int(low)})" if low else start
                                for start, (low, _, _) in zip(w.starts, config)), w.values, w.keep)
                   for w in operand.windows)

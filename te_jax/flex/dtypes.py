@@ -27,6 +27,10 @@ ELEMENT_TYPES = {**VALUE_TYPES, np.dtype(jnp.bfloat16): "uint16_t", np.dtype(jnp
 WIDEN = {np.dtype(jnp.bfloat16): "BFloat16Value", np.dtype(jnp.float16): "Float16Value"}
 # The function rounding a float to a half-precision dtype's value.
 ROUND = {np.dtype(jnp.bfloat16): "RoundToBFloat16", np.dtype(jnp.float16): "RoundToFloat16"}
+# The C++ type of positions in captured arrays (cpp/core/flex_math.h: 64 bits on the host, 32 in the CUDA kernels).
+INDEX = "FlexIndex"
+# Index dtypes whose values a FlexIndex holds on both sides; wider ones are clamped as int64_t.
+_NARROW_INDEXES = {np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.uint8, np.uint16)}
 
 
 def allowed_names() -> str:
@@ -44,6 +48,12 @@ def value_type(dtype, where: str) -> str:
     raise TypeError(f"{where} has dtype {dtype}, which te_jax cannot compile into a kernel; supported dtypes: "
                     f"{allowed_names()}")
   return VALUE_TYPES[dtype]
+
+
+def index_cast(index) -> tuple[str, str]:
+  """A scalar index (a Dense) as ClampIndex takes it: (its C++ type, the expression converting it)."""
+  ctype = INDEX if np.dtype(index.dtype) in _NARROW_INDEXES else "int64_t"
+  return ctype, f"{ctype}({index.expr()})"
 
 
 def literal(value, dtype) -> str:

@@ -36,8 +36,9 @@ class Emitter:
     self.statements: list[tuple[str, str, str]] = []  # (name, C++ type, expression)
 
   def bind(self, dtype, expr: str) -> str:
+    """A named statement of the value: dtype a JAX dtype, or a C++ type (dtypes.INDEX)."""
     name = f"v{len(self.statements)}"
-    self.statements.append((name, dtypes.VALUE_TYPES[np.dtype(dtype)], expr))
+    self.statements.append((name, dtype if isinstance(dtype, str) else dtypes.VALUE_TYPES[np.dtype(dtype)], expr))
     return name
 
   def unsupported(self, primitive: str, detail: str = "") -> NotImplementedError:

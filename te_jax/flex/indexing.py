@@ -10,7 +10,7 @@ import numpy as np
 from te_jax.flex import dtypes
 from te_jax.flex.values import Dense, View
 
-INT64 = np.dtype(np.int64)
+INDEX = dtypes.INDEX
 
 
 def _view(em, operand, primitive: str) -> View:
@@ -20,9 +20,9 @@ def _view(em, operand, primitive: str) -> View:
 
 
 def _start(em, view: View, position: int, index: str) -> str:
-  """The capture-level start of `view`'s dimension at `position` moved by `index` (an int64 expression)."""
+  """The capture-level start of `view`'s dimension at `position` moved by `index` (a FlexIndex expression)."""
   base = view.starts[view.dims[position]]
-  return index if base == "0" else em.bind(INT64, f"{base} + {index}")
+  return index if base == "0" else em.bind(INDEX, f"{base} + {index}")
 
 
 def _narrowed(view: View, starts: dict[int, str], sizes) -> View:
@@ -38,8 +38,8 @@ def dynamic_slice(em, eqn, operand, *indices):
   sizes = eqn.params["slice_sizes"]
   starts = {}
   for position, (index, size) in enumerate(zip(indices, sizes)):
-    index = em.dense(index, "dynamic_slice").expr()
-    clamped = em.bind(INT64, f"ClampIndex(int64_t({index}), {view.extents[position]} - {size})")
+    _, index = dtypes.index_cast(em.dense(index, "dynamic_slice"))
+    clamped = em.bind(INDEX, f"ClampIndex({index}, {view.extents[position]} - {size})")
     starts[position] = _start(em, view, position, clamped)
   return _narrowed(view, starts, sizes)
 
@@ -91,9 +91,9 @@ def gather(em, eqn, operand, indices):
   starts, in_bounds = {}, []
   for index, position in zip(indices.exprs, numbers.start_index_map):
     last = f"{view.extents[position]} - {sizes[position]}"
-    wide = em.bind(INT64, f"int64_t({index})")
+    wide = em.bind(*dtypes.index_cast(Dense.scalar(indices.dtype, index)))
     in_bounds.append(f"({wide} >= 0 && {wide} <= {last})")
-    starts[position] = _start(em, view, position, em.bind(INT64, f"ClampIndex({wide}, {last})"))
+    starts[position] = _start(em, view, position, em.bind(INDEX, f"ClampIndex({wide}, {last})"))
   kept = [p for p in range(len(view.shape)) if p not in numbers.collapsed_slice_dims]
   window = _narrowed(view, starts, sizes)
   window = View(window.capture, window.dtype, window.starts, tuple(window.dims[p] for p in kept),

@@ -33,7 +33,7 @@ class Dense:
 
 @dataclasses.dataclass(frozen=True)
 class View:
-  """The window of capture `capture` a value is: `starts` (one int64 C++ expression per capture dimension) is its
+  """The window of capture `capture` a value is: `starts` (one FlexIndex C++ expression per capture dimension) is its
   first element; `dims` are the capture dimensions it keeps, in order, of static sizes `shape` and run-time sizes
   `extents` (C++ expressions: the capture's shape member for a dimension not sliced yet, else the slice's size)."""
   capture: int
