@@ -41,6 +41,11 @@ def _positive(value, name: str) -> int:
   return int(value)
 
 
+# The mask values create_block_mask evaluates in one step: a loop of one block row a step leaves a GPU waiting on each
+# small step, one over every row at once holds B x H x Sq x Skv values.
+MAP_STEP_EVALUATIONS = 1 << 22
+
+
 def create_block_mask(mask_mod, B, H, Sq: int, Skv: int, *, block=128) -> BlockMask:
   """The BlockMask of mask_mod(b, h, q_idx, kv_idx) -> bool over B x H x Sq x Skv.
 
@@ -51,8 +56,9 @@ def create_block_mask(mask_mod, B, H, Sq: int, Skv: int, *, block=128) -> BlockM
     block: the block's queries and keys, an int or (block_q, block_kv); te_jax's kernels read any size, and skip more
       work with blocks that are multiples of their tiles (CPU: 64 queries x 128 keys).
 
-  Evaluated on the default device one block row of queries at a time (lax.map), so it never holds more than
-  B x H x block_q x Skv mask values: under jit, inside the step that uses it, or once outside and passed in.
+  Evaluated on the default device a few block rows of queries at a time (lax.map, as many rows a step as hold about
+  MAP_STEP_EVALUATIONS mask values, at least one), so it never holds more than that or B x H x block_q x Skv of them:
+  under jit, inside the step that uses it, or once outside and passed in.
   """
   if not callable(mask_mod):
     raise TypeError(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
@@ -78,7 +84,9 @@ def create_block_mask(mask_mod, B, H, Sq: int, Skv: int, *, block=128) -> BlockM
     every = (keep | ~inside).all(axis=(2, 4))
     return jnp.where(every, VISIBLE, jnp.where(some, PARTIAL, HIDDEN)).astype(jnp.int8)
 
-  blocks = jax.lax.map(block_row, jnp.arange(rows, dtype=jnp.int32))  # [rows, batch, heads, cols]
+  per_row = batch * heads * block_q * cols * block_kv
+  blocks = jax.lax.map(block_row, jnp.arange(rows, dtype=jnp.int32),
+                       batch_size=max(1, min(rows, MAP_STEP_EVALUATIONS // per_row)))  # [rows, batch, heads, cols]
   return BlockMask(jnp.transpose(blocks, (1, 2, 0, 3)), mask_mod, seqlen_q, seqlen_kv, block_q, block_kv)
 
 

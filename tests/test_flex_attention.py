@@ -334,9 +334,13 @@ def _dense_block_states(mask_mod, batch, heads, block_q, block_kv):
 
 @pytest.mark.parametrize("name", ["python_causal", "prefix_lm", "document", "by_batch_and_head"])
 @pytest.mark.parametrize("block", [16, (8, 32)])
-def test_create_block_mask_states(name, block):
-  """Each block hidden, cut or kept as the dense mask says, lengths not multiples of the blocks; B and H None give
+@pytest.mark.parametrize("step", [None, 13000])
+def test_create_block_mask_states(name, block, step, monkeypatch):
+  """Each block hidden, cut or kept as the dense mask says, lengths not multiples of the blocks, whether all block rows
+  are evaluated in one step or a few a step (13000 values: 2 of 3 rows, or 3 of 5, and the rest); B and H None give
   one block row for all where the mask depends on neither."""
+  if step is not None:
+    monkeypatch.setattr(te_jax.block_mask, "MAP_STEP_EVALUATIONS", step)
   mask_mod = MASK_MODS[name]
   mask = te_jax.create_block_mask(mask_mod, B, H, SQ, SKV, block=block)
   block_q, block_kv = (block, block) if isinstance(block, int) else block
