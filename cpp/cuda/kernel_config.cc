@@ -126,7 +126,14 @@ Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
   }
   if (r.decode && r.bias) return Status::InvalidArgument("the decode kernels take no bias");
   if (r.bias_fits_tma && !r.bias) return Status::InvalidArgument("bias_fits_tma applies to a bias (bias_dtype) only");
-  if (r.mods() && (r.decode || r.Family() != KernelFamily::kSm90)) {
+  *config = r;
+  config->kind = ModuleKind::kAttention;
+  config->deterministic = r.direction == Direction::kBackward &&
+                          (r.deterministic || !BackwardAccumulatesDq(r.head_dim, r.head_dim_v));
+  if (!r.bias) config->bias_dtype = DType::kFloat32;
+  config->pipeline_stress = PipelineStress();
+  // Mods: the family of the module itself (its backward scheme decided above).
+  if (config->mods() && (config->decode || config->Family() != KernelFamily::kSm90)) {
     return Status::InvalidArgument(
         "score_mod/mask_mod run in the sm90 kernels so far (Hopper, sm_90a; head dims the sm90 " +
         std::string(r.direction == Direction::kForward ? "forward" : "backward") + " serves, a bias whose rows are "
@@ -134,12 +141,6 @@ Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
         std::to_string(r.head_dim_v) + ") or bias take another kernel family: run it on the CPU backend, or write it "
         "with fused_attn's built-in options");
   }
-  *config = r;
-  config->kind = ModuleKind::kAttention;
-  config->deterministic = r.direction == Direction::kBackward &&
-                          (r.deterministic || !BackwardAccumulatesDq(r.head_dim, r.head_dim_v));
-  if (!r.bias) config->bias_dtype = DType::kFloat32;
-  config->pipeline_stress = PipelineStress();
   return Status::Ok();
 }
 
