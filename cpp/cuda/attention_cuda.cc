@@ -104,7 +104,9 @@ FlexArgs MakeFlexArgs(const AttentionParams& p, const void* const* captures, voi
     }
   }
   const std::vector<int64_t> gradients = flex.gradient_captures();
-  for (size_t i = 0; grads != nullptr && i < gradients.size(); ++i) f.grads[gradients[i]] = static_cast<float*>(grads[i]);
+  for (size_t i = 0; grads != nullptr && i < gradients.size(); ++i) {
+    f.grads[gradients[i]] = static_cast<float*>(grads[i]);
+  }
   int64_t floats = 0;
   for (int i = 0; i < kMaxKernelCaptures; ++i) {
     f.gradient_scratch[i] = -1;
@@ -568,7 +570,9 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
     if (elements == 0) continue;
     const CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(b.flex_capture_grads[i]), 0,
                                                 static_cast<size_t>(elements), stream);
-    if (r != CUDA_SUCCESS) return Status::Internal("te_jax: zeroing the capture gradients failed: " + driver->ErrorString(r));
+    if (r != CUDA_SUCCESS) {
+      return Status::Internal("te_jax: zeroing the capture gradients failed: " + driver->ErrorString(r));
+    }
   }
   const int scratch = call.family == KernelFamily::kSm90 && p.flex.has_score_mod()
                           ? sm90::BackwardCaptureScratchBytes(
