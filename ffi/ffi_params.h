@@ -191,7 +191,9 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
     return Status::InvalidArgument("dropout_threshold " + std::to_string(attrs.dropout_threshold) +
                                    " is not in [0, 2^32)");
   }
-  TE_JAX_RETURN_IF_ERROR(ExpectOptional("dropout", dropout, attrs.dropout_threshold > 0, {6}));
+  // Its offsets are the mods' too.
+  const bool mods = !attrs.score_mod_library.empty() || !attrs.mask_mod_library.empty();
+  TE_JAX_RETURN_IF_ERROR(ExpectOptional("dropout", dropout, attrs.dropout_threshold > 0 || mods, {6}));
   if (dropout.element_type() != xla::ffi::DataType::U32) return Status::InvalidArgument("dropout must be uint32");
   if (attrs.engine < 0 || attrs.engine >= kNumEngines) {
     return Status::InvalidArgument("engine code " + std::to_string(attrs.engine) + " is not in [0, " +

@@ -15,8 +15,8 @@ namespace te_jax::legacy {
 // Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
 // kv_positions ([1, 1] placeholders when the descriptor's flags say they are absent), then page_table (int32
 // [B, max_pages_per_seq]; an int32 [1, 1] placeholder when page_size is 0), then bias (a placeholder without one), then
-// dropout (uint32 [6], key and offsets; zeros without dropout), then the arrays score_mod / mask_mod capture, as many
-// as the call has (legacy/flex_descriptor.h; none without mods).
+// dropout (uint32 [6], key and offsets, which the mods read too; a placeholder without dropout or mods), then the
+// arrays score_mod / mask_mod capture, as many as the call has (legacy/flex_descriptor.h; none without mods).
 inline constexpr int kTokenInputs = 4;
 inline constexpr int kForwardInputs = 10 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks,
                                                            // tokens, page_table, bias, dropout

@@ -21,8 +21,8 @@ absent (its flag off, and sinks always in the backward) it is a placeholder: its
 bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32, bfloat16 or float16; its size-1 dims broadcast), a float32
 [1, 1, 1, 1] placeholder without config.has_bias (see no_bias); dbias has its shape and dtype. dropout is uint32 [6]:
 the PRNG key's two words, then the global (b, h, i, j) of the call's element [0, 0, 0, 0] in the keep-mask of
-te_jax/dropout.py (nonzero for a batch or head shard); a placeholder without config.dropout_threshold. It is one per
-call: vmap never batches it.
+te_jax/dropout.py (nonzero for a batch or head shard), which the mods' indices start from too; a placeholder where
+neither reads it (config.reads_offsets). It is one per call: vmap never batches it.
 captures are the arrays the call's score_mod and mask_mod capture (config.num_captures of them, the score_mod's
 first; none without mods), passed as they are: the FFI handler takes them as its remaining operands, the legacy
 handler after dropout (split_captures separates them). The backward returns, after the workspace, a float32 gradient
@@ -112,6 +112,12 @@ def no_dropout():
 def dropout_operand(key_words):
   """The dropout operand of an unsharded call: the key's two words, offsets 0."""
   return jnp.concatenate([jnp.stack(key_words), jnp.zeros((4,), jnp.uint32)])
+
+
+def offsets_operand():
+  """The dropout operand of a call with mods and no dropout: offsets 0 (its key unread), which a shard's call adds its
+  global batch and head to, as dropout's."""
+  return jnp.zeros((6,), jnp.uint32)
 
 
 def split_captures(values, config: AttentionConfig):

@@ -150,6 +150,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            # context parallelism merges the sinks after its blocks' merge (_attention)
                            has_sinks=sink_logits is not None and cp is None, fp8=is_fp8, score_mod=score_spec,
                            mask_mod=mask_spec, block_mask=block_shape)
+  if config.has_mods and not threshold:
+    dropout = _primitives.offsets_operand()
   alibi = alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias = bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))

@@ -61,6 +61,12 @@ class AttentionConfig:
     return self.score_mod is not None or self.mask_mod is not None
 
   @property
+  def reads_offsets(self) -> bool:
+    """Whether the kernels read the dropout operand's offsets, the global (b, h, i, j) of the call's first element:
+    dropout's keep-mask and the mods see global indices, so a shard's call adds its own (te_jax/sharding.py)."""
+    return self.dropout_threshold > 0 or self.has_mods
+
+  @property
   def num_captures(self) -> int:
     return sum(len(m.capture_types) for m in (self.score_mod, self.mask_mod) if m is not None) + \
         (self.block_mask is not None)

@@ -70,14 +70,14 @@ _OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_p
 # `bias` [B or 1, H or 1, Sq or 1, Skv or 1] shards with the batch and the heads along the dims where it is full; its
 # gradient is summed over the shards of the dims where it broadcasts (context parallelism refuses a bias).
 # `dropout` (key and offsets, te_jax/_primitives.py) is replicated; each batch or head shard adds its global offsets, so
-# a sharded call drops exactly what the unsharded call drops (context parallelism then adds each block's sequence
-# offsets, te_jax/context_parallel/blocks.py).
+# a sharded call drops exactly what the unsharded call drops, and its mods see global batch and head indices (context
+# parallelism then adds each block's sequence offsets, te_jax/context_parallel/blocks.py).
 # `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
 # hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
 # contiguous k and v (context parallelism refuses paging).
-# `captures`: the arrays score_mod / mask_mod capture (te_jax/_primitives.py), the last operands. A call with mods is
-# not partitioned yet: its kernel primitive is lowered whole (XLA gathers sharded operands and replicates the call),
-# since the mods see global batch and head indices, which a shard's kernel would need offsets for.
+# `captures`: the arrays score_mod / mask_mod capture (te_jax/_primitives.py), the last operands (one pytree argument of
+# the custom_partitioning), are replicated: a mod may read any entry. The backward's capture gradients are each
+# device's partial sums, summed over the batch and head shards.
 def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, sinks, tokens, page_table, bias,
             dropout, captures=()):
   return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, page_table, bias, dropout,
@@ -110,6 +110,8 @@ class _Plan:
   """Target layout of one call: mesh axes of the batch, query heads, k/v heads, sequence; axes to sum dK/dV over."""
 
   def __init__(self, config, cp, mesh, arg_shapes, emit_warnings: bool):
+    *arg_shapes, captures = arg_shapes
+    self.num_captures, self.num_capture_gradients = len(captures), len(config.capture_gradients)
     q, k, v = arg_shapes[:3]
     self.option_shapes = dict(zip(_OPTIONS, (a.shape for a in arg_shapes[-len(_OPTIONS):])))
     self.mesh = mesh
@@ -156,7 +158,7 @@ class _Plan:
       raise ValueError(f"context_parallel_axis {cp.axis!r} has size {mesh.shape.get(cp.axis)} in the mesh the call "
                        f"is partitioned on, but fused_attn was traced for size {cp.size}")
     self.paged = config.page_size > 0
-    self.dropout = config.dropout_threshold > 0
+    self.offsets = config.reads_offsets
     self.targets = {
         "q": (b_axes, self.s_axes, h_axes, ()),
         "kv": ((), (), kv_axes, ()) if self.paged else (b_axes, self.s_axes, kv_axes, ()),
@@ -196,12 +198,22 @@ class _Plan:
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     kvs = self.named(*self.targets["kv"])
     results = (self.named(b, s, h, ()), self.named(b, h, s))
-    return (self.named(b, s, h, ()), kvs, kvs) + self.option_shardings(), results
+    return (self.named(b, s, h, ()), kvs, kvs) + self.option_shardings() + (self.replicated(self.num_captures),), \
+        results
 
   def backward_shardings(self):
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     qs, kvs, lses = self.named(b, s, h, ()), self.named(*self.targets["kv"]), self.named(b, h, s)
-    return (qs, kvs, kvs, qs, lses, qs, lses) + self.option_shardings(), (qs, kvs, kvs, self.optional("bias"))
+    return ((qs, kvs, kvs, qs, lses, qs, lses) + self.option_shardings() + (self.replicated(self.num_captures),),
+            (qs, kvs, kvs, self.optional("bias")) + self.replicated(self.num_capture_gradients))
+
+  def replicated(self, n: int) -> tuple:
+    """The captures' (or their gradients') shardings: whole on every device."""
+    return (self.named(),) * n
+
+  def capture_gradient_axes(self) -> tuple[str, ...]:
+    """The mesh axes the capture gradients are summed over: every device adds the terms of its own batch and heads."""
+    return self.b_axes + self.h_axes
 
   def optional(self, name):
     """An option's sharding: its dims sharded like the call's where full, whole where 1 (a placeholder's, a bias's
@@ -223,8 +235,8 @@ class _Plan:
   def with_shard_offsets(self, q, dropout):
     """This device's dropout operand: the global batch and head of its first q entry added to the call's offsets.
     q is the local shard; the batch and heads are split into contiguous blocks, in the order of axis_index. Without
-    dropout the operand is a placeholder."""
-    if not self.dropout:
+    dropout or mods the operand is a placeholder."""
+    if not self.offsets:
       return dropout
 
     def first(axes, local_extent):
@@ -247,15 +259,16 @@ def _is_shape(x):
 # custom_partitioning of the forward.
 
 def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos, kv_pos, page_table,
-                           bias, dropout, config, cp):
+                           bias, dropout, captures, config, cp):
   return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos, kv_pos,
-                                     page_table, bias, dropout, config=config, cp=cp)
+                                     page_table, bias, dropout, *captures, config=config, cp=cp)
 
 
 def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos,
-                            kv_pos, page_table, bias, dropout, config, cp):
+                            kv_pos, page_table, bias, dropout, captures, config, cp):
   return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, q_ids,
-                                      kv_ids, q_pos, kv_pos, page_table, bias, dropout, config=config, cp=cp)
+                                      kv_ids, q_pos, kv_pos, page_table, bias, dropout, *captures, config=config,
+                                      cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -275,11 +288,11 @@ def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
   plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=True)
   args, results = plan.forward_shardings()
   def lower(q, *operands):
-    *operands, dropout = operands
+    *operands, dropout, captures = operands
     dropout = plan.with_shard_offsets(q, dropout)
-    if cp is not None:
+    if cp is not None:  # no mods: no captures
       return cpmod.local_forward(q, *operands, dropout, config=config, cp=cp)
-    return tuple(_primitives.attention_forward_p.bind(q, *operands, dropout, config=config))
+    return tuple(_primitives.attention_forward_p.bind(q, *operands, dropout, *captures, config=config))
 
   return mesh, lower, results, args
 
@@ -294,20 +307,25 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
   args, results = plan.backward_shardings()
   g_axes = plan.g_axes
   dbias_axes = plan.dbias_sum_axes() if config.has_bias else ()
+  grad_axes = plan.capture_gradient_axes()
 
   def lower(q, k, v, *operands):
-    *operands, dropout = operands
+    *operands, dropout, captures = operands
     dropout = plan.with_shard_offsets(q, dropout)
+    grads = ()
     if cp is None:
-      dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, *operands, dropout, config=config)
-    else:
+      dq, dk, dv, dbias, *grads = _primitives.attention_backward_p.bind(q, k, v, *operands, dropout, *captures,
+                                                                        config=config)
+    else:  # no mods: no captures
       dq, dk, dv, dbias = cpmod.local_backward(q, k, v, *operands, dropout, config=config, cp=cp)
+    if grad_axes:  # each device's capture gradients hold its batch entries' and heads' terms
+      grads = [jax.lax.psum(g, grad_axes) for g in grads]
     if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
       dk = jax.lax.psum(dk.astype(jnp.float32), g_axes).astype(k.dtype)
       dv = jax.lax.psum(dv.astype(jnp.float32), g_axes).astype(v.dtype)
     if dbias_axes:  # a bias broadcast over sharded batch entries or heads: sum the devices' partial gradients
       dbias = jax.lax.psum(dbias.astype(jnp.float32), dbias_axes).astype(dbias.dtype)
-    return dq, dk, dv, dbias
+    return (dq, dk, dv, dbias, *grads)
 
   return mesh, lower, results, args
 
@@ -321,7 +339,9 @@ def _infer_forward(config, cp, mesh, arg_shapes, result_shape):
 
 def _infer_backward(config, cp, mesh, arg_shapes, result_shape):
   if not _mesh_ok(mesh, arg_shapes):
-    return jax.tree.map(lambda a: a.sharding, (*arg_shapes[:3], arg_shapes[-2]), is_leaf=_is_shape)
+    captures = arg_shapes[-1]
+    return jax.tree.map(lambda a: a.sharding, (*arg_shapes[:3], arg_shapes[-3],
+                                               *(captures[i] for i in config.capture_gradients)), is_leaf=_is_shape)
   return _Plan(config, cp, mesh, arg_shapes, emit_warnings=False).backward_shardings()[1]
 
 
@@ -355,8 +375,12 @@ def _options_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str
 
 def _rule_factors(config, cp, value_types):
   """What both rules share: the heads factor, the two sequence factors, k's and v's leading factors (a paged call's
-  pools have their own, replicated), the options' factors, and the rule's options (factor sizes, the factors that
-  need replication)."""
+  pools have their own, replicated), the options' factors, each capture's (its own, replicated), and the rule's
+  options (factor sizes, the factors that need replication)."""
+  value_types, capture_types = value_types[:len(value_types) - config.num_captures], \
+      value_types[len(value_types) - config.num_captures:]
+  captures = [" ".join(f"cap{i}x{axis}" for axis in range(len(shape)))
+              for i, shape in enumerate(_shapes(capture_types))]
   h, sizes = _heads_rule(value_types)
   # Under context parallelism q's and K/V's sequences are one factor, so that they shard in step over the axis. With
   # Sq != Skv (calls with positions or segment ids) the factor has two sizes, which Shardy allows (it takes the
@@ -364,8 +388,9 @@ def _rule_factors(config, cp, value_types):
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
   kv_rows = "pages psize" if config.page_size else f"b {skv}"
   options, own_factors = _options_rule(value_types, h, s, skv)
-  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + own_factors + ("pt", "rng", "pages", "psize")
-  return h, s, skv, kv_rows, options, dict(need_replication_factors=tuple(dict.fromkeys(need)), **sizes)
+  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + own_factors + ("pt", "rng", "pages", "psize") + \
+      tuple(f for c in captures for f in c.split())
+  return h, s, skv, kv_rows, options, captures, dict(need_replication_factors=tuple(dict.fromkeys(need)), **sizes)
 
 
 def _with_ordered_replication(rule: str, options: dict):
@@ -379,23 +404,28 @@ def _with_ordered_replication(rule: str, options: dict):
 
 
 def _forward_rule(config, cp, mesh, value_types, result_types):
-  h, s, skv, kv, operands, options = _rule_factors(config, cp, value_types)
+  h, s, skv, kv, operands, captures, options = _rule_factors(config, cp, value_types)
   return _with_ordered_replication(
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, {operands} -> b {s} {h} dv, b {h} {s}", options)
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, {', '.join([operands] + captures)} -> b {s} {h} dv, b {h} {s}", options)
 
 
 def _backward_rule(config, cp, mesh, value_types, result_types):
-  h, s, skv, kv, operands, options = _rule_factors(config, cp, value_types)
-  bias = operands.split(", ")[-2]  # dbias has bias's factors
+  h, s, skv, kv, operands, captures, options = _rule_factors(config, cp, value_types)
+  bias = operands.split(", ")[-2]  # dbias has bias's factors, a capture gradient its capture's
+  grads = [captures[i] for i in config.capture_gradients]
   return _with_ordered_replication(
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, {operands} -> "
-      f"b {s} {h} d, {kv} hk d, {kv} hk dv, {bias}", options)
+      f"b {s} {h} d, {kv} hk d, {kv} hk dv, b {s} {h} dv, b {h} {s}, b {s} {h} dv, b {h} {s}, "
+      f"{', '.join([operands] + captures)} -> b {s} {h} d, {kv} hk d, {kv} hk dv, {', '.join([bias] + grads)}", options)
 
 
-_partitioned_forward = custom_partitioning(_unpartitioned_forward, static_argnums=(14, 15))
+# The captures, a tuple after the dropout operand, are one argument (a pytree: its arrays are the operands).
+_FORWARD_OPERANDS, _BACKWARD_OPERANDS = 3 + len(_OPTIONS), 7 + len(_OPTIONS)
+_partitioned_forward = custom_partitioning(_unpartitioned_forward,
+                                           static_argnums=(_FORWARD_OPERANDS + 1, _FORWARD_OPERANDS + 2))
 _partitioned_forward.def_partition(partition=_partition_forward, infer_sharding_from_operands=_infer_forward,
                                    sharding_rule=_forward_rule)
-_partitioned_backward = custom_partitioning(_unpartitioned_backward, static_argnums=(18, 19))
+_partitioned_backward = custom_partitioning(_unpartitioned_backward,
+                                            static_argnums=(_BACKWARD_OPERANDS + 1, _BACKWARD_OPERANDS + 2))
 _partitioned_backward.def_partition(partition=_partition_backward, infer_sharding_from_operands=_infer_backward,
                                     sharding_rule=_backward_rule)
 
@@ -410,22 +440,18 @@ def _cp_axis_is_manual(ctx, cp) -> bool:
 
 
 def _forward_lowering(ctx, *args, config, cp):
-  if config.has_mods:  # not partitioned yet (see forward)
-    fn = partial(_primitives.attention_forward_p.bind, config=config)
-  elif _cp_axis_is_manual(ctx, cp):  # inside shard_map: the operands are already the local shards
+  if _cp_axis_is_manual(ctx, cp):  # inside shard_map: the operands are already the local shards
     fn = partial(cpmod.local_forward, config=config, cp=cp)
   else:
-    fn = lambda *a: _partitioned_forward(*a, config, cp)
+    fn = lambda *a: _partitioned_forward(*a[:_FORWARD_OPERANDS], a[_FORWARD_OPERANDS:], config, cp)
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
 def _backward_lowering(ctx, *args, config, cp):
-  if config.has_mods:
-    fn = partial(_primitives.attention_backward_p.bind, config=config)
-  elif _cp_axis_is_manual(ctx, cp):
+  if _cp_axis_is_manual(ctx, cp):
     fn = partial(cpmod.local_backward, config=config, cp=cp)
   else:
-    fn = lambda *a: _partitioned_backward(*a, config, cp)
+    fn = lambda *a: _partitioned_backward(*a[:_BACKWARD_OPERANDS], a[_BACKWARD_OPERANDS:], config, cp)
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.numpy as jnp
 
 _NEEDED = 8
 try:
@@ -261,6 +262,49 @@ def test_dropout_shards_give_the_unsharded_mask(spec):
   np.testing.assert_array_equal(results[0], expected[0])
   mask = te_jax.dropout_keep_mask(kwargs["dropout_rng"], (8, 4, 32, 32), 0.4)
   check_against_reference(results, q, k, v, dout, mask_type="causal", keep_mask=mask, dropout_rate=0.4)
+
+
+@in_process
+@pytest.mark.parametrize("spec", [P(("dp", "cp"), None, "tp"), P("tp", None, ("dp", "cp"))],
+                         ids=["batch4_heads2", "batch2_heads4"])
+@pytest.mark.parametrize("block_mask", [False, True], ids=["mask_mod", "block_mask"])
+def test_mods_see_global_indices_on_every_shard(spec, block_mask):
+  """score_mod / mask_mod on batch and head shards: each shard's mods see the global b and h (the dropout operand's
+  offsets), its captures are whole, and the capture gradients are summed over the shards; results and every gradient
+  (the captures' too) equal the unsharded call's. The one collective is that sum."""
+  q, k, v, dout = inputs(batch=8, seqlen=32, kv_heads=4)
+  rng = np.random.default_rng(4)
+  table = rng.standard_normal((8, 4, 16)).astype(np.float32)  # per batch entry and head, by clipped distance
+  ids = jnp.asarray(np.sort(rng.integers(0, 3, (8, 32)), axis=1).astype(np.int32))  # each row's documents
+
+  def score_mod(table):
+    return lambda s, b, h, qi, ki: s + table[b, h, jnp.clip(qi - ki, 0, 15)]
+
+  def mask_mod(b, h, qi, ki):  # causal within documents, and head 3 of odd rows sees only its first 8 keys
+    return (qi >= ki) & (ids[b, qi] == ids[b, ki]) & ((h != 3) | (b % 2 == 0) | (ki < 8))
+
+  mesh = make_mesh((2, 2, 2))
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+
+  def fn(q, k, v, d, table):
+    kwargs = dict(mask_mod=mask_mod)
+    if block_mask:
+      kwargs = dict(block_mask=te_jax.create_block_mask(mask_mod, 8, 4, 32, 32, block=(8, 16)))
+    out, vjp = jax.vjp(lambda q, k, v, t: te_jax.flex_attention(q, k, v, score_mod(t), **kwargs), q, k, v, table)
+    return (out,) + vjp(d)
+
+  args = (shard(q, spec), shard(k, spec), shard(v, spec), shard(dout, spec), shard(table, P()))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fn).lower(*args).compile()
+      results = [np.asarray(r) for r in compiled(*args)]
+  hlo = compiled.as_text()
+  assert "all-reduce" in collectives(hlo) and "all-gather" not in collectives(hlo), collectives(hlo)
+  expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, table)]
+  for name, got, want in zip(("out", "dq", "dk", "dv", "dtable"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
+  assert np.abs(expected[-1]).max() > 0  # the table's gradient is not trivially zero
 
 
 @in_process

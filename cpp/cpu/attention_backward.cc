@@ -448,7 +448,7 @@ Status AttentionBackward(const AttentionParams& params, const BackwardBuffers& b
   TE_JAX_RETURN_IF_ERROR(ValidateBackwardParams(params, Backend::kCpu));
   TE_JAX_RETURN_IF_ERROR(ValidateSeqlens(params, buffers.q_seqlens, buffers.kv_seqlens));
   FlexTiles flex;
-  TE_JAX_RETURN_IF_ERROR(LoadFlexTiles(params.flex, buffers.flex_captures, &flex));
+  TE_JAX_RETURN_IF_ERROR(LoadFlexTiles(params.flex, buffers.flex_captures, buffers.dropout, &flex));
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, TokenOperandsOf(buffers));
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);

@@ -55,8 +55,12 @@ FlexCapture CaptureOf(const void* data, const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, FlexTiles* tiles) {
+Status LoadFlexTiles(const FlexSpec& spec, const void* const* captures, const uint32_t* offsets, FlexTiles* tiles) {
   if (!spec.active()) return Status::Ok();
+  tiles->b0_ = offsets[2];
+  tiles->h0_ = offsets[3];
+  tiles->q0_ = offsets[4];
+  tiles->kv0_ = offsets[5];
   if (spec.has_score_mod()) {
     TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexScoreTileSymbol, &tiles->score_));
     TE_JAX_RETURN_IF_ERROR(FindTile(spec.score_library, kFlexDScoreTileSymbol, &tiles->dscore_));
@@ -83,7 +87,9 @@ int8_t FlexTiles::TileState(int64_t b, int64_t h, int64_t first_row, int64_t row
   const int8_t* blocks = static_cast<const int8_t*>(blocks_->data);
   const int64_t* shape = blocks_->shape;
   const int64_t* strides = blocks_->strides;
-  const int64_t base = (shape[0] == 1 ? 0 : b / batch_fold_) * strides[0] + (shape[1] == 1 ? 0 : h) * strides[1];
+  const int64_t base = (shape[0] == 1 ? 0 : Batch(b)) * strides[0] + (shape[1] == 1 ? 0 : h + h0_) * strides[1];
+  first_row += q0_;
+  key0 += kv0_;
   bool all_hidden = true, all_visible = true;
   for (int64_t row = first_row / block_q_; row <= (first_row + rows - 1) / block_q_; ++row) {
     for (int64_t col = key0 / block_kv_; col <= (key0 + keys - 1) / block_kv_; ++col) {

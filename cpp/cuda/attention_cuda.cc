@@ -85,13 +85,16 @@ Status Launch(const DriverApi* driver, CUkernel kernel, const char* what, unsign
   return Status::Ok();
 }
 
-// The captures of a call with mods as the kernels read them (kernel_args.h), strides row-major; `grads` (the
-// backward's, null in the forward): the score_mod's capture gradients, flex.num_capture_gradients() of them, added up
-// in the dk/dv kernel's `scratch_bytes` of shared memory first where they fit.
-FlexArgs MakeFlexArgs(const AttentionParams& p, const void* const* captures, void* const* grads,
+// The captures of a call with mods as the kernels read them (kernel_args.h), strides row-major, and the offsets of its
+// indices (`operands.dropout`); `grads` (the backward's, null in the forward): the score_mod's capture gradients,
+// flex.num_capture_gradients() of them, added up in the dk/dv kernel's `scratch_bytes` of shared memory first where
+// they fit.
+FlexArgs MakeFlexArgs(const AttentionParams& p, const AttentionOperands& operands, void* const* grads,
                       int scratch_bytes = 0) {
   FlexArgs f{};
   const FlexSpec& flex = p.flex;
+  const void* const* captures = operands.flex_captures;
+  f.offsets = operands.dropout + 2;
   for (int64_t i = 0; i < flex.num_captures(); ++i) {
     KernelCapture& c = f.captures[i];
     c.data = captures[i];
@@ -427,7 +430,7 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
     tma.next_work = static_cast<unsigned*>(b.workspace);
     TE_JAX_RETURN_IF_ERROR(ZeroCounter(driver, tma.next_work, "the forward's work counter", stream));
   }
-  const FlexArgs flex = p.flex.active() ? MakeFlexArgs(p, b.flex_captures, nullptr) : FlexArgs{};
+  const FlexArgs flex = p.flex.active() ? MakeFlexArgs(p, b, nullptr) : FlexArgs{};
   return LaunchAttention(driver, call.module->kernels[kernel.index], "attention forward", grid[0], grid[1], grid[2],
                          sm90::ForwardThreads(tile), call.module->smem_bytes[kernel.index], stream, &tma,
                          p.flex.active() ? &flex : nullptr);
@@ -582,7 +585,7 @@ Status AttentionBackward(const AttentionParams& p, const BackwardBuffers& b, CUs
                                 UsesTokens(p), p.dropout_threshold > 0, p.has_bias ? DTypeSize(p.bias_dtype) : 0)
                           : 0;
   const FlexArgs flex =
-      p.flex.active() ? MakeFlexArgs(p, b.flex_captures, b.flex_capture_grads, scratch) : FlexArgs{};
+      p.flex.active() ? MakeFlexArgs(p, b, b.flex_capture_grads, scratch) : FlexArgs{};
   const FlexArgs* mods = p.flex.active() ? &flex : nullptr;
   if (p.has_bias && no_pairs) {
     const CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(b.dbias), 0,

@@ -281,7 +281,10 @@ struct FlexArgs {
   int32_t gradient_scratch[kMaxKernelCaptures];
   int32_t gradient_elements[kMaxKernelCaptures];
   int32_t gradient_scratch_floats;
-  int32_t batch_fold;  // vmap's examples folded into the batch: the mods see b / batch_fold
+  int32_t batch_fold;  // vmap's examples folded into the batch: the mods see (b + its offset) / batch_fold
+  // The global (b, h, q, kv) of the call's element [0, 0, 0, 0] (words 2-5 of the dropout operand, in device memory:
+  // a shard's call computes them), which the mods' indices start from.
+  const uint32_t* offsets;
 };
 
 template <typename Args>

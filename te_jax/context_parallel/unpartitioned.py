@@ -33,11 +33,12 @@ def unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
     q, k, v, out, dout = (inv(x, cp.size, 1) for x in (q, k, v, out, dout))
     lse, dlse = inv(lse, cp.size, 2), inv(dlse, cp.size, 2)
     tokens = _tokens_in_natural_order(config, cp, tokens)
-  dq, dk, dv, dbias = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                            alibi, sinks, *tokens, config=config)
+  # After dbias, the score_mod's capture gradients (`tokens` ends with the captures; context parallelism has none).
+  dq, dk, dv, dbias, *grads = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens,
+                                                                    kv_seqlens, alibi, sinks, *tokens, config=config)
   if cp is not None:
     bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
     if cp.load_balanced:
       dq, dk, dv = (fwd(x, cp.size, 1) for x in (dq, dk, dv))
     dq, dk, dv = poison(bad, dq, dk, dv)
-  return dq, dk, dv, dbias
+  return (dq, dk, dv, dbias, *grads)

@@ -25,6 +25,9 @@ UNARY = {
     "not": {"b": "(!{0})", "i": "{t}(~{0})"},
     "copy": {"f": "{0}", "i": "{0}", "b": "{0}"},
     "copy_p": {"f": "{0}", "i": "{0}", "b": "{0}"},
+    # A mod traced under a mesh (jax.set_mesh) places its values on it; a kernel's scalars have no placement.
+    "reshard": {"f": "{0}", "i": "{0}", "b": "{0}"},
+    "sharding_constraint": {"f": "{0}", "i": "{0}", "b": "{0}"},
 }
 _COMPARE = {"f": "({0} {op} {1})", "i": "({0} {op} {1})", "b": "({0} {op} {1})"}
 BINARY = {

@@ -36,8 +36,8 @@ struct SameType<A, A> {
   static constexpr bool value = true;
 };
 
-// An element as the mods see it: the batch entry (the call's b / batch_fold), the query head, the query and the key
-// (positions in the whole q and k).
+// An element as the kernels give it to the mods: the mods' batch entry (Batch), the call's query head, query and key;
+// the mods see the head, query and key from the call's offsets (a shard's first element's global indices).
 struct ModIndex {
   int b, h, q, kv;
 };
@@ -52,14 +52,26 @@ struct KernelMods {
   float* const* grads;
   BlockMaskArgs block_mask;
   int batch_fold;
+  // The global indices of the call's element [0, 0, 0, 0] (FlexArgs::offsets).
+  int b_offset, h_offset, q_offset, kv_offset;
   const FlexArgs* flex;  // the arguments (in parameter space), for what only the kernels' prologue and epilogue read
 
   // args: the kernel's arguments, a WithFlex<Args> (the kernel's entry point takes one where its variant has mods).
   template <typename Args>
   __device__ __forceinline__ static KernelMods Of(const Args& args) {
     const FlexArgs& f = static_cast<const WithFlex<Args>&>(args).flex;
-    return {ScoreModT::Bind(f.captures), MaskModT::Bind(f.captures + ScoreModT::kCaptures), f.grads, f.block_mask,
-            f.batch_fold, &f};
+    const uint2 bh = __ldg(reinterpret_cast<const uint2*>(f.offsets));
+    const uint2 qkv = __ldg(reinterpret_cast<const uint2*>(f.offsets) + 1);
+    return {ScoreModT::Bind(f.captures),
+            MaskModT::Bind(f.captures + ScoreModT::kCaptures),
+            f.grads,
+            f.block_mask,
+            f.batch_fold,
+            static_cast<int>(bh.x),
+            static_cast<int>(bh.y),
+            static_cast<int>(qkv.x),
+            static_cast<int>(qkv.y),
+            &f};
   }
 
   // A CTA's capture gradients in shared memory (`scratch`: gradient_scratch_floats floats after kMaxKernelCaptures
@@ -87,7 +99,8 @@ struct KernelMods {
     }
   }
 
-  __device__ __forceinline__ int Batch(int b) const { return b / batch_fold; }
+  // The mods' batch entry of the call's (folded) batch entry b.
+  __device__ __forceinline__ int Batch(int b) const { return (b + b_offset) / batch_fold; }
 
   // The block mask's states over queries [q0, q1) x keys [k0, k1) (both non-empty) of the mods' batch entry b and
   // head h: whether some block is not all hidden, and whether every block is all visible. Without a block mask every
@@ -95,6 +108,7 @@ struct KernelMods {
   template <typename F>
   __device__ __forceinline__ bool AllBlocks(int b, int h, int q0, int q1, int k0, int k1, F&& f) const {
     const BlockMaskArgs& m = block_mask;
+    h += h_offset, q0 += q_offset, q1 += q_offset, k0 += kv_offset, k1 += kv_offset;
     const int8_t* blocks = m.blocks + b * m.batch_stride + h * m.head_stride;
     const int r1 = min((q1 - 1) / m.block_q, m.rows - 1), c1 = min((k1 - 1) / m.block_kv, m.cols - 1);
     bool all = true;
@@ -149,14 +163,14 @@ struct KernelMods {
 
   __device__ __forceinline__ float Score(float logit, const ModIndex& at) const {
     if constexpr (kScore) {
-      return score.Score(logit, at.b, at.h, at.q, at.kv);
+      return score.Score(logit, at.b, at.h + h_offset, at.q + q_offset, at.kv + kv_offset);
     } else {
       return logit;
     }
   }
   __device__ __forceinline__ bool Mask(const ModIndex& at) const {
     if constexpr (kMask) {
-      return mask.Mask(at.b, at.h, at.q, at.kv);
+      return mask.Mask(at.b, at.h + h_offset, at.q + q_offset, at.kv + kv_offset);
     } else {
       return true;
     }
@@ -167,8 +181,9 @@ struct KernelMods {
   __device__ __forceinline__ float ScoreGrad(float ct, float logit, const ModIndex& at) const {
     if constexpr (kScore) {
       if (ct == 0.0f) return 0.0f;  // a hidden key passes no gradient, even where DScore is not finite
-      if (grads != nullptr) score.DCaptures(ct, logit, at.b, at.h, at.q, at.kv, grads);
-      return ct * score.DScore(logit, at.b, at.h, at.q, at.kv);
+      const int h = at.h + h_offset, q = at.q + q_offset, kv = at.kv + kv_offset;
+      if (grads != nullptr) score.DCaptures(ct, logit, at.b, h, q, kv, grads);
+      return ct * score.DScore(logit, at.b, h, q, kv);
     } else {
       return ct;
     }
