@@ -267,8 +267,9 @@ def test_dropout_shards_give_the_unsharded_mask(spec):
 @in_process
 @pytest.mark.parametrize("spec", [P(("dp", "cp"), None, "tp"), P("tp", None, ("dp", "cp"))],
                          ids=["batch4_heads2", "batch2_heads4"])
-@pytest.mark.parametrize("block_mask", [False, True], ids=["mask_mod", "block_mask"])
-def test_mods_see_global_indices_on_every_shard(spec, block_mask):
+@pytest.mark.parametrize("block_mask,path", [(False, "ffi"), (True, "ffi"), (True, "legacy")],
+                         ids=["mask_mod", "block_mask", "block_mask_legacy"])
+def test_mods_see_global_indices_on_every_shard(spec, block_mask, path):
   """score_mod / mask_mod on batch and head shards: each shard's mods see the global b and h (the dropout operand's
   offsets), its captures are whole, and the capture gradients are summed over the shards; results and every gradient
   (the captures' too) equal the unsharded call's. The one collective is that sum."""
@@ -294,14 +295,14 @@ def test_mods_see_global_indices_on_every_shard(spec, block_mask):
     return (out,) + vjp(d)
 
   args = (shard(q, spec), shard(k, spec), shard(v, spec), shard(dout, spec), shard(table, P()))
-  with warnings.catch_warnings():
+  with warnings.catch_warnings(), te_jax.custom_call_path(path):
     warnings.simplefilter("error", ReshardWarning)
     with jax.set_mesh(mesh):
       compiled = jax.jit(fn).lower(*args).compile()
       results = [np.asarray(r) for r in compiled(*args)]
+    expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, table)]
   hlo = compiled.as_text()
   assert "all-reduce" in collectives(hlo) and "all-gather" not in collectives(hlo), collectives(hlo)
-  expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, table)]
   for name, got, want in zip(("out", "dq", "dk", "dv", "dtable"), results, expected):
     np.testing.assert_allclose(got, want, err_msg=name, **TOL)
   assert np.abs(expected[-1]).max() > 0  # the table's gradient is not trivially zero
