@@ -134,10 +134,10 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                                                   batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced,
                               (q, k, v))
-  if cp is not None and any(x is not None for x in (score_mod, mask_mod, block_mask)):
-    raise ValueError("score_mod/mask_mod do not go with context parallelism yet (the mods see global indices, which "
-                     "the blocks would need offsets for); pass context_parallel_axis=None")
-  mask_mod, blocks, block_shape = block_mask_operand(block_mask, mask_mod, batch, num_heads, seqlen_q, seqlen_kv)
+  # The mods see global indices: inside shard_map a context-parallel call's sequences are the shards'.
+  whole = cp.size if cp is not None and cp.manual else 1
+  mask_mod, blocks, block_shape = block_mask_operand(block_mask, mask_mod, batch, num_heads, seqlen_q * whole,
+                                                     seqlen_kv * whole)
   score_spec, mask_spec, captures = mod_operands(score_mod, mask_mod)
   if blocks is not None:  # the last capture
     captures = (*captures, blocks)

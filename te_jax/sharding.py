@@ -290,8 +290,8 @@ def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
   def lower(q, *operands):
     *operands, dropout, captures = operands
     dropout = plan.with_shard_offsets(q, dropout)
-    if cp is not None:  # no mods: no captures
-      return cpmod.local_forward(q, *operands, dropout, config=config, cp=cp)
+    if cp is not None:
+      return cpmod.local_forward(q, *operands, dropout, *captures, config=config, cp=cp)
     return tuple(_primitives.attention_forward_p.bind(q, *operands, dropout, *captures, config=config))
 
   return mesh, lower, results, args
@@ -316,8 +316,8 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
     if cp is None:
       dq, dk, dv, dbias, *grads = _primitives.attention_backward_p.bind(q, k, v, *operands, dropout, *captures,
                                                                         config=config)
-    else:  # no mods: no captures
-      dq, dk, dv, dbias = cpmod.local_backward(q, k, v, *operands, dropout, config=config, cp=cp)
+    else:  # its capture gradients already summed over the context-parallel axis
+      dq, dk, dv, dbias, *grads = cpmod.local_backward(q, k, v, *operands, dropout, *captures, config=config, cp=cp)
     if grad_axes:  # each device's capture gradients hold its batch entries' and heads' terms
       grads = [jax.lax.psum(g, grad_axes) for g in grads]
     if g_axes:  # query heads of one k/v group live on several devices: sum their dK/dV contributions
@@ -473,7 +473,12 @@ def _forward_abstract_eval(*avals, config, cp):
 
 def _backward_abstract_eval(*avals, config, cp):
   del cp
-  return _with_manual_axes(_primitives.attention_backward_p.abstract_eval(*avals, config=config)[0], avals)
+  outs = _primitives.attention_backward_p.abstract_eval(*avals, config=config)[0]
+  # The capture gradients are summed over the shards (local_backward, the partitioned lowering): they vary as their
+  # captures do.
+  _, captures = _primitives.split_captures(avals, config)
+  grads = [captures[i].update(dtype=np.dtype(np.float32), weak_type=False) for i in config.capture_gradients]
+  return [*_with_manual_axes(outs[:len(outs) - len(grads)], avals), *grads]
 
 
 for _prim, _abstract, _lowering in ((sharded_forward_p, _forward_abstract_eval, _forward_lowering),

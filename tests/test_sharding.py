@@ -485,6 +485,53 @@ def test_context_parallel_alibi_softcap(strategy):
 
 
 @in_process
+@pytest.mark.parametrize("block_mask", [False, True], ids=["mask_mod", "block_mask"])
+@pytest.mark.parametrize("load_balanced", [False, True], ids=["lb0", "lb1"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_mods_see_global_indices(strategy, load_balanced, block_mask):
+  """score_mod / mask_mod under context parallelism (with batch and head shards): each block pair's kernel call adds
+  its first query's and key's global positions to the mods' indices, so the sharded call (load-balanced or not)
+  equals the unsharded one in natural order, out and every gradient, the captured table's too."""
+  q, k, v, dout = inputs(batch=4, seqlen=32, kv_heads=2)
+  rng = np.random.default_rng(5)
+  table = rng.standard_normal((4, 4, 16)).astype(np.float32)
+  ids = jnp.asarray(np.sort(rng.integers(0, 3, (4, 32)), axis=1).astype(np.int32))
+
+  def mask_mod(b, h, qi, ki):  # causal within documents; head 3 of odd rows sees only its first 8 keys
+    return (qi >= ki) & (ids[b, qi] == ids[b, ki]) & ((h != 3) | (b % 2 == 0) | (ki < 8))
+
+  def fn(q, k, v, d, table, **cp_kwargs):
+    kwargs = dict(mask_mod=mask_mod)
+    if block_mask:
+      kwargs = dict(block_mask=te_jax.create_block_mask(mask_mod, 4, 4, 32, 32, block=(4, 8)))
+
+    def attend(q, k, v, t):
+      score_mod = lambda s, b, h, qi, ki: s + t[b, h, jnp.clip(qi - ki, 0, 15)]
+      return te_jax.fused_attn(q, k, v, score_mod=score_mod, **kwargs, **cp_kwargs)
+
+    out, vjp = jax.vjp(attend, q, k, v, table)
+    return (out,) + vjp(d)
+
+  mesh_shape = (2, 2, 2)
+  mesh, cp = make_mesh(mesh_shape), mesh_shape[1]
+  reorder = (lambda x: np.asarray(te_jax.reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  undo = (lambda x: np.asarray(te_jax.inverse_reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  spec = cp_spec(mesh_shape)
+  args = [shard(reorder(x), spec) for x in (q, k, v, dout)] + [shard(table, P())]
+  sharded = jax.jit(lambda *a: fn(*a, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                                  context_parallel_load_balanced=load_balanced))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      results = [np.asarray(r) for r in sharded(*args)]
+  results = [undo(r) for r in results[:4]] + results[4:]
+  expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, table)]
+  for name, got, want in zip(("out", "dq", "dk", "dv", "dtable"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
+
+
+@in_process
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_context_parallel_with_sinks(strategy):
   # The sinks apply to each shard's rows of the merged out and lse (te_jax/sinks.py), heads sharded over tp.
@@ -769,6 +816,37 @@ def test_context_parallel_dropout_inside_shard_map(strategy):
   results = fn(*(reorder(x) for x in (q, k, v, dout)), reorder(dlse, 2))
   results = [undo(r, 2 if name == "lse" else 1) for name, r in zip(RESULTS, results)]
   check_cp_dropout(results, q, k, v, dout, dlse, **kwargs)
+
+
+@in_process
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_context_parallel_mods_inside_shard_map(strategy):
+  """Inside shard_map (the sequence axis manual) the mods see global positions too, the block mask the call builds is
+  the whole sequence's, and the captured table's gradient is summed over the sequence shards."""
+  q, k, v, dout = inputs()
+  table = np.random.default_rng(6).standard_normal((4, 16)).astype(np.float32)
+  mesh = make_mesh((1, 8, 1))
+  reorder = lambda x: te_jax.reorder_for_load_balancing(x, 8)
+  undo = lambda x: np.asarray(te_jax.inverse_reorder_for_load_balancing(x, 8))
+  mask_mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 12)
+
+  def attend(q, k, v, d, t, **cp_kwargs):
+    score_mod = lambda s, b, h, qi, ki: s + t[h, jnp.clip(qi - ki, 0, 15)]
+    out, vjp = jax.vjp(lambda q, k, v, t: te_jax.fused_attn(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                            **cp_kwargs), q, k, v, t)
+    return (out,) + vjp(d)
+
+  def local(q, k, v, d, t):
+    return attend(q, k, v, d, t, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                  context_parallel_load_balanced=True)
+
+  seq = P(None, "cp")
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, seq, P()), out_specs=(seq,) * 4 + (P(),)))
+  results = fn(*(reorder(x) for x in (q, k, v, dout)), table)
+  results = [undo(r) for r in results[:4]] + [np.asarray(results[4])]
+  expected = [np.asarray(r) for r in jax.jit(attend)(q, k, v, dout, table)]
+  for name, got, want in zip(("out", "dq", "dk", "dv", "dtable"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
 
 
 # --------------------------------------------------------------------------------------------------------------------

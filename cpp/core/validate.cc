@@ -128,12 +128,13 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
     const std::vector<int64_t> want{-1, -1, (p.seqlen_q + f.block_q - 1) / f.block_q,
                                     (p.seqlen_kv + f.block_kv - 1) / f.block_kv};
     const std::vector<int64_t>* blocks = f.num_captures() > 0 ? &f.capture_shapes.back() : nullptr;
-    // A batch or head shard's call has the whole call's block mask, of more batch entries or heads than its own.
+    // A shard's call (of batch entries, heads, or a context-parallel block) has the whole call's block mask, whose
+    // dims may exceed its own.
     if (!f.has_mask_mod() || f.mask_captures() < 0 || blocks == nullptr || blocks->size() != 4 ||
         ((*blocks)[0] != 1 && (*blocks)[0] < p.batch / f.batch_fold) ||
-        ((*blocks)[1] != 1 && (*blocks)[1] < p.num_heads) || (*blocks)[2] != want[2] || (*blocks)[3] != want[3]) {
+        ((*blocks)[1] != 1 && (*blocks)[1] < p.num_heads) || (*blocks)[2] < want[2] || (*blocks)[3] < want[3]) {
       return Status::InvalidArgument("a block mask goes with a mask_mod, its blocks the last capture, of shape [1 or "
-                                     "B, 1 or H, " + Str(want[2]) + ", " + Str(want[3]) + "] (B and H those of the "
+                                     "B, 1 or H, " + Str(want[2]) + ", " + Str(want[3]) + "] (at least: those of the "
                                      "whole call where this one is a shard)");
     }
   }

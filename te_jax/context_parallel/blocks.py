@@ -15,8 +15,10 @@ padding/bottom-right machinery of the core (docs/SHARDING.md derives it):
   * ALiBi adds slope * (j - p_i); a kernel diagonal that differs from the true one by a per-row constant only shifts
     lse by slope * (D_kernel - D_b), which is corrected here (out is unchanged), and undone for the backward.
 
-Dropout: every block pair's kernel call, forward and backward, gets the dropout operand with the natural positions of
-the block's first query row and first key added (block_dropout), so the kept elements are the unsharded call's.
+Dropout and mods: every block pair's kernel call, forward and backward, gets the dropout operand with the natural
+positions of the block's first query row and first key added (block_dropout), so the kept elements are the unsharded
+call's and the mods see global indices; the captures (score_mod / mask_mod's, a block mask's) go whole to every call,
+and a backward call's capture gradients are its pair's terms, which the callers add up.
 """
 
 from __future__ import annotations
@@ -61,23 +63,24 @@ def geometry(config, kind, qo, ko, lq, lk, q_seqlens, kv_seqlens, alibi) -> Bloc
   return Block(sq.astype(jnp.int32), skv.astype(jnp.int32), shift)
 
 
-def block_forward(config, kind, q, k, v, blk: Block, alibi, dropout):
+def block_forward(config, kind, q, k, v, blk: Block, alibi, dropout, captures):
   full, causal = _kernel_configs(config)
   out, lse = _primitives.attention_forward_p.bind(q, k, v, blk.sq, blk.skv, alibi, *_no_block_options(), dropout,
-                                                  config=full if kind == "full" else causal)
+                                                  *captures, config=full if kind == "full" else causal)
   if blk.lse_shift is not None:
     lse = lse + blk.lse_shift
   return out, lse
 
 
-def block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: Block, alibi, dropout):
+def block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: Block, alibi, dropout, captures):
+  """dq, dk, dv and the capture gradients (float32, the pair's terms) of one pair."""
   full, causal = _kernel_configs(config)
   if blk.lse_shift is not None:
     lse = lse - blk.lse_shift
-  dq, dk, dv, _ = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
-                                                        *_no_block_options(), dropout,
-                                                        config=full if kind == "full" else causal)
-  return dq, dk, dv
+  dq, dk, dv, _, *grads = _primitives.attention_backward_p.bind(q, k, v, out, lse, dout, dlse, blk.sq, blk.skv, alibi,
+                                                                *_no_block_options(), dropout, *captures,
+                                                                config=full if kind == "full" else causal)
+  return dq, dk, dv, tuple(grads)
 
 
 def _no_block_options():
@@ -90,12 +93,17 @@ def block_dropout(config, dropout, qo, ko):
   """The dropout operand of one (query block, key block) pair: the shard's operand (key, batch and head offsets)
   with the global positions of the block's first query row (qo) and first key (ko) added, so that the block's kernel
   call drops exactly the elements the unsharded call drops (te_jax/dropout.py). Each block must be a contiguous range
-  of global positions. Without dropout the operand is the placeholder, unread."""
-  if not config.dropout_threshold:
+  of global positions. Without dropout or mods the operand is the placeholder, unread."""
+  if not config.reads_offsets:
     return dropout
   shift = jnp.stack([jnp.uint32(0), jnp.uint32(0), jnp.uint32(0), jnp.uint32(0), jnp.asarray(qo, jnp.uint32),
                      jnp.asarray(ko, jnp.uint32)])
   return dropout + shift
+
+
+def add_gradients(total, grads):
+  """Capture gradients summed over pairs (None before the first)."""
+  return grads if total is None else tuple(t + g for t, g in zip(total, grads))
 
 
 def empty_state(q, v, dtype):

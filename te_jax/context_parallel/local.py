@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from te_jax import _primitives
 from te_jax.attention_config import AttentionConfig
 from te_jax.context_parallel import all_gather, packed, ring
 from te_jax.context_parallel.chunks import chunk_ids, split
@@ -17,9 +18,10 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config:
                   cp: ContextParallel):
   """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `sinks` is a placeholder (the
   sinks join after the blocks' merge, te_jax/attention.py). `tokens`: the local segment ids and positions
-  (placeholders when the call has none), then the page table and bias placeholders and the dropout operand (the key,
-  with this shard's batch and head offsets; each block adds its sequence offsets)."""
+  (placeholders when the call has none), then the page table and bias placeholders, the dropout operand (the key,
+  with this shard's batch and head offsets; each block adds its sequence offsets) and the mods' captures (whole)."""
   del sinks
+  tokens, captures = _primitives.split_captures(tokens, config)
   dropout = tokens[-1]
   if uses_tokens(config):
     return packed.forward(q, k, v, alibi, tokens[:4], dropout, config, cp)
@@ -32,9 +34,11 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config:
   q_ids = chunk_ids(cp, rank)
   bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
   if cp.strategy == "all_gather":
-    outs, lses = all_gather.forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, chunk)
+    outs, lses = all_gather.forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp,
+                                    chunk)
   else:
-    outs, lses = ring.forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk)
+    outs, lses = ring.forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp, rank,
+                              chunk)
   out = jnp.concatenate(outs, axis=1) if n_local > 1 else outs[0]
   lse = jnp.concatenate(lses, axis=2) if n_local > 1 else lses[0]
   return poison(bad, out.astype(q.dtype), lse)
@@ -42,10 +46,12 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config:
 
 def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
-  """Local shards -> local dq, dk, dv and the bias placeholder's zero gradient (each block uses the final out and lse,
-  so its softmax is exact, and the same dropout operand as its forward, so its keep-mask is the forward's).
-  `placeholders`: the tokens, page table, bias and dropout operands (see local_forward)."""
+  """Local shards -> local dq, dk, dv, the bias placeholder's zero gradient and the capture gradients of this shard's
+  batch entries and heads, summed over the sequence's shards (each block uses the final out and lse, so its softmax is exact, and the same dropout operand as its
+  forward, so its keep-mask is the forward's). `placeholders`: the tokens, page table, bias and dropout operands and the
+  captures (see local_forward)."""
   del sinks
+  placeholders, captures = _primitives.split_captures(placeholders, config)
   no_dbias = jnp.zeros_like(placeholders[-2])
   dropout = placeholders[-1]
   if uses_tokens(config):
@@ -60,11 +66,14 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
                    split(dout, n_local, 1), split(dlse, n_local, 2), q_ids))
   bad = unsupported_lengths(config, cp, q_seqlens, kv_seqlens)
   if cp.strategy == "all_gather":
-    dqs, dk, dv = all_gather.backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, chunk)
+    dqs, dk, dv, grads = all_gather.backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp,
+                                             chunk)
   else:
-    dqs, dk, dv = ring.backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk)
+    dqs, dk, dv, grads = ring.backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp, rank,
+                                       chunk)
   dq = jnp.concatenate(dqs, axis=1) if n_local > 1 else dqs[0]
-  return (*poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), no_dbias)
+  grads = tuple(lax.psum(g, cp.axis) for g in grads)  # the sequence shards' terms
+  return (*poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), no_dbias, *grads)
 
 
 def _global_lengths(config, cp, q, q_seqlens, kv_seqlens):

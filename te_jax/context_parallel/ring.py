@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax.context_parallel.blocks import block_backward, block_dropout, block_forward, empty_state, geometry
+from te_jax.context_parallel.blocks import (add_gradients, block_backward, block_dropout, block_forward, empty_state,
+                                            geometry)
 from te_jax.context_parallel.chunks import chunk_ids, split
 from te_jax.context_parallel.layout import ContextParallel
 from te_jax.merge_states import merge_partial
@@ -32,7 +33,7 @@ def _ring_kind(config, qid, kid):
   return jnp.where(qid > kid, 1, jnp.where(qid == kid, 2, 0))
 
 
-def forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk):
+def forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp, rank, chunk):
   """[out], [lse] (float32) of each local query chunk (natural chunk q_ids[t], of `chunk` rows) against every K/V
   block of the ring."""
   n_local = len(q_chunks)
@@ -44,20 +45,21 @@ def forward(q_chunks, q_ids, k, v, q_seqlens, kv_seqlens, alibi, dropout, config
     src = (rank - step) % cp.size
     for kc, vc, kid in zip(split(k_cur, n_local, 1), split(v_cur, n_local, 1), chunk_ids(cp, src)):
       for t, (qc, qid) in enumerate(zip(q_chunks, q_ids)):
-        out, lse = _block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout)
+        out, lse = _block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout,
+                                  captures)
         outs[t], lses[t] = merge_partial(outs[t], lses[t], out, lse)
     if step < cp.size - 1:
       k_cur, v_cur = k_next, v_next
   return outs, lses
 
 
-def _block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout):
+def _block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout, captures):
   qo, ko = qid * chunk, kid * chunk
   dropout = block_dropout(config, dropout, qo, ko)
 
   def run(kind):
     blk = geometry(config, kind, qo, ko, chunk, chunk, q_seqlens, kv_seqlens, alibi)
-    return block_forward(config, kind, qc, kc, vc, blk, alibi, dropout)
+    return block_forward(config, kind, qc, kc, vc, blk, alibi, dropout, captures)
 
   def skip():
     return empty_state(qc, vc, qc.dtype)
@@ -68,11 +70,13 @@ def _block_forward(config, qc, kc, vc, qid, kid, chunk, q_seqlens, kv_seqlens, a
   return lax.switch(index, [skip, lambda: run("full"), lambda: run("causal")])
 
 
-def backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, rank, chunk):
-  """[dq] (float32) of each local query chunk and this shard's dk, dv (float32). per_q: (q, out, lse, dout, dlse,
-  chunk id) of each local query chunk."""
+def backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp, rank, chunk):
+  """[dq] (float32) of each local query chunk, this shard's dk, dv (float32) and its terms of the capture gradients
+  (they stay on the device: every pair adds to the same arrays). per_q: (q, out, lse, dout, dlse, chunk id) of each
+  local query chunk."""
   n_local = len(per_q)
   dqs = [jnp.zeros(p[0].shape, jnp.float32) for p in per_q]
+  grads = None
   k_cur, v_cur = k, v
   dk_acc, dv_acc = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
   for step in range(cp.size):
@@ -84,8 +88,9 @@ def backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, ran
       dk_c = jnp.zeros(kc.shape, jnp.float32)
       dv_c = jnp.zeros(vc.shape, jnp.float32)
       for t, (qc, oc, lc, doc, dlc, qid) in enumerate(per_q):
-        dq_b, dk_b, dv_b = _block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens,
-                                           kv_seqlens, alibi, dropout)
+        (dq_b, dk_b, dv_b), grads_b = _block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk,
+                                                    q_seqlens, kv_seqlens, alibi, dropout, captures)
+        grads = add_gradients(grads, grads_b)
         dqs[t] = dqs[t] + dq_b
         dk_c, dv_c = dk_c + dk_b, dv_c + dv_b
       dk_parts.append(dk_c)
@@ -96,20 +101,22 @@ def backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, config, cp, ran
     dk_acc, dv_acc = ring_pass((dk_acc, dv_acc), cp)
     if step < cp.size - 1:
       k_cur, v_cur = k_next, v_next
-  return dqs, dk_acc, dv_acc
+  return dqs, dk_acc, dv_acc, grads
 
 
-def _block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout):
+def _block_backward(config, qc, kc, vc, oc, lc, doc, dlc, qid, kid, chunk, q_seqlens, kv_seqlens, alibi, dropout,
+                    captures):
   qo, ko = qid * chunk, kid * chunk
   dropout = block_dropout(config, dropout, qo, ko)
 
   def run(kind):
     blk = geometry(config, kind, qo, ko, chunk, chunk, q_seqlens, kv_seqlens, alibi)
-    grads = block_backward(config, kind, qc, kc, vc, oc, lc, doc, dlc, blk, alibi, dropout)
-    return tuple(g.astype(jnp.float32) for g in grads)
+    dq, dk, dv, grads = block_backward(config, kind, qc, kc, vc, oc, lc, doc, dlc, blk, alibi, dropout, captures)
+    return tuple(g.astype(jnp.float32) for g in (dq, dk, dv)), grads
 
   def skip():
-    return (jnp.zeros(qc.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (qc, kc, vc))
+    return zeros, tuple(jnp.zeros(captures[i].shape, jnp.float32) for i in config.capture_gradients)
 
   index = _ring_kind(config, qid, kid)
   if index is None:
