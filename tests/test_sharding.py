@@ -485,13 +485,15 @@ def test_context_parallel_alibi_softcap(strategy):
 
 
 @in_process
-@pytest.mark.parametrize("block_mask", [False, True], ids=["mask_mod", "block_mask"])
+@pytest.mark.parametrize("block_mask,packed", [(False, False), (True, False), (False, True)],
+                         ids=["mask_mod", "block_mask", "segment_ids"])
 @pytest.mark.parametrize("load_balanced", [False, True], ids=["lb0", "lb1"])
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-def test_context_parallel_mods_see_global_indices(strategy, load_balanced, block_mask):
+def test_context_parallel_mods_see_global_indices(strategy, load_balanced, block_mask, packed):
   """score_mod / mask_mod under context parallelism (with batch and head shards): each block pair's kernel call adds
-  its first query's and key's global positions to the mods' indices, so the sharded call (load-balanced or not)
-  equals the unsharded one in natural order, out and every gradient, the captured table's too."""
+  its first query's and key's global positions to the mods' indices, so the sharded call (load-balanced or not; with
+  segment ids the packed path's pieces) equals the unsharded one in natural order, out and every gradient, the
+  captured table's too."""
   q, k, v, dout = inputs(batch=4, seqlen=32, kv_heads=2)
   rng = np.random.default_rng(5)
   table = rng.standard_normal((4, 4, 16)).astype(np.float32)
@@ -504,6 +506,8 @@ def test_context_parallel_mods_see_global_indices(strategy, load_balanced, block
     kwargs = dict(mask_mod=mask_mod)
     if block_mask:
       kwargs = dict(block_mask=te_jax.create_block_mask(mask_mod, 4, 4, 32, 32, block=(4, 8)))
+    if packed:  # the same documents as segment ids too (in the order of q: the load-balanced one when sharded)
+      kwargs.update(q_segment_ids=segment_ids[bool(cp_kwargs)])
 
     def attend(q, k, v, t):
       score_mod = lambda s, b, h, qi, ki: s + t[b, h, jnp.clip(qi - ki, 0, 15)]
@@ -516,6 +520,7 @@ def test_context_parallel_mods_see_global_indices(strategy, load_balanced, block
   mesh, cp = make_mesh(mesh_shape), mesh_shape[1]
   reorder = (lambda x: np.asarray(te_jax.reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
   undo = (lambda x: np.asarray(te_jax.inverse_reorder_for_load_balancing(x, cp))) if load_balanced else (lambda x: x)
+  segment_ids = (np.asarray(ids), reorder(np.asarray(ids)))  # unsharded, sharded
   shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   spec = cp_spec(mesh_shape)
   args = [shard(reorder(x), spec) for x in (q, k, v, dout)] + [shard(table, P())]

@@ -80,9 +80,6 @@ def check_supported(config: AttentionConfig, cp: ContextParallel, q_shape, k_sha
   if config.has_bias:
     raise ValueError(f"{where}: bias is not supported with context parallelism yet; shard the batch or the heads "
                      "instead, or pass no bias")
-  if config.has_mods and uses_tokens(config):
-    raise NotImplementedError(f"{where}: score_mod / mask_mod with segment ids or positions are not supported with "
-                              "context parallelism yet; shard the batch or the heads instead")
   if config.page_size:  # first: a paged k is a page pool, its dim 1 no sequence
     raise ValueError(f"{where}: a paged KV cache (page_size {config.page_size}) is not supported with context "
                      "parallelism; shard the batch (the page table) or the kv heads instead")

@@ -24,7 +24,7 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config:
   tokens, captures = _primitives.split_captures(tokens, config)
   dropout = tokens[-1]
   if uses_tokens(config):
-    return packed.forward(q, k, v, alibi, tokens[:4], dropout, config, cp)
+    return packed.forward(q, k, v, alibi, tokens[:4], dropout, captures, config, cp)
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -55,7 +55,9 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
   no_dbias = jnp.zeros_like(placeholders[-2])
   dropout = placeholders[-1]
   if uses_tokens(config):
-    return (*packed.backward(q, k, v, out, lse, dout, dlse, alibi, placeholders[:4], dropout, config, cp), no_dbias)
+    dq, dk, dv, grads = packed.backward(q, k, v, out, lse, dout, dlse, alibi, placeholders[:4], dropout, captures,
+                                        config, cp)
+    return (dq, dk, dv, no_dbias, *(lax.psum(g, cp.axis) for g in grads))
   q_seqlens, kv_seqlens = _global_lengths(config, cp, q, q_seqlens, kv_seqlens)
   check_axis_size(cp)
   rank = lax.axis_index(cp.axis)
@@ -72,8 +74,8 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
     dqs, dk, dv, grads = ring.backward(per_q, k, v, q_seqlens, kv_seqlens, alibi, dropout, captures, config, cp, rank,
                                        chunk)
   dq = jnp.concatenate(dqs, axis=1) if n_local > 1 else dqs[0]
-  grads = tuple(lax.psum(g, cp.axis) for g in grads)  # the sequence shards' terms
-  return (*poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), no_dbias, *grads)
+  return (*poison(bad, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), no_dbias,
+          *(lax.psum(g, cp.axis) for g in grads))  # the sequence shards' terms
 
 
 def _global_lengths(config, cp, q, q_seqlens, kv_seqlens):
