@@ -485,6 +485,34 @@ def test_context_parallel_alibi_softcap(strategy):
 
 
 @in_process
+@pytest.mark.parametrize("spec", [P(None, ("dp", "cp"), None, "tp"), P("dp", "cp", None, "tp")],
+                         ids=["examples_whole", "examples_sharded"])
+def test_mods_under_vmap_on_shards(spec):
+  """vmap over a sharded call with mods (the examples folded into the batch, their axis sharded or not): the mods see
+  each example's own global b and h, and the shared table's gradient sums over the examples and the shards."""
+  rng = np.random.default_rng(7)
+  q, k, v, dout = (rng.standard_normal((2, 8, 32, 4, 8)).astype(np.float32) for _ in range(4))  # [N, B, S, H, D]
+  table = rng.standard_normal((8, 4, 16)).astype(np.float32)
+
+  def attend(q, k, v, t):
+    score_mod = lambda s, b, h, qi, ki: s + t[b, h, jnp.clip(qi - ki, 0, 15)]
+    return te_jax.fused_attn(q, k, v, score_mod=score_mod, mask_mod=lambda b, h, qi, ki: (qi >= ki) | (h == b % 4))
+
+  def fn(q, k, v, d, t):
+    out, vjp = jax.vjp(lambda q, k, v, t: jax.vmap(attend, in_axes=(0, 0, 0, None))(q, k, v, t), q, k, v, t)
+    return (out,) + vjp(d)
+
+  mesh = make_mesh((2, 2, 2))
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  args = [shard(x, spec) for x in (q, k, v, dout)] + [shard(table, P())]
+  with jax.set_mesh(mesh):
+    results = [np.asarray(r) for r in jax.jit(fn)(*args)]
+  expected = [np.asarray(r) for r in jax.jit(fn)(q, k, v, dout, table)]
+  for name, got, want in zip(("out", "dq", "dk", "dv", "dtable"), results, expected):
+    np.testing.assert_allclose(got, want, err_msg=name, **TOL)
+
+
+@in_process
 @pytest.mark.parametrize("block_mask,packed", [(False, False), (True, False), (False, True)],
                          ids=["mask_mod", "block_mask", "segment_ids"])
 @pytest.mark.parametrize("load_balanced", [False, True], ids=["lb0", "lb1"])
