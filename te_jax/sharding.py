@@ -312,7 +312,6 @@ def _partition_backward(config, cp, mesh, arg_shapes, result_shape):
   def lower(q, k, v, *operands):
     *operands, dropout, captures = operands
     dropout = plan.with_shard_offsets(q, dropout)
-    grads = ()
     if cp is None:
       dq, dk, dv, dbias, *grads = _primitives.attention_backward_p.bind(q, k, v, *operands, dropout, *captures,
                                                                         config=config)
