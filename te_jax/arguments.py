@@ -176,11 +176,12 @@ def bias_operand(bias, full_shape: tuple[int, int, int, int]):
   return jnp.asarray(bias)
 
 
-def dropout_operand(rate, rng) -> tuple[int, Any]:
-  """The drop threshold (0: no dropout) and the dropout operand (te_jax/_primitives.py) of an unsharded call."""
+def dropout_operand(rate, rng, mods: bool) -> tuple[int, Any]:
+  """The drop threshold (0: no dropout) and the dropout operand (te_jax/_primitives.py) of an unsharded call; with
+  `mods` (score_mod / mask_mod) its offsets are read without dropout too."""
   rate = check_rate(rate)
   if rate == 0.0:
-    return 0, _primitives.no_dropout()
+    return 0, _primitives.offsets_operand() if mods else _primitives.no_dropout()
   if rng is None:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key (jax.random.key or jax.random.PRNGKey)")
   return int(drop_threshold(rate)), _primitives.dropout_operand(key_words(rng))

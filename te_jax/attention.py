@@ -129,7 +129,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   window_left, window_right = check_window(window_size)
   check_bool(return_lse, "return_lse")
   check_bool(deterministic, "deterministic")
-  threshold, dropout = dropout_operand(dropout_rate, dropout_rng)
+  threshold, dropout = dropout_operand(dropout_rate, dropout_rng,
+                                       any(x is not None for x in (score_mod, mask_mod, block_mask)))
   tokens, has_ids, has_positions = token_operands(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask,
                                                   batch, seqlen_q, seqlen_kv)
   cp = _context_parallel.make(context_parallel_axis, context_parallel_strategy, context_parallel_load_balanced,
@@ -150,8 +151,6 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
                            # context parallelism merges the sinks after its blocks' merge (_attention)
                            has_sinks=sink_logits is not None and cp is None, fp8=is_fp8, score_mod=score_spec,
                            mask_mod=mask_spec, block_mask=block_shape)
-  if config.has_mods and not threshold:
-    dropout = _primitives.offsets_operand()
   alibi = alibi_operand(alibi_slopes, batch, num_heads)
   sinks = sink_operand(sink_logits, num_heads)
   bias = bias_operand(bias, (batch, num_heads, seqlen_q, seqlen_kv))
