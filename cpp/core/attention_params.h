@@ -8,6 +8,7 @@
 #include "cpp/core/dtype.h"
 #include "cpp/core/engine.h"
 #include "cpp/core/flex_mods.h"
+#include "cpp/core/kv_format.h"
 #include "cpp/core/mask_type.h"
 
 namespace te_jax {
@@ -26,6 +27,10 @@ namespace te_jax {
 //   [1, 1, 1, 1] placeholders (bias_broadcast kBroadcastAll).
 //   dropout uint32 [6]: the PRNG key's two words, then the global (b, h, i, j) of this call's element [0, 0, 0, 0]
 //   (read only when dropout_threshold > 0; cpp/core/philox.h).
+//   kv_descale float32 [2, kv_descale_blocks, kv_descale_heads]: an FP8 KV cache's descales (read only when
+//   IsFp8(kv_format); cpp/core/kv_format.h KvDescales), k's then v's, per block of keys (1, or the pool's pages of a
+//   paged call, or the batch entries of a contiguous one) and per K/V head (1 or Hkv). k and v are then FP8 while q
+//   and out keep dtype.
 //   flex_captures: the arrays score_mod / mask_mod capture (flex.capture_shapes, row-major; the score_mod's first),
 //   read only when flex.active() (cpp/core/flex_mods.h); the custom call's last operands, as many as the call has.
 //   page_table int32 [B, max_pages_per_seq] (read only when page_size > 0; an int32 [1, 1] placeholder without
@@ -44,7 +49,10 @@ struct AttentionParams {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;    // D, of q and k
   int64_t head_dim_v = 0;  // Dv, of v and out
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;  // of q and out, and of k and v unless they are an FP8 KV cache
+  KvFormat kv_format = KvFormat::kAsQ;  // forward only: the backward takes the dequantized values
+  int64_t kv_descale_blocks = 1;        // the kv_descale operand's dims (1, 1 unless FP8)
+  int64_t kv_descale_heads = 1;
   MaskType mask_type = MaskType::kNoMask;
   int64_t window_left = -1;   // -1: unbounded
   int64_t window_right = -1;  // -1: unbounded
@@ -96,6 +104,7 @@ struct AttentionOperands {
   const uint32_t* dropout = nullptr;
   // The backward refuses paging (ValidateBackwardParams): present so both directions share one operand list.
   const int32_t* page_table = nullptr;
+  const float* kv_descale = nullptr;
   const void* const* flex_captures = nullptr;  // params.flex.num_captures() addresses
 };
 
