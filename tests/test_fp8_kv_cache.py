@@ -155,3 +155,17 @@ def test_fp8_cache_gradients_are_refused_q_flows():
   assert dq.dtype == jnp.bfloat16 and np.isfinite(np.asarray(dq, np.float32)).all()
   with pytest.raises(ValueError, match="k_descale or v_descale is being differentiated"):
     jax.grad(loss, argnums=1)(q, kd)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_every_fp8_value_is_read_exactly(fmt):
+  """One key: out is its value row, so a v of all 256 bytes must come out as the format's 256 values (subnormals,
+  NaN, e5m2's infinities) times the descale, exactly."""
+  v8 = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), fmt).reshape(1, 1, 1, 256)
+  k8 = jnp.zeros((1, 1, 1, 16), fmt)
+  q = jnp.ones((1, 1, 2, 16), jnp.float32)
+  for descale in (1.0, 0.375):
+    out = te_jax.fused_attn(q, k8, v8, k_descale=jnp.float32(1), v_descale=jnp.float32(descale))
+    want = np.asarray(v8.astype(jnp.float32), np.float32).reshape(256) * np.float32(descale)
+    for head in range(2):
+      np.testing.assert_array_equal(np.asarray(out)[0, 0, head], want)
