@@ -62,12 +62,11 @@ struct KeyRuns {
 };
 
 // An FP8 KV cache's descales of k (which 0) or v (1), cpp/core/kv_format.h: a copied run of rows, which lies within one
-// page, is scaled by its block's and head's. Without one (data null) rows are taken as they are.
+// page, is dequantized with its block's and head's (rows of any other dtype are converted as they are).
 struct RowDescales {
   KvDescales descales;
   int which = 0;
 
-  bool active() const { return descales.data != nullptr; }
   float Of(const KvRows& rows, int64_t b, int64_t key, int64_t h) const {
     const int64_t block = descales.Block(rows.paged(), rows.paged() ? rows.Row(b, key) / rows.page_size : 0, b);
     return which == 0 ? descales.K(block, h) : descales.V(block, h);
@@ -82,7 +81,7 @@ struct RowDescales {
 // place) come out dequantized by `descales`.
 template <int64_t kMaxKeys, typename T>
 KeyRuns<kMaxKeys> KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b, int64_t h, int64_t key0,
-                                 int64_t keys, bool in_place, float* scratch, const RowDescales& descales = {}) {
+                                 int64_t keys, bool in_place, float* scratch, const RowDescales& descales) {
   KeyRuns<kMaxKeys> runs;
   for (int64_t c = 0; c < keys;) {
     const int64_t run = std::min(keys - c, rows.ContiguousKeys(key0 + c));
@@ -95,10 +94,13 @@ KeyRuns<kMaxKeys> KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b,
       }
     }
     float* copy = scratch + c * rows.head_dim;
-    CopyRowsAsFloat(first, rows.row_stride, run, rows.head_dim, copy);
-    if (descales.active()) {
+    if constexpr (kIsFp8<T>) {
       const float descale = descales.Of(rows, b, key0 + c, h);
-      for (int64_t i = 0; i < run * rows.head_dim; ++i) copy[i] *= descale;
+      for (int64_t i = 0; i < run; ++i) {
+        Fp8sToFloats(first + i * rows.row_stride, rows.head_dim, descale, copy + i * rows.head_dim);
+      }
+    } else {
+      CopyRowsAsFloat(first, rows.row_stride, run, rows.head_dim, copy);
     }
     c += run;
   }

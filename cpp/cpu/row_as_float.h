@@ -4,8 +4,8 @@
 // shift runs in the widest vectors the CPU has (in the library's baseline build it cost one-query decode 15-20%).
 #pragma once
 
-#include <array>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpp/cpu/element_types.h"
 
@@ -23,18 +23,12 @@ void RowAsFloat(const T* row, int64_t dim, float* out) {
 inline void RowAsFloat(const Float16* row, int64_t dim, float* out) { Float16sToFloats(row, dim, out); }
 inline void RowAsFloat(const BFloat16* row, int64_t dim, float* out) { BFloat16sToFloats(row, dim, out); }
 
-// An FP8 KV cache's rows: each byte's float32 value looked up in a table of the format's 256 (a decode tile converts
-// every element of its K/V rows once; ToFloat's branches per element cost more than the lookup).
+// An FP8 KV cache's elements dequantized: out[i] = in[i] as float32 * descale, the product XLA's dequantization makes
+// (te_jax.dequantize_fp8), i < n. Each row of a K/V tile is converted once, as it is copied for the tile's products.
+void Fp8sToFloats(const Float8E4M3* in, int64_t n, float descale, float* out);
+void Fp8sToFloats(const Float8E5M2* in, int64_t n, float descale, float* out);
+
 template <typename T>
-void Fp8sToFloats(const T* in, int64_t n, float* out) {
-  static const auto table = [] {
-    std::array<float, 256> values;
-    for (int bits = 0; bits < 256; ++bits) values[bits] = ToFloat(T{static_cast<uint8_t>(bits)});
-    return values;
-  }();
-  for (int64_t i = 0; i < n; ++i) out[i] = table[in[i].bits];
-}
-inline void RowAsFloat(const Float8E4M3* row, int64_t dim, float* out) { Fp8sToFloats(row, dim, out); }
-inline void RowAsFloat(const Float8E5M2* row, int64_t dim, float* out) { Fp8sToFloats(row, dim, out); }
+inline constexpr bool kIsFp8 = std::is_same_v<T, Float8E4M3> || std::is_same_v<T, Float8E5M2>;
 
 }  // namespace te_jax::cpu
