@@ -3,6 +3,11 @@ and one float32 [2, blocks, heads] descale operand on both custom-call paths, th
 row as they read it. The results equal those of the dequantized cache (the float64 reference comparisons are in
 tests/test_fp8.py), under jit, vmap (descales per head, per page and per folded batch entry) and grad (q's gradient)."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +174,28 @@ def test_every_fp8_value_is_read_exactly(fmt):
     want = np.asarray(v8.astype(jnp.float32), np.float32).reshape(256) * np.float32(descale)
     for head in range(2):
       np.testing.assert_array_equal(np.asarray(out)[0, 0, head], want)
+
+
+_EVERY_ISA = textwrap.dedent("""
+    import sys
+    import numpy as np, jax, jax.numpy as jnp, te_jax
+    assert te_jax.cpu_isa() == sys.argv[1], te_jax.cpu_isa()
+    for fmt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+      # Every byte (a row of 256 lanes: the vector paths) and a row of 40 (their tails), one key each.
+      for dv in (256, 40):
+        v8 = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8)[-dv:], fmt).reshape(1, 1, 1, dv)
+        out = te_jax.fused_attn(jnp.ones((1, 1, 1, 16), jnp.float32), jnp.zeros((1, 1, 1, 16), fmt), v8,
+                                k_descale=jnp.float32(1), v_descale=jnp.float32(0.375))
+        want = np.asarray(v8.astype(jnp.float32), np.float32).reshape(dv) * np.float32(0.375)
+        np.testing.assert_array_equal(np.asarray(out).reshape(dv), want, err_msg=str((fmt, dv)))
+""")
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_fp8_rows_are_read_exactly_in_every_isa(isa):
+  order = ("baseline", "avx2", "avx512")
+  if order.index(isa) > order.index(te_jax.cpu_isa()):
+    pytest.skip(f"this CPU has no {isa}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TE_JAX_CPU_ISA=isa)
+  proc = subprocess.run([sys.executable, "-c", _EVERY_ISA, isa], env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
