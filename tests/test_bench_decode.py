@@ -122,7 +122,10 @@ def test_forward_results_carry_their_kv_bandwidth():
   for r in results:
     assert r.status == "ok" and r.kv_bytes == 2 * 512 * 2 * (32 + 32) * 4  # fp32 K and V, read once
     assert r.tbps == pytest.approx(r.kv_bytes / (r.median_ms / 1e3) / 1e12)
+    assert r.tokens_per_s == pytest.approx(2 / (r.median_ms / 1e3))  # two sequences, one token each
   assert workload(decode_case(), "fwd+bwd")["kv_bytes"] is None  # a training step is not bandwidth-bound this way
+  prefill, = _measure(["te_jax-ffi"], [decode_case(seq_q=32, seq_kv=64)])
+  assert prefill.tbps is not None and prefill.tokens_per_s is None  # 32 queries a sequence: no decode step
 
 
 def test_kv_read_row_times_the_kv_alone_and_runs_only_when_named():

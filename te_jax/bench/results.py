@@ -7,6 +7,8 @@ import dataclasses
 from te_jax.bench.cases import Case
 
 STATUSES = ("ok", "failed", "unsupported", "skipped")
+# The most queries a sequence a forward counts as a decode step (one token, or a speculative draft of up to 16).
+DECODE_QUERIES = 16
 
 
 @dataclasses.dataclass
@@ -27,6 +29,8 @@ class Result:
   tflops: float | None = None
   kv_bytes: float | None = None  # the K/V a forward reads (flops.kv_bytes); None for the backward modes
   tbps: float | None = None  # kv_bytes / median time, TB/s
+  # A decode step's (a forward of at most DECODE_QUERIES queries a sequence) tokens a second: batch * Sq / median time.
+  tokens_per_s: float | None = None
   speedup: float | None = None  # baseline median / this median, same case and mode
   max_err: float | None = None
   rel_err: float | None = None

@@ -13,7 +13,7 @@ from te_jax.bench.availability import Availability, short_error
 from te_jax.bench.cases import Case
 from te_jax.bench.inputs import Inputs, benchmark_operands, make_sets, rotation_sets
 from te_jax.bench.registry import Backend
-from te_jax.bench.results import Result
+from te_jax.bench.results import DECODE_QUERIES, Result
 from te_jax.bench.timing import PLANS, TimingPlan, measure
 
 
@@ -120,6 +120,8 @@ class Runner:
       result.tflops = result.flops / timing.median_s / 1e12
     if result.kv_bytes is not None:
       result.tbps = result.kv_bytes / timing.median_s / 1e12
+      if run_case.seq_q <= DECODE_QUERIES:
+        result.tokens_per_s = run_case.batch * run_case.seq_q / timing.median_s
     if opts.check_errors and backend.computes_attention:
       self._check_errors(result, backend, run_case)
     return result

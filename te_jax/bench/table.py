@@ -26,19 +26,20 @@ def _fmt(x, spec: str, empty: str = "") -> str:
 # Each section's columns after the case and the mode; the optional ones are left out when no row has a value (errors
 # with --no-check, memory where the backend cannot report it, bandwidth without a forward), so the table never shows a
 # column it does not fill.
-COLUMNS = ["backend", "median ms", "{unit}", "{bandwidth}", "speedup", "max err", "rel err", "mem MiB", "note"]
-OPTIONAL = {"{bandwidth}", "max err", "rel err", "mem MiB", "note"}
-PLAIN_WIDTHS = {"backend": 22, "median ms": 16, "{unit}": 10, "{bandwidth}": 9, "speedup": 8, "max err": 8,
-                "rel err": 8, "mem MiB": 8, "note": 0}
+COLUMNS = ["backend", "median ms", "{unit}", "{bandwidth}", "tok/s", "speedup", "max err", "rel err", "mem MiB", "note"]
+OPTIONAL = {"{bandwidth}", "tok/s", "max err", "rel err", "mem MiB", "note"}
+PLAIN_WIDTHS = {"backend": 22, "median ms": 16, "{unit}": 10, "{bandwidth}": 9, "tok/s": 9, "speedup": 8,
+                "max err": 8, "rel err": 8, "mem MiB": 8, "note": 0}
 
 
 def _cells(r: Result, baseline: str, factor: float, bandwidth_factor: float) -> list[str]:
   name = r.backend + (" (base)" if r.backend == baseline else "")
   if r.status != "ok":
-    return [name, r.status, "", "", "", "", "", "", r.reason]
+    return [name, r.status, "", "", "", "", "", "", "", r.reason]
   memory = _fmt(r.memory_mib, ".0f" if (r.memory_mib or 0) >= 10 else ".2f")
   return [name, f"{r.median_ms:.3f} ±{100 * (r.spread or 0):.0f}%", _fmt(r.tflops and r.tflops * factor, ".1f"),
-          _fmt(r.tbps and r.tbps * bandwidth_factor, ".2f"), _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
+          _fmt(r.tbps and r.tbps * bandwidth_factor, ".2f"), _fmt(r.tokens_per_s, ".4g"),
+          _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
           _fmt(r.max_err, ".1e"), _fmt(r.rel_err, ".1e"), memory, r.reason]
 
 
@@ -75,6 +76,8 @@ def _title(device: str, baseline: str, columns: list[str]) -> str:
     notes.append("errors vs float64 reference at a small size")
   if "{bandwidth}" in columns:
     notes.append("bandwidth = K/V bytes read / time")
+  if "tok/s" in columns:
+    notes.append("tok/s = a decode step's batch x queries / time")
   if "mem MiB" in columns:
     notes.append("mem = peak of one call")
   return f"te_jax attention benchmark on {device} ({'; '.join(notes)})"
