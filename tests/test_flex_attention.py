@@ -500,6 +500,9 @@ def test_a_second_process_loads_the_library_from_disk(tmp_path):
   assert runs[0].stderr.count("compiled the") == 2, runs[0].stderr
   assert "compiled the" not in runs[1].stderr and runs[1].stderr.count("from the disk cache") == 2, runs[1].stderr
   assert len(list(tmp_path.glob("flex-*.so"))) == 2 and not list(tmp_path.glob(".flex-*"))
+  # The compiler's --version (the libraries' key) is run once and then read from its record.
+  assert "--version" in runs[0].stderr and "--version" not in runs[1].stderr, runs[1].stderr
+  assert len(list(tmp_path.glob("compiler-*.txt"))) == 1 and not list(tmp_path.glob(".compiler-*"))
 
 
 def test_a_backend_without_mod_kernels_refuses_them_at_lowering():
