@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from te_jax import _logging
+from te_jax import _backends, _logging, flex
+from te_jax.flex.mask_blocks import mask_blocks
 
 logger = _logging.logger.getChild("flex")
 
@@ -106,9 +107,24 @@ def _reads_b_and_h(mask_mod) -> tuple[bool, bool]:
   return jaxpr.invars[0] in used, jaxpr.invars[1] in used
 
 
+def _host_blocks(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> np.ndarray | None:
+  """The call's block states from the mask_mod's CPU library (te_jax/flex/mask_blocks.py), or None where XLA builds
+  them: on another default backend (whose kernels evaluate their own Mask), or where a capture is a tracer of the
+  enclosing jit (its values are known only when the program runs)."""
+  if jax.default_backend() != "cpu":
+    return None
+  mod = flex.translate_mask_mod(mask_mod)
+  if any(isinstance(c, jax.core.Tracer) for c in mod.captures):
+    return None
+  library = _backends.backend_for("cpu").flex_library(mod.spec())
+  return mask_blocks(library, mod.captures, batch, heads, seqlen_q, seqlen_kv, *CALL_BLOCK)
+
+
 def call_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> BlockMask | None:
   """The block mask a call given a mask_mod and no block mask builds for itself (one block row for every batch entry
-  or head where the mask does not read b or h), or None where that costs more than MAX_CALL_BLOCK_MASK_EVALUATIONS."""
+  or head where the mask does not read b or h), or None where that costs more than MAX_CALL_BLOCK_MASK_EVALUATIONS.
+  On the CPU its blocks are computed once at trace time by the mask's own library where they can be (_host_blocks):
+  a constant of the program instead of an XLA loop that costs ~150 ms to compile and runs in every call."""
   reads_b, reads_h = _reads_b_and_h(mask_mod)
   evaluations = (batch if reads_b else 1) * (heads if reads_h else 1) * seqlen_q * seqlen_kv
   if evaluations > MAX_CALL_BLOCK_MASK_EVALUATIONS:
@@ -116,6 +132,9 @@ def call_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_kv: 
                  evaluations, MAX_CALL_BLOCK_MASK_EVALUATIONS)
     return None
   logger.debug("mask_mod without a block mask: building one in the call, %d evaluations", evaluations)
+  blocks = _host_blocks(mask_mod, batch if reads_b else 1, heads if reads_h else 1, seqlen_q, seqlen_kv)
+  if blocks is not None:
+    return BlockMask(jnp.asarray(blocks), mask_mod, seqlen_q, seqlen_kv, *CALL_BLOCK)
   return create_block_mask(mask_mod, batch if reads_b else None, heads if reads_h else None, seqlen_q, seqlen_kv,
                            block=CALL_BLOCK)
 

@@ -392,6 +392,36 @@ def test_a_mask_mod_alone_gets_a_block_mask_built_in_the_call(monkeypatch):
       rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", MASK_MODS)
+@pytest.mark.parametrize("block", [16, (8, 32)])
+def test_a_mask_mods_library_computes_its_block_states(name, block):
+  """te_jax_flex_mask_blocks (the host's block mask of a call's own, te_jax/flex/mask_blocks.py) gives the dense
+  mask's states, lengths not multiples of the blocks."""
+  from te_jax.flex.mask_blocks import mask_blocks
+  mod = te_jax.flex.translate_mask_mod(MASK_MODS[name])
+  block_q, block_kv = (block, block) if isinstance(block, int) else block
+  blocks = mask_blocks(backend_for("cpu").flex_library(mod.spec()), mod.captures, B, H, SQ, SKV, block_q, block_kv)
+  np.testing.assert_array_equal(blocks, _dense_block_states(MASK_MODS[name], B, H, block_q, block_kv))
+
+
+def test_a_calls_own_block_mask_is_built_on_the_host_where_its_captures_are_known():
+  """With concrete captures the blocks are a constant of the program (no XLA loop); a capture traced by the enclosing
+  jit leaves them to XLA (lax.map); both give the same blocks and attention."""
+  q, k, v = _qkv(sq=200, skv=300)
+  ids = (jnp.arange(300)[None] + 40 * jnp.arange(B)[:, None]) // 150  # documents of 150 tokens
+  document = lambda ids: lambda b, h, i, j: ids[b, i] == ids[b, j]
+  host = jax.make_jaxpr(lambda q, k, v: te_jax.flex_attention(q, k, v, mask_mod=document(ids)))(q, k, v)
+  traced = jax.make_jaxpr(lambda q, k, v, ids: te_jax.flex_attention(q, k, v, mask_mod=document(ids)))(q, k, v, ids)
+  assert "scan" not in str(host) and "scan" in str(traced)
+  from te_jax import block_mask as block_masks
+  on_host = block_masks.call_block_mask(document(ids), B, H, 200, 300)
+  in_xla = jax.jit(lambda ids: block_masks.call_block_mask(document(ids), B, H, 200, 300).blocks)(ids)
+  np.testing.assert_array_equal(on_host.blocks, in_xla)
+  assert set(np.unique(in_xla)) == {0, 1, 2}
+  f = jax.jit(lambda q, k, v, ids: te_jax.flex_attention(q, k, v, mask_mod=document(ids)))
+  np.testing.assert_array_equal(f(q, k, v, ids), te_jax.flex_attention(q, k, v, mask_mod=document(ids)))
+
+
 def test_a_block_mask_under_vmap():
   """Shared by the examples of a vmap (folded into the batch), a block mask of a mask on b and h gives each example
   its own blocks."""
@@ -470,6 +500,9 @@ def test_a_second_process_loads_the_library_from_disk(tmp_path):
   assert runs[0].stderr.count("compiled the") == 2, runs[0].stderr
   assert "compiled the" not in runs[1].stderr and runs[1].stderr.count("from the disk cache") == 2, runs[1].stderr
   assert len(list(tmp_path.glob("flex-*.so"))) == 2 and not list(tmp_path.glob(".flex-*"))
+  # The compiler's --version (the libraries' key) is run once and then read from its record.
+  assert "--version" in runs[0].stderr and "--version" not in runs[1].stderr, runs[1].stderr
+  assert len(list(tmp_path.glob("compiler-*.txt"))) == 1 and not list(tmp_path.glob(".compiler-*"))
 
 
 def test_a_backend_without_mod_kernels_refuses_them_at_lowering():

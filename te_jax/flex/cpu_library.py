@@ -5,7 +5,7 @@ disk and compiles nothing; writers compile into a private temporary file and ren
 concurrent compiles of one key are safe. The CPU kernels dlopen the library by its path (cpp/cpu/flex_tiles.h).
 
 The compiler is the one CMake built the extension with (cpu_compiler.txt, installed beside it) if it still exists, else
-$CXX, else c++ or g++ on PATH. The headers the source includes are installed in the package's flex_include folder, or
+$CXX, else c++ or g++ on PATH; its --version text, part of the key, is kept in the cache folder too. The headers the source includes are installed in the package's flex_include folder, or
 read from the source checkout."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def include_root() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def compiler() -> tuple[str, str]:
+def compiler(cache_dir: str) -> tuple[str, str]:
   """(the compiler's path, its --version text), or a RuntimeError naming every place tried."""
   tried = []
   candidates = []
@@ -57,10 +57,32 @@ def compiler() -> tuple[str, str]:
     if path is None:
       tried.append(f"{name} ({where})")
       continue
-    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    return path, version
+    return path, _version(path, pathlib.Path(cache_dir))
   raise RuntimeError("score_mod/mask_mod on the CPU are compiled at run time with a C++17 compiler, and none was "
                      f"found; tried: {', '.join(tried)}. Install one (g++ or clang++) or set CXX to its path")
+
+
+def _version(path: str, cache_dir: pathlib.Path) -> str:
+  """`path --version`, kept in the cache folder per binary (its real path, inode, size and modification time): running
+  it took 2-7 ms of each process's first call with a mod, reading the record takes 0.1."""
+  real = os.path.realpath(path)
+  stat = os.stat(real)
+  binary = "\0".join(map(str, (real, stat.st_ino, stat.st_size, stat.st_mtime_ns)))
+  record = cache_dir / f"compiler-{hashlib.sha256(binary.encode()).hexdigest()[:32]}.txt"
+  try:
+    return record.read_text()
+  except OSError:
+    pass
+  logger.debug("te_jax: running %s --version for the libraries' cache key", path)
+  version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+  try:  # a private file renamed into place, as the libraries are; a folder we cannot write only costs the next run
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cache_dir, prefix=".compiler-", delete=False) as file:
+      file.write(version)
+    os.replace(file.name, record)
+  except OSError:
+    pass
+  return version
 
 
 def library_key(source: str, compiler_identity: tuple[str, str]) -> str:
@@ -71,7 +93,7 @@ def library_key(source: str, compiler_identity: tuple[str, str]) -> str:
 def library_path(spec, cache_dir: str) -> str:
   """The path of spec's (a te_jax.flex.ModSpec) compiled library, compiling it on a disk-cache miss."""
   source = tile_source(spec)
-  cxx = compiler()
+  cxx = compiler(cache_dir)
   path = pathlib.Path(cache_dir) / f"flex-{spec.kind}-{library_key(source, cxx)[:32]}.so"
   if path.exists():
     logger.debug("te_jax: loaded the %s library %s from the disk cache", spec.kind, path)
