@@ -2,7 +2,7 @@
 the built-in mask (docs/BENCHMARKS.md, "Kernel compile times"): each kind runs once to fill the cache, then `runs`
 times, each in a new process, alternating the kinds so a busy machine slows all of them alike.
 
-    JAX_PLATFORMS=cpu python tests/flex_first_call.py [runs]     # per kind: the median and the range, in ms
+    JAX_PLATFORMS=cpu python -m te_jax.bench.first_call [runs]     # per kind: the median and the range, in ms
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def first_call(kind: str) -> float:
 
 
 def main(runs: int) -> None:
-  spawn = lambda kind: float(subprocess.run([sys.executable, __file__, "--kind", kind], capture_output=True,
-                                            text=True, check=True).stdout)
+  spawn = lambda kind: float(subprocess.run([sys.executable, "-m", "te_jax.bench.first_call", "--kind", kind],
+                                            capture_output=True, text=True, check=True).stdout)
   for kind in KINDS:
     spawn(kind)
   times = {kind: [] for kind in KINDS}
