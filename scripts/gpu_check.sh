@@ -6,6 +6,7 @@
 #   packed      the packed-sequence tests, then the harness's packed preset
 #   bias        the additive bias's tests
 #   features    the harness's features preset: sinks, bias and dropout against plain attention
+#   flex        score_mod / mask_mod: their GPU tests, then the harness's mod rows against the built-in and cuDNN
 #   train       examples/train_lm.py, a short run per attention
 #   stress      the kernel tests with a random sleep before every pipeline wait
 #   sanitize    compute-sanitizer (memcheck, racecheck) on scripts/cuda_sanitize_case.py, section by section
@@ -28,7 +29,7 @@ mkdir -p "$OUT"
 export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
 SECTIONS=${*:-tests sanitize jit bench}
 for s in $SECTIONS; do
-  case " smoke tests packed bias features train stress sanitize jit decode ab cp_overlap bench peers ncu " in
+  case " smoke tests packed bias features flex train stress sanitize jit decode ab cp_overlap bench peers ncu " in
   *" $s "*) ;;
   *) echo "unknown section '$s'; the sections are listed at the top of $0"; exit 2 ;;
   esac
@@ -93,6 +94,17 @@ for s in $SECTIONS; do
     # What sinks, a bias ([1, H, S, S] and [B, 1, 1, S]) and dropout cost over plain attention, cuDNN beside for the bias.
     timeout ${BENCH_TIMEOUT:-500} python3 -m te_jax.bench --preset features --backends te_jax-te,jax-cudnn --keep-going \
       --json "$OUT/features.json" 2>&1 | tee "$OUT/features.log" | grep -v Warning | tail -40 ;;
+  flex)
+    # score_mod / mask_mod compiled into the kernels: their GPU tests (forward, gradients, captures, block masks, shard
+    # offsets, d 256), then a causal mask_mod with and without its block mask and a table score_mod against the
+    # built-in causal mask and cuDNN at FLEX_SEQS.
+    t0=$(date +%s)
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
+      "$REPO"/tests/test_cuda_flex.py 2>&1 | tee "$OUT/flex_tests.log" | grep -E "passed|failed|FAILED|^E  " | tail -40
+    echo "flex tests: $(( $(date +%s) - t0 )) s"
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset fa --head-dim 128 --causal --seq ${FLEX_SEQS:-2048,8192} \
+      --backends te_jax-te,te_jax-mask-mod,te_jax-block-mask,te_jax-score-mod,jax-cudnn --baseline te_jax-te \
+      --keep-going --json "$OUT/flex.json" 2>&1 | tee "$OUT/flex.log" | grep -v Warning | tail -40 ;;
   bias)
     # The additive bias: its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
     t0=$(date +%s)
