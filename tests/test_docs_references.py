@@ -44,7 +44,8 @@ def _harness_commands(text: str) -> list[str]:
   text = re.sub(r"\\\n\s*", " ", text)
   spans = [" ".join(span.split()) for span in re.findall(r"`([^`]*)`", text)]
   lines = re.sub(r"`[^`]*`", "", text).splitlines()
-  found = [c for piece in spans + lines for c in re.findall(r"python -m te_jax\.bench([^#]*)", piece)]
+  # (the harness's own command, not one of its modules': te_jax.bench.first_call)
+  found = [c for piece in spans + lines for c in re.findall(r"python -m te_jax\.bench(?![.\w])([^#]*)", piece)]
   return [re.sub(r"\[[^\]]*\|[^\]]*\]", "", args).strip() for args in found]
 
 
