@@ -131,7 +131,14 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
     report->path = entry->path;
   }
   if (entry->devices.count(device) == 0) {
+    entry->module.registers.assign(entry->module.count(), 0);
     for (int i = 0; i < entry->module.count(); ++i) {
+      const CUresult regs = driver->cuKernelGetAttribute(&entry->module.registers[i], CU_FUNC_ATTRIBUTE_NUM_REGS,
+                                                         entry->module.kernels[i], device);
+      if (regs != CUDA_SUCCESS) {
+        return Status::Internal("cannot read the registers of te_jax kernel " + config.Name() + ": " +
+                                driver->ErrorString(regs));
+      }
       if (entry->module.smem_bytes[i] <= 48 * 1024) continue;
       const CUresult r = driver->cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       entry->module.smem_bytes[i], entry->module.kernels[i], device);
