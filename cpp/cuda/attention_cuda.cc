@@ -293,7 +293,8 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
   // within a page (PagedBoxRows). Without K/V rows (no keys, an empty pool) the kernels read none: no maps. An FP8
   // cache's maps see its rows as the 16-bit byte pairs its stages hold (decode/tile_size.h StageCols).
   const int kv_bytes = KvElementSize(p.dtype, p.kv_format);
-  const int k_cols = static_cast<int>(p.head_dim) * kv_bytes / 2, v_cols = static_cast<int>(p.head_dim_v) * kv_bytes / 2;
+  const int k_cols = static_cast<int>(p.head_dim) * kv_bytes / 2;
+  const int v_cols = static_cast<int>(p.head_dim_v) * kv_bytes / 2;
   if (module->tma && rows > 0 && decode::SwizzledStage(decode::StageCols(static_cast<int>(p.head_dim), kv_bytes)) &&
       decode::SwizzledStage(decode::StageCols(static_cast<int>(p.head_dim_v), kv_bytes))) {
     const bool paged = p.page_size > 0;

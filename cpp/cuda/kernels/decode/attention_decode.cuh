@@ -481,7 +481,9 @@ struct DecodeKernel {
           if (descale_per_key) {
             float largest = 0.0f;
 #pragma unroll
-            for (int j = 0; j < kSliceN / 8; ++j) largest = fmaxf(largest, fmaxf(key_descales[j * 8].y, key_descales[j * 8 + 1].y));
+            for (int j = 0; j < kSliceN / 8; ++j) {
+              largest = fmaxf(largest, fmaxf(key_descales[j * 8].y, key_descales[j * 8 + 1].y));
+            }
             largest = QuadMax(largest);
             if (largest > 0.0f) {
               rescale[0] *= v_unit / largest;
