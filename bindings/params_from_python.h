@@ -91,6 +91,10 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   // Absent too in older callers' parameters: contiguous k and v.
   if (d.contains("page_size")) p.page_size = i64("page_size");
   if (d.contains("num_pages")) p.num_pages = i64("num_pages");
+  // Absent too in older callers' parameters: k and v in q's dtype.
+  if (d.contains("kv_format")) p.kv_format = static_cast<KvFormat>(Field<uint8_t>(d, "kv_format"));
+  if (d.contains("kv_descale_blocks")) p.kv_descale_blocks = i64("kv_descale_blocks");
+  if (d.contains("kv_descale_heads")) p.kv_descale_heads = i64("kv_descale_heads");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
   p.engine = d.contains("engine") ? static_cast<Engine>(Field<uint8_t>(d, "engine")) : Engine::kTe;
   // Absent too without score_mod / mask_mod (cpp/core/flex_mods.h).
@@ -134,6 +138,9 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["dropout_threshold"] = p.dropout_threshold;
   d["page_size"] = p.page_size;
   d["num_pages"] = p.num_pages;
+  d["kv_format"] = static_cast<int>(p.kv_format);
+  d["kv_descale_blocks"] = p.kv_descale_blocks;
+  d["kv_descale_heads"] = p.kv_descale_heads;
   if (p.flex.active()) {  // absent without mods, as ParamsFromDict reads them
     d["score_mod_library"] = p.flex.score_library;
     d["mask_mod_library"] = p.flex.mask_library;

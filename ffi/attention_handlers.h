@@ -19,7 +19,7 @@ xla::ffi::Error AttentionForward(Context context, xla::ffi::AnyBuffer q, xla::ff
                                  xla::ffi::AnyBuffer alibi_slopes, xla::ffi::AnyBuffer sinks,
                                  xla::ffi::AnyBuffer q_segment_ids, xla::ffi::AnyBuffer kv_segment_ids,
                                  xla::ffi::AnyBuffer q_positions, xla::ffi::AnyBuffer kv_positions,
-                                 xla::ffi::AnyBuffer page_table,
+                                 xla::ffi::AnyBuffer page_table, xla::ffi::AnyBuffer kv_descale,
                                  xla::ffi::AnyBuffer bias, xla::ffi::AnyBuffer dropout,
                                  xla::ffi::RemainingArgs captures, xla::ffi::Result<xla::ffi::AnyBuffer> out,
                                  xla::ffi::Result<xla::ffi::AnyBuffer> lse,
@@ -27,12 +27,13 @@ xla::ffi::Error AttentionForward(Context context, xla::ffi::AnyBuffer q, xla::ff
   AttentionParams params;
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
   std::vector<const void*> capture_data;
-  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
-                                dropout, attrs, &params);
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table,
+                                kv_descale, bias, dropout, attrs, &params);
   if (status.ok()) status = FlexFromFfi(captures, attrs, &params.flex, &capture_data);
   if (!status.ok()) return ToFfiError(status);
   AttentionOperands operands =
-      OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout);
+      OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, kv_descale,
+                      bias, dropout);
   operands.flex_captures = capture_data.data();
   return ToFfiError(kRun(params, ForwardBuffersFromFfi(operands, *out, *lse, *workspace), context));
 }
@@ -45,8 +46,8 @@ xla::ffi::Error AttentionBackward(Context context, xla::ffi::AnyBuffer q, xla::f
                                   xla::ffi::AnyBuffer sinks, xla::ffi::AnyBuffer q_segment_ids,
                                   xla::ffi::AnyBuffer kv_segment_ids, xla::ffi::AnyBuffer q_positions,
                                   xla::ffi::AnyBuffer kv_positions, xla::ffi::AnyBuffer page_table,
-                                  xla::ffi::AnyBuffer bias, xla::ffi::AnyBuffer dropout,
-                                  xla::ffi::RemainingArgs captures, xla::ffi::Result<xla::ffi::AnyBuffer> dq,
+                                  xla::ffi::AnyBuffer kv_descale, xla::ffi::AnyBuffer bias,
+                                  xla::ffi::AnyBuffer dropout, xla::ffi::RemainingArgs captures, xla::ffi::Result<xla::ffi::AnyBuffer> dq,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dk,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> dv, xla::ffi::Result<xla::ffi::AnyBuffer> dbias,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> workspace,
@@ -55,14 +56,15 @@ xla::ffi::Error AttentionBackward(Context context, xla::ffi::AnyBuffer q, xla::f
   const TokenArgs tokens{q_segment_ids, kv_segment_ids, q_positions, kv_positions};
   std::vector<const void*> capture_data;
   std::vector<void*> grad_data;
-  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias,
-                                dropout, attrs, &params);
+  Status status = ParamsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table,
+                                kv_descale, bias, dropout, attrs, &params);
   if (status.ok()) status = FlexFromFfi(captures, attrs, &params.flex, &capture_data);
   if (status.ok()) status = CaptureGradientsFromFfi(capture_grads, params.flex, &grad_data);
   if (status.ok()) status = ExpectDbiasLikeBias(bias, *dbias);
   if (!status.ok()) return ToFfiError(status);
   AttentionOperands operands =
-      OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, bias, dropout);
+      OperandsFromFfi(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, tokens, page_table, kv_descale,
+                      bias, dropout);
   operands.flex_captures = capture_data.data();
   BackwardBuffers buffers = BackwardBuffersFromFfi(operands, out, lse, dout, dlse, *dq, *dk, *dv, *dbias, *workspace);
   buffers.flex_capture_grads = grad_data.data();

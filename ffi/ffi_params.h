@@ -60,6 +60,33 @@ inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype, const char* wh
   return Status::InvalidArgument(std::string(what) + " must be float32, bfloat16 or float16");
 }
 
+// k's and v's storage (cpp/core/kv_format.h) and the kv_descale operand's dims: q's dtype and the float32 [1, 1, 1]
+// placeholder, or an FP8 KV cache (k and v of one FP8 dtype) with float32 descales [2, blocks, heads].
+inline Status KvFormatFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+                              const xla::ffi::AnyBuffer& kv_descale, AttentionParams* p) {
+  const auto kv = k.element_type();
+  if (v.element_type() != kv) return Status::InvalidArgument("k and v must have the same dtype");
+  if (kv == q.element_type()) {
+    p->kv_format = KvFormat::kAsQ;
+  } else if (kv == xla::ffi::DataType::F8E4M3FN) {
+    p->kv_format = KvFormat::kE4M3;
+  } else if (kv == xla::ffi::DataType::F8E5M2) {
+    p->kv_format = KvFormat::kE5M2;
+  } else {
+    return Status::InvalidArgument("k and v must have q's dtype, or one FP8 dtype (float8_e4m3fn or float8_e5m2: an "
+                                   "FP8 KV cache)");
+  }
+  const auto dims = kv_descale.dimensions();
+  if (kv_descale.element_type() != xla::ffi::DataType::F32 || dims.size() != 3 ||
+      dims[0] != (IsFp8(p->kv_format) ? 2 : 1)) {
+    return Status::InvalidArgument("kv_descale must be float32 [2, blocks, heads] with an FP8 KV cache (k's descales, "
+                                   "then v's), else the float32 [1, 1, 1] placeholder");
+  }
+  p->kv_descale_blocks = dims[1];
+  p->kv_descale_heads = dims[2];
+  return Status::Ok();
+}
+
 // bias's dtype and broadcast bits (cpp/core/bias.h) from its buffer: rank 4, each dim 1 or the full [B, H, Sq, Skv] one.
 inline Status BiasFromFfi(const xla::ffi::AnyBuffer& bias, AttentionParams* p) {
   const auto dims = bias.dimensions();
@@ -138,8 +165,8 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
                             const xla::ffi::AnyBuffer& q_seqlens, const xla::ffi::AnyBuffer& kv_seqlens,
                             const xla::ffi::AnyBuffer& alibi_slopes, const xla::ffi::AnyBuffer& sinks,
                             const TokenArgs& tokens, const xla::ffi::AnyBuffer& page_table,
-                            const xla::ffi::AnyBuffer& bias, const xla::ffi::AnyBuffer& dropout,
-                            const AttentionAttrs& attrs, AttentionParams* params) {
+                            const xla::ffi::AnyBuffer& kv_descale, const xla::ffi::AnyBuffer& bias,
+                            const xla::ffi::AnyBuffer& dropout, const AttentionAttrs& attrs, AttentionParams* params) {
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4) {
     return Status::InvalidArgument("q, k and v must have rank 4 ([batch, seq, heads, head_dim]; k and v "
                                    "[num_pages, page_size, heads, head_dim] when paged)");
@@ -152,9 +179,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.num_kv_heads = k.dimensions()[2];
   p.head_dim_v = v.dimensions()[3];
   TE_JAX_RETURN_IF_ERROR(DTypeFromFfi(q.element_type(), &p.dtype));
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
-    return Status::InvalidArgument("q, k and v must have the same dtype");
-  }
+  TE_JAX_RETURN_IF_ERROR(KvFormatFromFfi(q, k, v, kv_descale, &p));
   TE_JAX_RETURN_IF_ERROR(KeyLayoutFromFfi(k, page_table, attrs.page_size, &p));
   // k's and v's leading dims: [B, Skv] or, paged, [num_pages, page_size].
   const int64_t rows0 = p.page_size > 0 ? p.num_pages : p.batch;
@@ -268,7 +293,8 @@ inline AttentionOperands OperandsFromFfi(const xla::ffi::AnyBuffer& q, const xla
                                          const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_seqlens,
                                          const xla::ffi::AnyBuffer& kv_seqlens, const xla::ffi::AnyBuffer& alibi_slopes,
                                          const xla::ffi::AnyBuffer& sinks, const TokenArgs& tokens,
-                                         const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& bias,
+                                         const xla::ffi::AnyBuffer& page_table,
+                                         const xla::ffi::AnyBuffer& kv_descale, const xla::ffi::AnyBuffer& bias,
                                          const xla::ffi::AnyBuffer& dropout) {
   AttentionOperands o;
   o.q = q.untyped_data();
@@ -285,6 +311,7 @@ inline AttentionOperands OperandsFromFfi(const xla::ffi::AnyBuffer& q, const xla
   o.page_table = static_cast<const int32_t*>(page_table.untyped_data());
   o.bias = bias.untyped_data();
   o.dropout = static_cast<const uint32_t*>(dropout.untyped_data());
+  o.kv_descale = static_cast<const float*>(kv_descale.untyped_data());
   return o;
 }
 

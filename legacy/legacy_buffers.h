@@ -14,19 +14,21 @@ namespace te_jax::legacy {
 
 // Both directions end their inputs with the four packed-sequence operands: q_segment_ids, kv_segment_ids, q_positions,
 // kv_positions ([1, 1] placeholders when the descriptor's flags say they are absent), then page_table (int32
-// [B, max_pages_per_seq]; an int32 [1, 1] placeholder when page_size is 0), then bias (a placeholder without one), then
-// dropout (uint32 [6], key and offsets, which the mods read too; a placeholder without dropout or mods), then the
-// arrays score_mod / mask_mod capture, as many as the call has (legacy/flex_descriptor.h; none without mods).
+// [B, max_pages_per_seq]; an int32 [1, 1] placeholder when page_size is 0), then kv_descale (float32 [2, blocks,
+// heads] with an FP8 KV cache, else a [1, 1, 1] placeholder), then bias (a placeholder without one), then dropout
+// (uint32 [6], key and offsets, which the mods read too; a placeholder without dropout or mods), then the arrays
+// score_mod / mask_mod capture, as many as the call has (legacy/flex_descriptor.h; none without mods).
 inline constexpr int kTokenInputs = 4;
-inline constexpr int kForwardInputs = 10 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks,
-                                                           // tokens, page_table, bias, dropout
+inline constexpr int kForwardInputs = 11 + kTokenInputs;   // q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks,
+                                                           // tokens, page_table, kv_descale, bias, dropout
 inline constexpr int kForwardOutputs = 3;                  // out, lse, workspace
-inline constexpr int kBackwardInputs = 14 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                           // alibi_slopes, sinks, tokens, page_table, bias, dropout
+inline constexpr int kBackwardInputs = 15 + kTokenInputs;  // q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
+                                                           // alibi_slopes, sinks, tokens, page_table, kv_descale,
+                                                           // bias, dropout
 inline constexpr int kBackwardOutputs = 5;                 // dq, dk, dv, dbias, workspace
 
 // q, k, v from in[0..2]; the options from in[first]: q_seqlens, kv_seqlens, alibi_slopes, sinks, the four tokens,
-// page_table, bias, dropout, then the captures.
+// page_table, kv_descale, bias, dropout, then the captures.
 inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
   AttentionOperands o;
   o.q = in[0];
@@ -41,9 +43,10 @@ inline AttentionOperands OperandsFromLegacy(const void* const* in, int first) {
   o.q_positions = static_cast<const int32_t*>(in[first + 6]);
   o.kv_positions = static_cast<const int32_t*>(in[first + 7]);
   o.page_table = static_cast<const int32_t*>(in[first + 4 + kTokenInputs]);
-  o.bias = in[first + 5 + kTokenInputs];
-  o.dropout = static_cast<const uint32_t*>(in[first + 6 + kTokenInputs]);
-  o.flex_captures = in + first + 7 + kTokenInputs;
+  o.kv_descale = static_cast<const float*>(in[first + 5 + kTokenInputs]);
+  o.bias = in[first + 6 + kTokenInputs];
+  o.dropout = static_cast<const uint32_t*>(in[first + 7 + kTokenInputs]);
+  o.flex_captures = in + first + 8 + kTokenInputs;
   return o;
 }
 

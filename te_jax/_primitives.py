@@ -2,10 +2,10 @@
 batching rule. The public function (te_jax/attention.py) binds them; the VJP ties them together.
 
 Operands, in the order the C++ handlers bind them (ffi/attention_signature.h, legacy/legacy_buffers.h):
-  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias, dropout, *captures
-            -> out, lse, workspace
-  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, bias,
-            dropout, *captures -> dq, dk, dv, dbias, workspace, *capture gradients
+  forward:  q, k, v, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table, kv_descale, bias, dropout,
+            *captures -> out, lse, workspace
+  backward: q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi_slopes, sinks, *tokens, page_table,
+            kv_descale, bias, dropout, *captures -> dq, dk, dv, dbias, workspace, *capture gradients
 q_seqlens and kv_seqlens are int32 [B] with a padding mask (a paged call's q_seqlens a placeholder: its queries are the
 last Sq tokens of every sequence). alibi_slopes is float32 [B, H] with config.has_alibi.
 sinks is float32 [B, H]: with config.has_sinks the forward merges each head's sink logit into its rows (te_jax's
@@ -15,7 +15,10 @@ where tokens = q_segment_ids, kv_segment_ids, q_positions, kv_positions (int32 [
 with config.has_segment_ids / has_positions. page_table is int32 [B, max_pages_per_seq] when config.page_size > 0 (a
 paged KV cache, forward only: k and v are then the pools [num_pages, page_size, Hkv, D(v)] and Skv, in the tokens'
 shapes too, is the capacity max_pages_per_seq * page_size); the backward takes it too, for one operand list, and
-refuses paging. Each of these operands is always passed, so lowering, batching and sharding handle one operand list:
+refuses paging. kv_descale is float32 [2, blocks, heads] when k and v are an FP8 KV cache (q and out in another
+dtype; the forward only: k's descales then v's, per block of keys, 1 or the pool's pages or the batch entries, and per
+K/V head, 1 or Hkv; te_jax/fp8.py kv_descale_operand); the backward is given dequantized k and v. Each of these
+operands is always passed, so lowering, batching and sharding handle one operand list:
 absent (its flag off, and sinks always in the backward) it is a placeholder: its rank, every dim 1, that nothing reads
 (see placeholder; the backends read each operand only under its flag, cpp/core/attention_params.h).
 bias is [B or 1, H or 1, Sq or 1, Skv or 1] (float32, bfloat16 or float16; its size-1 dims broadcast), a float32
@@ -90,6 +93,11 @@ def no_page_table():
   return placeholder(np.int32)
 
 
+def no_kv_descale():
+  """The kv_descale operand of a call whose k and v are in q's dtype."""
+  return placeholder(np.float32, rank=3)
+
+
 def placeholder_operands(config: AttentionConfig, backward: bool) -> tuple[int, ...]:
   """Which of the operands before the bias are placeholders, as indices into q_seqlens, kv_seqlens, alibi_slopes,
   sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions, page_table."""
@@ -154,9 +162,10 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
     config = dataclasses.replace(config, has_sinks=False)
   avals, capture_avals = split_captures(ctx.avals_in, config)
   q_aval, k_aval, v_aval = avals[:3]
-  page_table_aval, bias_aval = avals[-3:-1]
+  page_table_aval, kv_descale_aval, bias_aval = avals[-4:-1]
   params = config.core_params(q_aval.shape, k_aval.shape, v_aval.shape, q_aval.dtype, bias_shape=bias_aval.shape,
-                              bias_dtype=bias_aval.dtype, page_table_shape=page_table_aval.shape)
+                              bias_dtype=bias_aval.dtype, page_table_shape=page_table_aval.shape,
+                              kv_dtype=k_aval.dtype, kv_descale_shape=kv_descale_aval.shape)
   flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals], direction)
   params.update(flex)
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
@@ -234,7 +243,7 @@ _POOLS = (1, 2)  # k and v: the page pools of a paged call
 
 
 def _stack_pools(args, dims, size):
-  """vmap of a paged call (`args` without the dropout operand): k and v are page pools, not batch-major, and the page
+  """vmap of a paged call (`args` without the kv_descale and dropout operands): k and v are page pools, not batch-major, and the page
   table (second from the end, before the bias) indexes them. Pools every example shares stay one pool (the folded page
   table indexes it). Per-example pools are stacked, example-major, into one pool of N * num_pages pages, and example
   n's page ids move into its part: an id outside its own pool becomes -1, still outside the pool, so it stays an error
@@ -264,10 +273,30 @@ def _bias_with_full_batch(bias, bias_dim, batch: int):
   return jnp.broadcast_to(bias, shape), True
 
 
+def _fold_kv_descale(kv_descale, dim, size: int, paged: bool, stacked: bool, blocks_per_example: int):
+  """vmap: the kv_descale operand [2, blocks, heads] of the folded call. Its blocks are a paged call's pages (per-example
+  pools of blocks_per_example pages are stacked example-major, _stack_pools) or a contiguous call's batch entries
+  (blocks_per_example of them, folded batch-major, _fold_into_batch); one descale per tensor or head (blocks 1) stays
+  as it is unless it is mapped."""
+  blocks = kv_descale.shape[1 if dim is None else 2]
+  if dim is None:
+    if blocks == 1 or paged and not stacked:
+      return kv_descale
+    return jnp.tile(kv_descale, (1, size, 1)) if paged else jnp.repeat(kv_descale, size, axis=1)
+  if paged and not stacked:
+    raise ValueError("paged_attention under vmap: the FP8 descales are mapped but the page pools are not: a pool "
+                     "every example shares has one set of descales")
+  x = jnp.moveaxis(kv_descale, dim, 0)  # [N, 2, blocks, heads]
+  x = jnp.broadcast_to(x, (size, 2, blocks_per_example, x.shape[3]))
+  if paged:
+    return jnp.moveaxis(x, 0, 1).reshape(2, size * blocks_per_example, x.shape[3])  # example n's pages after n - 1's
+  return jnp.moveaxis(x, 0, 2).reshape(2, blocks_per_example * size, x.shape[3])  # entry b * N + n
+
+
 def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
-  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last three
-  operands being the page table, the bias and the dropout operand and, with returns_dbias, the last result the bias's
-  gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero gradient) stay as they
+  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last four
+  operands being the page table, kv_descale (_fold_kv_descale), the bias and the dropout operand and, with
+  returns_dbias, the last result the bias's gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero gradient) stay as they
   are: unbatched, one element. The dropout operand stays one per call: example n of batch entry b becomes batch entry
   b * N + n of the folded call, so it gets that entry's part of the one key's mask. A paged call's pools are the
   exception to batch-major k and v (_stack_pools); its page table folds like q_seqlens. The mods' captures stay one
@@ -284,7 +313,14 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
   if dropout_dim is not None:
     raise ValueError("fused_attn under vmap: dropout_rng must be one key for the whole vmapped call (each example "
                      "gets its own part of its mask), not mapped")
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  kv_descale, kv_descale_dim = args.pop(-2), dims.pop(-2)
+  size = next(x.shape[d] for x, d in zip((*args, kv_descale), (*dims, kv_descale_dim)) if d is not None)
+  paged = config.page_size > 0
+  stacked = paged and (dims[1] is not None or dims[2] is not None)
+  q, q_dim = args[0], dims[0]
+  k, k_dim = args[1], dims[1]
+  blocks = k.shape[1 if k_dim == 0 else 0] if paged else q.shape[1 if q_dim == 0 else 0]  # pages or batch entries
+  kv_descale = _fold_kv_descale(kv_descale, kv_descale_dim, size, paged, stacked, blocks)
   if config.has_mods:  # the mods see each example's own batch index: b // flex_batch_fold of the folded batch
     config = dataclasses.replace(config, flex_batch_fold=config.flex_batch_fold * size)
     params = dict(params, config=config)
@@ -295,12 +331,11 @@ def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
     keep += _POOLS
   has_bias = config.has_bias
   if has_bias:
-    q, q_dim = args[0], dims[0]
     bias, expanded = _bias_with_full_batch(args[-1], dims[-1], q.shape[1 if q_dim == 0 else 0])
     operands = _fold_into_batch([*args[:-1], bias], dims, size, keep)
   else:
     operands = [*_fold_into_batch(args[:-1], dims[:-1], size, keep), args[-1]]
-  outs = prim.bind(*operands, dropout, *captures, **params)
+  outs = prim.bind(*operands[:-1], kv_descale, operands[-1], dropout, *captures, **params)
   # Batched: out and lse, or dq, dk, dv and a bias's gradient; not a placeholder's dbias nor the captures' gradients
   # (sums over every example).
   batched = 2 if not returns_dbias else 4 if has_bias else 3

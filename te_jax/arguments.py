@@ -15,6 +15,7 @@ import numpy as np
 from te_jax import _primitives, flex
 from te_jax.attention_config import DTYPE_CODES
 from te_jax.dropout import check_rate, drop_threshold, key_words
+from te_jax.fp8 import is_fp8
 from te_jax.mask_type import MaskType
 
 MAX_HEAD_DIM = 256  # cpp/core/limits.h: kMaxHeadDim
@@ -46,12 +47,15 @@ def is_head_dim(d: int) -> bool:
 
 
 def check_qkv(q, k, v) -> None:
+  """Shapes and dtypes: q, k and v in one of float32, bfloat16, float16, or k and v an FP8 KV cache (te_jax/fp8.py
+  checked its dtypes and descales)."""
+  kv_cache = is_fp8(k.dtype) and k.dtype == v.dtype
   for x, name, what in ((q, "q", "[B, Sq, H, D]"), (k, "k", "[B, Skv, Hkv, D]"), (v, "v", "[B, Skv, Hkv, Dv]")):
     if x.ndim != 4:
       raise ValueError(f"{name} must have rank 4 {what}, got shape {tuple(x.shape)}")
-    if np.dtype(x.dtype) not in DTYPE_CODES:
+    if np.dtype(x.dtype) not in DTYPE_CODES and not (kv_cache and name != "q"):
       raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-  if not q.dtype == k.dtype == v.dtype:
+  if not (q.dtype == k.dtype == v.dtype or kv_cache):
     raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   if not q.shape[0] == k.shape[0] == v.shape[0]:
     raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")

@@ -17,7 +17,7 @@ from te_jax.arguments import (alibi_operand, as_array, bias_operand, check_bool,
 from te_jax.attention_config import AttentionConfig
 from te_jax.block_mask import block_mask_operand
 from te_jax.engine import requested_engine
-from te_jax.fp8 import fp8_operands
+from te_jax.fp8 import dequantize_kv_operand, fp8_operands, refuse_kv_cache_gradients
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_capture_gradient, refuse_slope_gradient
@@ -119,7 +119,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     out = 0, lse = -inf. Gradients flow to q, k and v (and through lse when it is returned).
   """
   q, k, v = (as_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-  q, k, v, out_dtype, is_fp8 = fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype)
+  q, k, v, out_dtype, is_fp8, kv_descale = fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax,
+                                                        out_dtype, native_kv_cache=context_parallel_axis is None)
   check_qkv(q, k, v)
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv = k.shape[1]
@@ -157,7 +158,8 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures,
+                        kv_descale)
   if out_dtype is not None:
     out = out.astype(out_dtype)
   return (out, lse) if return_lse else out
@@ -173,30 +175,45 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
 # placeholder of _primitives.no_bias when absent), whose gradient the backward kernel returns. `dropout` is the dropout
 # operand (key and offsets; te_jax/_primitives.py), which gets no gradient. `captures` is the tuple of arrays the
 # score_mod and mask_mod capture (empty without mods): the score_mod's floating-point ones get their gradients from the
-# kernels; differentiating a mask_mod's is an error (refuse_capture_gradient).
+# kernels; differentiating a mask_mod's is an error (refuse_capture_gradient). `kv_descale` is None, or the kernels'
+# operand of an FP8 KV cache (te_jax/fp8.py): k and v FP8, q in its own dtype; the backward dequantizes the cache, whose
+# gradient is refused (only q's flows).
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures):
+def _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures,
+               kv_descale=None):
   per_head = _primitives.no_sinks() if sinks is None else jnp.broadcast_to(sinks, (q.shape[0], q.shape[2]))
   out, lse = _sharding.forward(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, per_head, tokens,
-                               _primitives.no_page_table(), bias, dropout, captures)
+                               _primitives.no_page_table(),
+                               _primitives.no_kv_descale() if kv_descale is None else kv_descale, bias, dropout,
+                               captures)
   return apply_sinks(out, lse, per_head) if sinks is not None and not config.has_sinks else (out, lse)
 
 
 def _attention_fwd(config, cp, *primals):
   refuse_slope_gradient(primals[5])
   refuse_capture_gradient(config, primals[10])
-  q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures = primal_values(primals)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
-  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
+  if primals[11] is not None:
+    refuse_kv_cache_gradients(primals[1], primals[2], primals[11])
+  q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures, kv_descale = primal_values(primals)
+  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures,
+                        kv_descale)
+  return (out, lse), (q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures,
+                      kv_descale)
 
 
 def _attention_bwd(config, cp, residuals, cotangents):
-  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures = residuals
+  q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures, kv_descale = residuals
   dout, dlse = instantiate_zeros(cotangents)
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
+  q_in = q
+  if kv_descale is not None:  # an FP8 KV cache: the backward over its float32 dequantized values
+    k, v = (dequantize_kv_operand(x, kv_descale, i) for i, x in enumerate((k, v)))
+    q, out, dout = (x.astype(jnp.float32) for x in (q, out, dout))
   dq, dk, dv, dbias, *grads = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
                                                  alibi, _primitives.no_sinks(), tokens, _primitives.no_page_table(),
-                                                 bias, dropout, captures)
+                                                 _primitives.no_kv_descale(), bias, dropout, captures)
+  if kv_descale is not None:
+    dq, dk, dv = dq.astype(q_in.dtype), None, None
   # The score_mod's floating-point captures get their gradients (float32 sums, in their dtype); the others none.
   capture_grads = [None] * len(captures)
   for i, grad in zip(config.capture_gradients, grads):
@@ -204,7 +221,7 @@ def _attention_bwd(config, cp, residuals, cotangents):
   dsinks = None if sinks is None else sink_gradient(out, lse, dout, dlse, sinks)
   # The placeholder's cotangent is None: its dbias (a zero) would be typed as varying over shard_map's manual axes.
   return (dq, dk, dv, None, None, None, (None,) * len(tokens), dbias if config.has_bias else None, None, dsinks,
-          tuple(capture_grads))
+          tuple(capture_grads), None)
 
 
 # symbolic_zeros: the forward learns which operands are differentiated (refuse_slope_gradient).

@@ -13,6 +13,8 @@ from te_jax.mask_type import MaskType
 
 # Element-type codes of the C++ core (cpp/core/dtype.h): never renumber.
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype("bfloat16"): 1, np.dtype(np.float16): 2}
+# cpp/core/kv_format.h: k and v of an FP8 KV cache (any other k dtype is q's: code 0).
+KV_FORMAT_CODES = {np.dtype("float8_e4m3fn"): 1, np.dtype("float8_e5m2"): 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +110,12 @@ class AttentionConfig:
                 flex_block_q=np.int64(flex["flex_block_q"]), flex_block_kv=np.int64(flex["flex_block_kv"]))
 
   def core_params(self, q_shape, k_shape, v_shape, dtype, engine_code: int = 0, bias_shape=(1, 1, 1, 1),
-                  bias_dtype=np.float32, page_table_shape=None) -> dict:
+                  bias_dtype=np.float32, page_table_shape=None, kv_dtype=None, kv_descale_shape=(1, 1, 1)) -> dict:
     """The fields of the C++ AttentionParams for these shapes (the legacy descriptor and validation take them);
     engine_code 0 is te_jax's own kernels. bias_shape / bias_dtype: the bias operand's (the placeholder's by
     default); its size-1 dims are the broadcast bits of cpp/core/bias.h. page_table_shape: [B, max_pages_per_seq], needed
-    when paged (Skv is then the capacity it gives, and k's leading dim the number of pages)."""
+    when paged (Skv is then the capacity it gives, and k's leading dim the number of pages). kv_dtype: k's and v's (q's
+    by default), kv_descale_shape the kv_descale operand's, [2, blocks, heads] for an FP8 KV cache."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     seqlen_kv, num_pages = k_shape[1], 0
     if self.page_size:
@@ -125,4 +128,6 @@ class AttentionConfig:
                 has_segment_ids=bool(self.has_segment_ids), has_positions=bool(self.has_positions),
                 has_bias=bool(self.has_bias), bias_dtype=DTYPE_CODES[np.dtype(bias_dtype)],
                 bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1),
-                dropout_threshold=int(self.dropout_threshold), page_size=int(self.page_size), num_pages=int(num_pages))
+                dropout_threshold=int(self.dropout_threshold), page_size=int(self.page_size), num_pages=int(num_pages),
+                kv_format=KV_FORMAT_CODES.get(np.dtype(dtype if kv_dtype is None else kv_dtype), 0),
+                kv_descale_blocks=int(kv_descale_shape[1]), kv_descale_heads=int(kv_descale_shape[2]))

@@ -9,9 +9,14 @@ fused_attn takes FP8 two ways (te_jax/attention.py): pre-quantized q, k, v (or k
 their descales, where differentiating an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on
 bfloat16/float16/float32 q, k, v, quantized inside exactly as quantize_fp8 does, whose gradients are those with respect
 to the dequantized values, returned in the operands' dtype (the straight-through convention of FP8 training). Either way
-the attention runs on the dequantized values in float32 (te_jax.paged_attention's FP8 pools too): the CPU backend is the
-reference the FP8 kernels are measured against; a GPU refuses the call until it has FP8 kernels (te_jax/_backends.py:
-Backend.serves_fp8), never computing it at another precision silently.
+the attention runs on the dequantized values in float32: the CPU backend is the reference the FP8 kernels are measured
+against; a GPU refuses the call until it has FP8 kernels (te_jax/_backends.py: Backend.serves_fp8), never computing it
+at another precision silently.
+
+An FP8 KV cache (FP8 k and v, q in a wider dtype; te_jax.paged_attention's FP8 pools) reaches the kernels as it is:
+its descales become the kv_descale operand (kv_descale_operand), which the kernels apply as they read each key's row,
+so the cache's bytes are read once, in FP8. Under context parallelism, and in the backward (the gradient for q), the
+cache is dequantized instead.
 """
 
 from __future__ import annotations
@@ -67,6 +72,35 @@ def descale_operand(descale, heads: int, name: str, pages: int | None = None):
   shapes = [(), (heads,)] + ([] if pages is None else [(pages, heads)])
   what = "the tensor's descale, or one per head" + ("" if pages is None else ", or one per page and head")
   return _float32_scale(descale, shapes, f"{name}_descale", what)
+
+
+def kv_descale_operand(k_descale, v_descale):
+  """The kernels' kv_descale operand, float32 [2, blocks, heads], from an FP8 KV cache's checked descales (each a
+  scalar, [Hkv], or a pool's [num_pages, Hkv]; the two broadcast to one shape): k's, then v's."""
+  as_2d = lambda d: d.reshape((1,) * (2 - d.ndim) + d.shape)
+  k2, v2 = as_2d(k_descale), as_2d(v_descale)
+  shape = jnp.broadcast_shapes(k2.shape, v2.shape)
+  return jnp.stack([jnp.broadcast_to(k2, shape), jnp.broadcast_to(v2, shape)])
+
+
+def refuse_kv_cache_gradients(k, v, kv_descale):
+  """An FP8 KV cache read by the kernels as it is (symbolic-zero primals that say what is differentiated): like a
+  dequantized FP8 operand, it and its descales get no gradient, and asking for one is an error."""
+  for name, x in (("k", k), ("v", v)):
+    if x.perturbed:
+      raise ValueError(f"{name} is an FP8 operand being differentiated (an FP8 KV cache): te_jax computes no FP8 "
+                       f"gradient (q's gradient flows); pass jax.lax.stop_gradient({name})")
+  if kv_descale.perturbed:
+    raise ValueError("k_descale or v_descale is being differentiated, but te_jax computes no gradient for descales (it "
+                     "would be a silent zero): pass them through jax.lax.stop_gradient")
+
+
+def dequantize_kv_operand(x8, kv_descale, which: int):
+  """k (which 0) or v (1) of an FP8 KV cache in float32 from the kv_descale operand (blocks 1 or pages, along axis
+  0 of a pool; heads along axis 2)."""
+  descale = kv_descale[which]  # [blocks, heads]
+  scale = descale[:, None, :, None] if descale.shape[0] > 1 else descale.reshape(1, 1, -1, 1)
+  return x8.astype(jnp.float32) * scale
 
 
 def _per_head(scale, ndim: int):
@@ -177,12 +211,13 @@ def _fake_quantized_bwd(fmt, per_head, x_like, ct):
 _fake_quantized.defvjp(_fake_quantized_fwd, _fake_quantized_bwd)
 
 
-def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype):
-  """fused_attn's FP8 arguments checked and applied: returns (q, k, v, out_dtype, is_fp8_call), where an FP8 call's
-  q, k, v are the float32 dequantized values and out_dtype the dtype its out is cast to (None: no cast)."""
+def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype, native_kv_cache: bool):
+  """fused_attn's FP8 arguments checked and applied: returns (q, k, v, out_dtype, is_fp8_call, kv_descale), where an
+  FP8 call's q, k, v are the float32 dequantized values and out_dtype the dtype its out is cast to (None: no cast);
+  with native_kv_cache an FP8 KV cache stays FP8, q as given, and kv_descale is the kernels' operand (else None)."""
   if not any(x is not None for x in (q_descale, k_descale, v_descale, fp8_amax, out_dtype)) and fp8 is False and \
       not any(is_fp8(x.dtype) for x in (q, k, v)):
-    return q, k, v, None, False
+    return q, k, v, None, False, None
   if fp8 not in MODES or isinstance(fp8, (int, np.integer)) and not isinstance(fp8, bool):
     raise ValueError(f"fp8 must be False, True (one descale per tensor) or 'per_head', got {fp8!r}")
   if out_dtype is not None and np.dtype(out_dtype) not in OUT_DTYPES:
@@ -205,14 +240,17 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
     if missing:
       raise ValueError(f"FP8 {', '.join(names)} need their descales (x8.astype(float32) * descale is the value): "
                        f"{', '.join(missing)} missing; te_jax.quantize_fp8 returns them")
-    values = [q.astype(jnp.float32)] if kv_cache else []
-    for x, d, name in zip((q, k, v), descales, "qkv"):
-      if name not in names:
-        continue
+    for x, name in zip((q, k, v), "qkv"):
       if x.ndim != 4:
         raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
-      values.append(_DEQUANTIZE[name](x, descale_operand(d, x.shape[2], name)))
-    return (*values, np.dtype(out_dtype or (q.dtype if kv_cache else jnp.bfloat16)), True)
+    checked = {name: descale_operand(d, x.shape[2], name) for x, d, name in zip((q, k, v), descales, "qkv")
+               if name in names}
+    out = np.dtype(out_dtype or (q.dtype if kv_cache else jnp.bfloat16))
+    if kv_cache and native_kv_cache:
+      return q, k, v, out, True, kv_descale_operand(checked["k"], checked["v"])
+    values = [q.astype(jnp.float32)] if kv_cache else []
+    values += [_DEQUANTIZE[name](x, checked[name]) for x, name in zip((q, k, v), "qkv") if name in names]
+    return (*values, out, True, None)
   if any(d is not None for d in descales):
     raise ValueError("q_descale, k_descale and v_descale go with FP8 q, k and v (float8_e4m3fn or float8_e5m2); got "
                      f"{q.dtype} operands (fp8=True quantizes them inside)")
@@ -232,18 +270,17 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
       amax = jax.lax.stop_gradient(_float32_scale(amax, [() if heads is None else (heads,)], f"fp8_amax for {name}",
                                                   "its amax"))
     values.append(_fake_quantized(x, amax, np.dtype(jnp.float8_e4m3fn), per_head))
-  return (*values, np.dtype(out_dtype or q.dtype), True)
+  return (*values, np.dtype(out_dtype or q.dtype), True, None)
 
 
 def fp8_pools(q, k_pages, v_pages, k_descale, v_descale):
-  """te_jax.paged_attention's FP8 KV cache checked and applied: returns (q, k_pages, v_pages, out_dtype, is_fp8_call)
-  where an FP8 call's are float32 (q as given, the pools dequantized with descales of any granularity of
-  quantize_kv_pages) and out_dtype is q's."""
+  """te_jax.paged_attention's FP8 KV cache checked: returns its kv_descale operand (kv_descale_operand of descales of
+  any granularity of quantize_kv_pages), None for pools in q's dtype."""
   if not (is_fp8(k_pages.dtype) or is_fp8(v_pages.dtype)):
     if k_descale is not None or v_descale is not None:
       raise ValueError(f"k_descale and v_descale go with an FP8 KV cache (float8_e4m3fn or float8_e5m2 pages); the "
                        f"pages are {k_pages.dtype}")
-    return q, k_pages, v_pages, None, False
+    return None
   if not (k_pages.dtype == v_pages.dtype and not is_fp8(q.dtype)):
     raise TypeError(f"an FP8 KV cache takes k_pages and v_pages in one FP8 dtype and q in bfloat16, float16 or float32, "
                     f"got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
@@ -254,9 +291,8 @@ def fp8_pools(q, k_pages, v_pages, k_descale, v_descale):
   if missing:
     raise ValueError(f"FP8 pages need their descales (pages.astype(float32) * descale is the value): "
                      f"{', '.join(missing)} missing; te_jax.quantize_kv_pages returns them")
-  pools = [_DEQUANTIZE[name](pages, descale_operand(d, pages.shape[2], name, pages=pages.shape[0]))
-           for pages, d, name in ((k_pages, k_descale, "k"), (v_pages, v_descale, "v"))]
-  return (q.astype(jnp.float32), *pools, np.dtype(q.dtype), True)
+  return kv_descale_operand(*(descale_operand(d, pages.shape[2], name, pages=pages.shape[0])
+                               for pages, d, name in ((k_pages, k_descale, "k"), (v_pages, v_descale, "v"))))
 
 
 def append_kv_pages(pages, descale, values, page_table, positions):

@@ -24,7 +24,7 @@ from te_jax.arguments import (alibi_operand, as_array, check_bool, check_qkv, ch
 from te_jax.attention import _attention
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
-from te_jax.fp8 import fp8_pools
+from te_jax.fp8 import dequantize_kv_operand, fp8_pools, is_fp8, refuse_kv_cache_gradients
 from te_jax.mask_type import MaskType
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_slope_gradient
 
@@ -66,7 +66,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
                      f"of their sequence), got {mask.name.lower()!r}")
   q, k_pages, v_pages = (jnp.asarray(as_array(x, name)) for x, name in ((q, "q"), (k_pages, "k_pages"),
                                                                          (v_pages, "v_pages")))
-  q, k_pages, v_pages, out_dtype, is_fp8 = fp8_pools(q, k_pages, v_pages, k_descale, v_descale)
+  kv_descale = fp8_pools(q, k_pages, v_pages, k_descale, v_descale)
   num_pages, page_size = _check_pools(q, k_pages, v_pages)
   batch = q.shape[0]
   page_table, kv_lengths = _page_operands(page_table, kv_lengths, batch, num_pages, page_size)
@@ -77,12 +77,9 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
   config = AttentionConfig(mask_type=_MASKS[mask], window_left=window_left, window_right=window_right,
                            scale=check_scale(scale, q.shape[3]), softcap=check_softcap(softcap),
                            has_alibi=alibi_slopes is not None, engine=requested_engine(engine),
-                           lse_cotangent=bool(return_lse), page_size=page_size, fp8=is_fp8)
+                           lse_cotangent=bool(return_lse), page_size=page_size, fp8=kv_descale is not None)
   alibi = alibi_operand(alibi_slopes, batch, q.shape[2])
-  result = _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, kv_lengths, alibi)
-  if out_dtype is None:
-    return result
-  return (result[0].astype(out_dtype), result[1]) if return_lse else result.astype(out_dtype)
+  return _attend(config, bool(return_lse), q, k_pages, v_pages, page_table, kv_lengths, alibi, kv_descale)
 
 
 # The CUDA backend reads pages in place in its decode kernels, for at most this many query positions
@@ -97,12 +94,14 @@ _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 # sequence themselves (so a decode step is one kernel call and its combine, nothing more), the other paths take its
 # length as -1 (_poisoned_lengths), which the invalid-length rule makes NaN. The backward recomputes the forward of
 # the gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes
-# its VJP with the lengths clamped into range and a cotangent made NaN on a poisoned entry.
+# its VJP with the lengths clamped into range and a cotangent made NaN on a poisoned entry. kv_descale is None, or the
+# kernels' operand of FP8 pools (te_jax/fp8.py), which the in-place kernels read as they are and the gathered
+# formulation dequantizes; the pools and descales get no gradient (refuse_kv_cache_gradients), q's flows.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi):
+def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi, kv_descale):
   in_place, gathered = partial(_attend_in_place, config, return_lse), partial(_attend_gathered, config, return_lse)
   cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else _with_poisoned_lengths(gathered)
-  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi,
+  return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi, kv_descale,
                                     cpu=_with_poisoned_lengths(_poisoned_here(in_place)), cuda=cuda,
                                     default=_with_poisoned_lengths(gathered))
 
@@ -117,18 +116,18 @@ def _poisoned_lengths(pages, lengths, num_pages: int, page_size: int):
 
 def _with_poisoned_lengths(attend):
   """`attend` for a path that does not check the page ids itself: it gets the poisoned lengths."""
-  def with_poisoned_lengths(q, k_pages, v_pages, pages, lengths, alibi):
+  def with_poisoned_lengths(q, k_pages, v_pages, pages, lengths, alibi, kv_descale):
     lengths = _poisoned_lengths(pages, lengths, k_pages.shape[0], k_pages.shape[1])
-    return attend(q, k_pages, v_pages, pages, lengths, alibi)
+    return attend(q, k_pages, v_pages, pages, lengths, alibi, kv_descale)
   return with_poisoned_lengths
 
 
 def _poisoned_here(attend):
   """`attend` for a backend whose handler refuses a length outside the capacity (the CPU's checks its operands): a
   poisoned entry reads no key, and its outputs are made NaN here."""
-  def poisoned(q, k_pages, v_pages, pages, lengths, alibi):
+  def poisoned(q, k_pages, v_pages, pages, lengths, alibi, kv_descale):
     bad = lengths < 0
-    result = attend(q, k_pages, v_pages, pages, jnp.where(bad, 0, lengths), alibi)
+    result = attend(q, k_pages, v_pages, pages, jnp.where(bad, 0, lengths), alibi, kv_descale)
     return jax.tree.map(lambda x: _poison(x, bad), result)
   return poisoned
 
@@ -140,38 +139,51 @@ def _poison(x, bad):
 
 def _attend_fwd(config, return_lse, *primals):
   refuse_slope_gradient(primals[5])
-  q, k_pages, v_pages, pages, lengths, alibi = primal_values(primals)
-  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi)
-  return result, (q, k_pages, v_pages, pages, lengths, alibi)
+  if primals[6] is not None:
+    refuse_kv_cache_gradients(primals[1], primals[2], primals[6])
+  q, k_pages, v_pages, pages, lengths, alibi, kv_descale = primal_values(primals)
+  result = _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi, kv_descale)
+  return result, (q, k_pages, v_pages, pages, lengths, alibi, kv_descale)
 
 
 def _attend_bwd(config, return_lse, residuals, cotangent):
-  q, k_pages, v_pages, pages, lengths, alibi = residuals
+  q, k_pages, v_pages, pages, lengths, alibi, kv_descale = residuals
   bad = _poisoned_lengths(pages, lengths, k_pages.shape[0], config.page_size) < 0
   cotangent = jax.tree.map(lambda c: _poison(c, bad), instantiate_zeros(cotangent))
   clamped = jnp.clip(lengths, 0, pages.shape[1] * config.page_size)
-  _, vjp = jax.vjp(lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped, alibi),
-                   q, k_pages, v_pages)
-  # The page table and lengths are integers; ALiBi's slopes are never differentiated (refuse_slope_gradient).
-  return (*vjp(cotangent), None, None, None)
+  attend = lambda q, k, v: _attend_gathered(config, return_lse, q, k, v, pages, clamped, alibi, kv_descale)
+  # The page table and lengths are integers; ALiBi's slopes are never differentiated (refuse_slope_gradient), nor
+  # are FP8 pools and their descales.
+  if kv_descale is not None:
+    _, vjp = jax.vjp(lambda q: attend(q, k_pages, v_pages), q)
+    return (*vjp(cotangent), None, None, None, None, None, None)
+  _, vjp = jax.vjp(attend, q, k_pages, v_pages)
+  return (*vjp(cotangent), None, None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 
-def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
-  """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/core/validate.h)."""
+def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi, kv_descale):
+  """The kernels read the pages through the page table (backends where BackendServesPagesInPlace, cpp/core/validate.h),
+  FP8 pages as they are."""
   # Every sequence has Sq queries, so no q lengths are passed (a splat constant would be a broadcast kernel per call).
   out, lse = _sharding.forward(config, None, q, k_pages, v_pages, _primitives.no_lengths(), kv_lengths, alibi,
-                               _primitives.no_sinks(), _primitives.no_tokens(), pages, _primitives.no_bias(),
-                               _primitives.no_dropout())
+                               _primitives.no_sinks(), _primitives.no_tokens(), pages,
+                               _primitives.no_kv_descale() if kv_descale is None else kv_descale,
+                               _primitives.no_bias(), _primitives.no_dropout())
   return (out, lse) if return_lse else out
 
 
-def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi):
+def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi, kv_descale):
   """Each sequence's pages gathered into contiguous K/V (one XLA gather, of the page ids clamped into the pool as the
   kernels clamp them), then fused_attn's attention on them, with the paged call's configuration (its arguments are
-  checked, and an FP8 call stays one: AttentionConfig.fp8)."""
+  checked, and an FP8 call stays one: AttentionConfig.fp8, attending in float32 over the dequantized pools)."""
+  if kv_descale is not None:
+    k_pages, v_pages = (dequantize_kv_operand(x, kv_descale, i) for i, x in enumerate((k_pages, v_pages)))
+    result = _attend_gathered(config, return_lse, q.astype(jnp.float32), k_pages, v_pages, pages, kv_lengths, alibi,
+                              None)
+    return (result[0].astype(q.dtype), result[1]) if return_lse else result.astype(q.dtype)
   batch, capacity = q.shape[0], pages.shape[1] * config.page_size
   pages = jnp.clip(pages, 0, k_pages.shape[0] - 1)
   gather = lambda pool: pool[pages].reshape(batch, capacity, *pool.shape[2:])
@@ -188,8 +200,9 @@ def _check_pools(q, k_pages, v_pages) -> tuple[int, int]:
   for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
     if pages.ndim != 4:
       raise ValueError(f"{name} must have shape [num_pages, page_size, Hkv, D], got {tuple(pages.shape)}")
-  if not q.dtype == k_pages.dtype == v_pages.dtype:
-    raise TypeError(f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+  if not (q.dtype == k_pages.dtype == v_pages.dtype or is_fp8(k_pages.dtype) and k_pages.dtype == v_pages.dtype):
+    raise TypeError(f"q, k_pages and v_pages must share one dtype (or k_pages and v_pages one FP8 dtype), got "
+                    f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
   if k_pages.shape[:3] != v_pages.shape[:3]:
     raise ValueError(f"k_pages and v_pages must agree on [num_pages, page_size, Hkv], got {tuple(k_pages.shape)} and "
                      f"{tuple(v_pages.shape)}")

@@ -60,8 +60,8 @@ ad.primitive_jvps[sharded_backward_p] = _refuse_second_derivative
 
 
 # The operands after q, k, v (and the backward's out, lse, dout, dlse), in both directions.
-_OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_pos", "kv_pos", "page_table", "bias",
-            "dropout")
+_OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_pos", "kv_pos", "page_table",
+            "kv_descale", "bias", "dropout")
 # An absent option is a one-element placeholder (te_jax/_primitives.py): its size-1 dims, like a bias's broadcast dims,
 # are whole on every device.
 # `alibi` and `sinks` [B, H] shard with the batch and the heads.
@@ -75,19 +75,21 @@ _OPTIONS = ("q_seqlens", "kv_seqlens", "alibi", "sinks", "q_ids", "kv_ids", "q_p
 # `page_table` [B, max_pages_per_seq] shards with the batch; a paged call's k and v pools [num_pages, page_size, Hkv, D]
 # hold pages of every sequence, so they are replicated over the batch axes and sharded over the kv heads like
 # contiguous k and v (context parallelism refuses paging).
+# `kv_descale` [2, blocks, heads] (an FP8 KV cache's) shards its blocks with the batch when they are a contiguous call's
+# batch entries (a paged call's pages are replicated, as the pools), and its heads like k and v's heads.
 # `captures`: the arrays score_mod / mask_mod capture (te_jax/_primitives.py), the last operands (one pytree argument of
 # the custom_partitioning), are replicated: a mod may read any entry. The backward's capture gradients are each
 # device's partial sums, summed over the batch and head shards.
-def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, sinks, tokens, page_table, bias,
-            dropout, captures=()):
-  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, page_table, bias, dropout,
-                                      *captures, config=config, cp=cp))
+def forward(config: AttentionConfig, cp, q, k, v, q_seqlens, kv_seqlens, alibi, sinks, tokens, page_table, kv_descale,
+            bias, dropout, captures=()):
+  return tuple(sharded_forward_p.bind(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, page_table, kv_descale,
+                                      bias, dropout, *captures, config=config, cp=cp))
 
 
 def backward(config: AttentionConfig, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, tokens,
-             page_table, bias, dropout, captures=()):
+             page_table, kv_descale, bias, dropout, captures=()):
   return tuple(sharded_backward_p.bind(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *tokens,
-                                       page_table, bias, dropout, *captures, config=config, cp=cp))
+                                       page_table, kv_descale, bias, dropout, *captures, config=config, cp=cp))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -220,8 +222,8 @@ class _Plan:
     broadcast dims). The tokens shard like their sequence, bias like the batch and heads (never its sequences)."""
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     dims = {"q_seqlens": (b,), "kv_seqlens": (b,), "alibi": (b, h), "sinks": (b, h), "q_ids": (b, s),
-            "kv_ids": (b, s), "q_pos": (b, s), "kv_pos": (b, s), "page_table": (b, ()), "bias": (b, h, (), ()),
-            "dropout": ((),)}[name]
+            "kv_ids": (b, s), "q_pos": (b, s), "kv_pos": (b, s), "page_table": (b, ()),
+            "kv_descale": ((), () if self.paged else b, self.kv_axes), "bias": (b, h, (), ()), "dropout": ((),)}[name]
     return self.named(*(d if extent != 1 else () for d, extent in zip(dims, self.option_shapes[name])))
 
   def option_shardings(self):
@@ -259,16 +261,16 @@ def _is_shape(x):
 # custom_partitioning of the forward.
 
 def _unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos, kv_pos, page_table,
-                           bias, dropout, captures, config, cp):
+                           kv_descale, bias, dropout, captures, config, cp):
   return cpmod.unpartitioned_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos, kv_pos,
-                                     page_table, bias, dropout, *captures, config=config, cp=cp)
+                                     page_table, kv_descale, bias, dropout, *captures, config=config, cp=cp)
 
 
 def _unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, q_ids, kv_ids, q_pos,
-                            kv_pos, page_table, bias, dropout, captures, config, cp):
+                            kv_pos, page_table, kv_descale, bias, dropout, captures, config, cp):
   return cpmod.unpartitioned_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, q_ids,
-                                      kv_ids, q_pos, kv_pos, page_table, bias, dropout, *captures, config=config,
-                                      cp=cp)
+                                      kv_ids, q_pos, kv_pos, page_table, kv_descale, bias, dropout, *captures,
+                                      config=config, cp=cp)
 
 
 def _replicated_fallback(mesh, arg_shapes, result_shape, fn):
@@ -288,7 +290,7 @@ def _partition_forward(config, cp, mesh, arg_shapes, result_shape):
   plan = _Plan(config, cp, mesh, arg_shapes, emit_warnings=True)
   args, results = plan.forward_shardings()
   def lower(q, *operands):
-    *operands, dropout, captures = operands
+    *operands, dropout, captures = operands  # kv_descale and bias among the operands
     dropout = plan.with_shard_offsets(q, dropout)
     if cp is not None:
       return cpmod.local_forward(q, *operands, dropout, *captures, config=config, cp=cp)
@@ -359,11 +361,12 @@ def _heads_rule(value_types):
   return "(hk g)", {"g": group}
 
 
-def _options_rule(value_types, h: str, s: str, skv: str) -> tuple[str, tuple[str, ...]]:
+def _options_rule(value_types, h: str, s: str, skv: str, paged: bool) -> tuple[str, tuple[str, ...]]:
   """The options' factors (_OPTIONS): the call's own where a dim is full, a size-1 factor of its own where it is 1 (a
-  placeholder's, a bias's broadcast dims; they need replication, listed second)."""
+  placeholder's, a bias's broadcast dims; they need replication, listed second). kv_descale's blocks are a paged
+  call's pages or a contiguous call's batch entries, its heads k's."""
   dims = (("b",), ("b",), ("b", h), ("b", h), ("b", s), ("b", skv), ("b", s), ("b", skv), ("b", "pt"),
-          ("b", h, s, skv), ("rng",))
+          ("kvd", "pages" if paged else "b", "hk"), ("b", h, s, skv), ("rng",))
   operands, own = [], []
   for index, (names, shape) in enumerate(zip(dims, _shapes(value_types[-len(_OPTIONS):]))):
     factors = [name if extent != 1 else f"opt{index}x{axis}" for axis, (name, extent) in enumerate(zip(names, shape))]
@@ -386,8 +389,9 @@ def _rule_factors(config, cp, value_types):
   # smaller); both are multiples of the axis size (context_parallel.check_supported).
   s, skv = ("sq", "skv") if cp is None else ("s", "s")
   kv_rows = "pages psize" if config.page_size else f"b {skv}"
-  options, own_factors = _options_rule(value_types, h, s, skv)
-  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + own_factors + ("pt", "rng", "pages", "psize") + \
+  options, own_factors = _options_rule(value_types, h, s, skv, config.page_size > 0)
+  need = (("sq", "d", "skv", "dv") if cp is None else ("d", "dv")) + own_factors + \
+      ("pt", "kvd", "rng", "pages", "psize") + \
       tuple(f for c in captures for f in c.split())
   return h, s, skv, kv_rows, options, captures, dict(need_replication_factors=tuple(dict.fromkeys(need)), **sizes)
 

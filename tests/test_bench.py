@@ -132,7 +132,7 @@ def test_registry_has_every_backend():
                    "te_jax-unsorted-packed", "te_jax-cp-ring", "te_jax-cp-all_gather", "te_jax-paged16", "te_jax-paged64", "kv-read",
                    "jax-cudnn", "jax-xla", "pallas",
                    "torch-flash", "torch-cudnn", "torch-efficient", "flash-attn-jax", "flash-attn", "tokamax-mosaic",
-                   "tokamax-triton", "tokamax-xla", "jax-fp8-cudnn", "te_jax-fp8-paged64"):
+                   "tokamax-triton", "tokamax-xla", "jax-fp8-cudnn", "te_jax-fp8-paged64", "te_jax-fp8-cache"):
     assert expected in names
   assert registry.default_baseline("cpu") == "jax-xla" and registry.default_baseline("gpu") == "jax-cudnn"
   with pytest.raises(ValueError, match="unknown backend"):

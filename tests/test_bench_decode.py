@@ -153,16 +153,17 @@ def test_kv_read_row_times_the_kv_alone_and_runs_only_when_named():
   assert [style for _, style in lines] == ["", ""]
 
 
-def test_fp8_cache_row_counts_its_bytes_and_is_judged_by_the_fp8_tolerance():
-  """te_jax-fp8-paged64: the same pages quantized to e4m3 per page and head; its K/V bytes are one a value, its error
-  against the reference on the unquantized inputs is e4m3's (above the float32 tolerance, within the FP8 one)."""
+@pytest.mark.parametrize("fp8, full", [("te_jax-fp8-paged64", "te_jax-paged64"), ("te_jax-fp8-cache", "te_jax-te")])
+def test_fp8_cache_row_counts_its_bytes_and_is_judged_by_the_fp8_tolerance(fp8, full):
+  """te_jax-fp8-paged64 / te_jax-fp8-cache: the same K/V quantized to e4m3 (per page and head / per head); its K/V
+  bytes are one a value, its error against the reference on the unquantized inputs is e4m3's (above the float32
+  tolerance, within the FP8 one)."""
   from te_jax.bench.accuracy import FP8_TOLERANCE, TOLERANCE
-  results = _measure(["te_jax-paged64", "te_jax-fp8-paged64"], [decode_case(batch=2, seq_kv=512)])
+  results = _measure([full, fp8], [decode_case(batch=2, seq_kv=512)])
   by = {r.backend: r for r in results}
-  fp8, full = by["te_jax-fp8-paged64"], by["te_jax-paged64"]
-  assert fp8.status == "ok" and fp8.err_ok and TOLERANCE["float32"] < fp8.rel_err < FP8_TOLERANCE
-  assert fp8.kv_bytes == full.kv_bytes / 4  # float32 K/V in the case, one byte each in the cache
-  assert "runs on cpu only" in registry.get("te_jax-fp8-paged64").why_not(decode_case(dtype="bfloat16"), "fwd", "gpu")
+  assert by[fp8].status == "ok" and by[fp8].err_ok and TOLERANCE["float32"] < by[fp8].rel_err < FP8_TOLERANCE
+  assert by[fp8].kv_bytes == by[full].kv_bytes / 4  # float32 K/V in the case, one byte each in the cache
+  assert "runs on cpu only" in registry.get(fp8).why_not(decode_case(dtype="bfloat16"), "fwd", "gpu")
 
 
 # ---------------------------------------------------------------- the decode preset

@@ -316,7 +316,8 @@ def _paged_primitive(page_size, mask=MaskType.PADDING_CAUSAL_BOTTOM_RIGHT):
   def call(q, k_pages, v_pages, table, lengths):  # a paged call's q lengths are a placeholder: Sq each
     return _primitives.attention_forward_p.bind(
         q, k_pages, v_pages, _primitives.no_lengths(), lengths, _primitives.no_alibi(), _primitives.no_sinks(),
-        *_primitives.no_tokens(), table, _primitives.no_bias(), _primitives.no_dropout(), config=config)
+        *_primitives.no_tokens(), table, _primitives.no_kv_descale(), _primitives.no_bias(),
+        _primitives.no_dropout(), config=config)
   return jax.jit(call)
 
 
@@ -396,7 +397,7 @@ def test_paged_backward_is_refused_at_lowering():
     return _primitives.attention_backward_p.bind(
         q, k_pages, v_pages, out, lse, out, lse, jnp.full((b,), sq, jnp.int32), jnp.asarray(lengths),
         _primitives.no_alibi(), _primitives.no_sinks(), *_primitives.no_tokens(), jnp.asarray(table),
-        _primitives.no_bias(), _primitives.no_dropout(), config=config)
+        _primitives.no_kv_descale(), _primitives.no_bias(), _primitives.no_dropout(), config=config)
   with pytest.raises(ValueError, match=r"the backward takes no paged KV cache \(page_size must be 0, got 8\)"):
     jax.jit(backward).lower(q, k_pages, v_pages)
 

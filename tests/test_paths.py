@@ -104,13 +104,13 @@ def test_ffi_hlo():
                     "score_mod_captures = 0 : i64, score_mod_gradients = 0 : i64, score_mod_library = \"\", "
                     "softcap = 4.000000e+00 : f32, window_left = 3 : i64, window_right = 1 : i64}") == 2
   # Operands: forward q, k, v, q_seqlens, kv_seqlens, alibi_slopes (float32 [B, H] here), then the placeholders of
-  # sinks, the four token operands (q/kv segment ids, q/kv positions), the page table, the bias and the dropout
-  # operand; backward adds out, lse, dout, dlse.
+  # sinks, the four token operands (q/kv segment ids, q/kv positions), the page table, kv_descale, the bias and the
+  # dropout operand; backward adds out, lse, dout, dlse.
   operand_counts = sorted(len(c.operands) for c in calls)
-  assert operand_counts == [14, 18]
+  assert operand_counts == [15, 19]
   forward = next(c for c in calls if "forward" in str(c.attributes["call_target_name"]))
   assert [str(o.type) for o in forward.operands[5:]] == ["tensor<2x4xf32>", "tensor<1x1xf32>"] + [
-      "tensor<1x1xi32>"] * 5 + ["tensor<1x1x1x1xf32>", "tensor<1xui32>"]
+      "tensor<1x1xi32>"] * 5 + ["tensor<1x1x1xf32>", "tensor<1x1x1x1xf32>", "tensor<1xui32>"]
   hlo = lowered.as_text(dialect="hlo")
   assert hlo.count("api_version=API_VERSION_TYPED_FFI") == 2  # = 4 in xla::CustomCallApiVersion
   assert "API_VERSION_STATUS_RETURNING" not in hlo
@@ -149,14 +149,17 @@ def test_vmap_keeps_placeholders_unbatched():
   assert len(calls) == 1
   shapes = [tuple(x.aval.shape) for x in calls[0].invars]
   assert shapes[0] == (4,) + q.shape[1:]  # the two mapped examples folded into the batch
-  assert shapes[3:12] == [(1,), (1,)] + [(1, 1)] * 7 and shapes[13] == (1,)  # lengths ... page table; dropout
+  # lengths ... page table; kv_descale; dropout
+  assert shapes[3:12] == [(1,), (1,)] + [(1, 1)] * 7 and shapes[12] == (1, 1, 1) and shapes[14] == (1,)
 
 
 @pytest.mark.parametrize("operand, shape, match", [
     (3, (3,), r"q_seqlens has shape \[3\], expected \[2\]"),  # neither the placeholder [1] nor [B]
     (5, (2, 3), r"alibi_slopes has shape \[2, 3\], expected \[2, 4\]"),
     (8, (2, 13), r"kv_segment_ids has shape \[2, 13\], expected \[2, 21\]"),  # q's length on the kv side
-    (13, (6, 1), r"dropout has shape \[6, 1\], expected \[6\]"),
+    (12, (2, 1, 1), r"kv_descale must be float32 \[2, blocks, heads\] with an FP8 KV cache .*, else the float32 "
+                    r"\[1, 1, 1\] placeholder"),
+    (14, (6, 1), r"dropout has shape \[6, 1\], expected \[6\]"),
 ])
 def test_ffi_handler_names_an_unread_operand_of_the_wrong_shape(operand, shape, match):
   """An operand the call does not read must be its placeholder (its rank, every dim 1) or its full shape; anything
@@ -168,8 +171,8 @@ def test_ffi_handler_names_an_unread_operand_of_the_wrong_shape(operand, shape, 
   config = AttentionConfig(mask_type=MaskType.CAUSAL, window_left=-1, window_right=-1, scale=0.25, softcap=0.0,
                            has_alibi=False)
   operands = [q, k, v, _primitives.no_lengths(), _primitives.no_lengths(), _primitives.no_alibi(),
-              _primitives.no_sinks(), *_primitives.no_tokens(), _primitives.no_page_table(), _primitives.no_bias(),
-              _primitives.no_dropout()]
+              _primitives.no_sinks(), *_primitives.no_tokens(), _primitives.no_page_table(),
+              _primitives.no_kv_descale(), _primitives.no_bias(), _primitives.no_dropout()]
   operands[operand] = jnp.zeros(shape, operands[operand].dtype)
   with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT: " + match):
     jax.block_until_ready(_primitives.attention_forward_p.bind(*operands, config=config))
@@ -193,7 +196,7 @@ def test_legacy_hlo_and_descriptor_contents():
                           dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True,
                           has_sinks=False, deterministic=False, engine=0, has_segment_ids=False, has_positions=False,
                           has_bias=False, bias_dtype=0, bias_broadcast=15, dropout_threshold=0, page_size=0,
-                          num_pages=0)
+                          num_pages=0, kv_format=0, kv_descale_blocks=1, kv_descale_heads=1)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -370,6 +370,68 @@ def test_paged_attention_shards_with_its_batch(kv_heads):
     np.testing.assert_allclose(got, np.asarray(want), err_msg=name, **TOL)
 
 
+@in_process
+@pytest.mark.parametrize("granularity", ["head", "page"])
+def test_fp8_paged_cache_shards_with_its_batch_and_kv_heads(granularity):
+  """An FP8 page pool and its descales (the kv_descale operand): the descales' heads shard with the pools' kv heads,
+  their pages stay whole with the pools; the in-place forward is local and gives the unsharded call's bits, and q's
+  gradient equals the unsharded one."""
+  rng = np.random.default_rng(5)
+  b, sq, heads, kv_heads, d, page_size, max_pages, num_pages = 8, 2, 4, 2, 16, 8, 4, 40
+  q = rng.standard_normal((b, sq, heads, d)).astype(np.float32)
+  k8, kd, v8, vd = (x for pages in (rng.standard_normal((num_pages, page_size, kv_heads, d)).astype(np.float32)
+                                    for _ in range(2))
+                    for x in te_jax.quantize_kv_pages(pages, granularity=granularity))
+  table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+  lens = rng.integers(0, max_pages * page_size + 1, b).astype(np.int32)
+  dout = rng.standard_normal(q.shape).astype(np.float32)
+  mesh = make_mesh((2, 2, 2))
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  batch = ("dp", "cp")
+  descale_spec = P("tp") if granularity == "head" else P(None, "tp")
+  args = (shard(q, P(batch, None, "tp")), shard(k8, P(None, None, "tp")), shard(kd, descale_spec),
+          shard(v8, P(None, None, "tp")), shard(vd, descale_spec), shard(table, P(batch)), shard(lens, P(batch)))
+  forward = lambda q, k8, kd, v8, vd, t, n: te_jax.paged_attention(q, k8, v8, t, n, k_descale=kd, v_descale=vd,
+                                                                  return_lse=True)
+
+  def dq(q, k8, kd, v8, vd, t, n):
+    _, vjp = jax.vjp(lambda q: forward(q, k8, kd, v8, vd, t, n)[0], q)
+    return vjp(dout)[0]
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(forward).lower(*args).compile()
+      out, lse = (np.asarray(x) for x in compiled(*args))
+      sharded_dq = np.asarray(jax.jit(dq)(*args))
+  assert collectives(compiled.as_text()) == set(), collectives(compiled.as_text())
+  plain = (q, k8, kd, v8, vd, table, lens)
+  want_out, want_lse = (np.asarray(x) for x in jax.jit(forward)(*plain))
+  assert out.tobytes() == want_out.tobytes() and lse.tobytes() == want_lse.tobytes()
+  np.testing.assert_allclose(sharded_dq, np.asarray(jax.jit(dq)(*plain)), **TOL)
+
+
+@in_process
+def test_fp8_contiguous_cache_shards_with_the_batch_and_heads():
+  """fused_attn over an FP8 k and v with per-head descales, sharded over the batch and the heads: the sharded call
+  gives the unsharded call's bits."""
+  q, k, v, _ = inputs(batch=8, seqlen=32, kv_heads=2)
+  (k8, kd), (v8, vd) = (te_jax.quantize_fp8(x, per_head=True) for x in (k, v))
+  mesh = make_mesh((2, 2, 2))
+  shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  batch = ("dp", "cp")
+  args = (shard(q, P(batch, None, "tp")), shard(k8, P(batch, None, "tp")), shard(kd, P("tp")),
+          shard(v8, P(batch, None, "tp")), shard(vd, P("tp")))
+  forward = lambda q, k8, kd, v8, vd: te_jax.fused_attn(q, k8, v8, k_descale=kd, v_descale=vd, mask_type="causal")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ReshardWarning)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(forward).lower(*args).compile()
+      out = np.asarray(compiled(*args))
+  assert collectives(compiled.as_text()) == set(), collectives(compiled.as_text())
+  assert out.tobytes() == np.asarray(jax.jit(forward)(q, k8, kd, v8, vd)).tobytes()
+
+
 def run_forward(mesh, spec, kv_spec, q, k, v, **kwargs):
   shard = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   args = (shard(q, spec), shard(k, kv_spec), shard(v, kv_spec))

@@ -154,6 +154,36 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
   return Status::Ok();
 }
 
+// k's and v's storage: q's dtype (the kv_descale operand a [1, 1, 1] placeholder), or an FP8 KV cache with descales
+// per block of keys (1, pages, or batch entries) and per K/V head (1 or Hkv).
+Status CheckKvFormat(const AttentionParams& p, Backend backend) {
+  if (static_cast<int>(p.kv_format) >= kNumKvFormats) {
+    return Status::InvalidArgument("kv_format must be as_q (0), e4m3 (1) or e5m2 (2), got code " +
+                                   Str(static_cast<int>(p.kv_format)));
+  }
+  if (!IsFp8(p.kv_format)) {
+    if (p.kv_descale_blocks != 1 || p.kv_descale_heads != 1) {
+      return Status::InvalidArgument("kv_descale goes with an FP8 KV cache: with k and v in q's dtype its operand must "
+                                     "be the float32 [1, 1, 1] placeholder");
+    }
+    return Status::Ok();
+  }
+  const bool paged = p.page_size > 0;
+  const int64_t blocks = paged ? p.num_pages : p.batch;
+  if ((p.kv_descale_blocks != 1 && p.kv_descale_blocks != blocks) ||
+      (p.kv_descale_heads != 1 && p.kv_descale_heads != p.num_kv_heads)) {
+    return Status::InvalidArgument("kv_descale must be float32 [2, blocks, heads] with blocks 1 or " + Str(blocks) +
+                                   (paged ? " (the pool's pages)" : " (the batch entries)") + " and heads 1 or " +
+                                   Str(p.num_kv_heads) + ", got [2, " + Str(p.kv_descale_blocks) + ", " +
+                                   Str(p.kv_descale_heads) + "]");
+  }
+  if (backend == Backend::kCuda) {
+    return Status::InvalidArgument("an FP8 KV cache (float8 k and v with descales) has no CUDA kernels yet: dequantize "
+                                   "it (te_jax.dequantize_fp8) or run the call on the CPU backend");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
@@ -190,6 +220,7 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
   TE_JAX_RETURN_IF_ERROR(CheckPaging(p, backend));
+  TE_JAX_RETURN_IF_ERROR(CheckKvFormat(p, backend));
   TE_JAX_RETURN_IF_ERROR(CheckFlex(p, backend));
   const bool packed = p.has_segment_ids || p.has_positions;
   if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
@@ -233,6 +264,10 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
 }
 
 Status ValidateBackwardParams(const AttentionParams& p, Backend backend) {
+  if (IsFp8(p.kv_format)) {
+    return Status::InvalidArgument("the backward takes no FP8 KV cache: it is given the dequantized k and v (te_jax's "
+                                   "VJPs dequantize them)");
+  }
   if (p.page_size != 0) {
     return Status::InvalidArgument("the backward takes no paged KV cache (page_size must be 0, got " +
                                    Str(p.page_size) + "): te_jax.paged_attention differentiates through the gathered "

@@ -56,8 +56,8 @@ void AddVisibleProducts(const TileKeyRanges<kRows>& ranges, const float* probs, 
   }
 }
 
-template <typename T>
-struct ForwardArgs : OperandArgs<T> {
+template <typename T, typename TKv>
+struct ForwardArgs : OperandArgs<T, TKv> {
   T* out;
   float* lse;
   const float* sinks;  // [B, H], merged into each finished row (cpp/core/sink.h); null without sinks
@@ -79,8 +79,8 @@ struct ForwardScratch {
 };
 
 // The online softmax of one tile's rows over the K/V tiles they see, and its out and lse rows.
-template <typename T, typename Variant>
-void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<kTileQ>& tile) {
+template <typename T, typename TKv, typename Variant>
+void ForwardTile(const ForwardArgs<T, TKv>& args, ForwardScratch& s, const QueryRows<kTileQ>& tile) {
   const AttentionParams& p = args.params;
   const int64_t b = tile.batch, kv_head = tile.kv_head, rows = tile.rows;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -97,8 +97,9 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
   std::fill(s.out.begin(), s.out.begin() + rows * dv, 0.0f);
   PackTransposed(args.q, tile, p, d, lanes, kIsLinear<Variant> ? p.scale * kLog2e : 1.0f, s.q_t.data());
   // float32 K/V rows in place or from a compact copy (key_rows.h): a decode tile's few rows read them once.
-  const bool k_in_place = ReadInPlace(args.k_rows.row_stride * sizeof(T), TileGemmReadsOfA(lanes));
-  const bool v_in_place = ReadInPlace(args.v_rows.row_stride * sizeof(T), TileGemmReadsOfB(rows));
+  const bool k_in_place = ReadInPlace(args.k_rows.row_stride * sizeof(TKv), TileGemmReadsOfA(lanes));
+  const bool v_in_place = ReadInPlace(args.v_rows.row_stride * sizeof(TKv), TileGemmReadsOfB(rows));
+  const RowDescales k_descales{args.kv_descales, 0}, v_descales{args.kv_descales, 1};
   const bool key_lanes = UseKeyLaneScores(rows);  // a decode tile's scores: key_lane_scores.h
 
   float* scores = s.scores.data();
@@ -130,7 +131,8 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     // keep every pair takes no mask_mod.
     const int8_t block_state = args.flex.TileState(b, h, first_row, rows, key0, keys);
     if (block_state == kBlockHidden) {
-      const auto v_runs = KeyRowsAsFloat<kTileKV>(args.v, args.v_rows, b, kv_head, key0, keys, v_in_place, s.v.data());
+      const auto v_runs = KeyRowsAsFloat<kTileKV>(args.v, args.v_rows, b, kv_head, key0, keys, v_in_place, s.v.data(),
+                                                 v_descales);
       if (std::all_of(v_runs.begin(), v_runs.end(),
                       [&](const KeyRun& v_run) { return AllFinite(v_run.rows, v_run.count, dv); })) {
         continue;
@@ -142,7 +144,7 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
       PrefetchKeyRows(args.v, args.v_rows, b, kv_head, tile0 + kTileKV, next_keys);
     }
     for (const KeyRun& k_run :
-         KeyRowsAsFloat<kTileKV>(args.k, args.k_rows, b, kv_head, key0, keys, k_in_place, s.k.data())) {
+         KeyRowsAsFloat<kTileKV>(args.k, args.k_rows, b, kv_head, key0, keys, k_in_place, s.k.data(), k_descales)) {
       if (key_lanes) {
         s.key_lane_scores.AddKeys(k_run.first, k_run.count, k_run.rows);
       } else {
@@ -167,7 +169,8 @@ void ForwardTile(const ForwardArgs<T>& args, ForwardScratch& s, const QueryRows<
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < dv; ++j) s.out[r * dv + j] *= s.rescale[r];
     }
-    const auto v_runs = KeyRowsAsFloat<kTileKV>(args.v, args.v_rows, b, kv_head, key0, keys, v_in_place, s.v.data());
+    const auto v_runs = KeyRowsAsFloat<kTileKV>(args.v, args.v_rows, b, kv_head, key0, keys, v_in_place, s.v.data(),
+                                                 v_descales);
     const bool v_finite = all_see || std::all_of(v_runs.begin(), v_runs.end(), [&](const KeyRun& v_run) {
                             return AllFinite(v_run.rows, v_run.count, dv);
                           });
@@ -243,8 +246,8 @@ ForwardTiling PlanForward(const AttentionParams& p, int64_t threads) {
 }
 
 // The estimated cost of every tile of every batch entry, [B, tiles]: the keys its rows may see.
-template <typename T>
-std::vector<int64_t> ForwardTileCosts(const AttentionParams& p, const ForwardArgs<T>& args,
+template <typename T, typename TKv>
+std::vector<int64_t> ForwardTileCosts(const AttentionParams& p, const ForwardArgs<T, TKv>& args,
                                       const ForwardTiling& tiling) {
   const int64_t tiles = tiling.tiles();
   std::vector<int64_t> costs(p.batch * tiles);
@@ -273,8 +276,8 @@ std::vector<int64_t> ForwardTileCosts(const AttentionParams& p, const ForwardArg
   return costs;
 }
 
-template <typename T, typename Variant>
-void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler* scheduler) {
+template <typename T, typename TKv, typename Variant>
+void Forward(const AttentionParams& p, const ForwardArgs<T, TKv>& args, TaskScheduler* scheduler) {
   const ForwardTiling tiling = PlanForward(p, scheduler != nullptr ? scheduler->NumThreads() : 1);
   const int64_t tiles = tiling.tiles();
   const std::vector<int64_t> costs = ForwardTileCosts(p, args, tiling);
@@ -290,7 +293,7 @@ void Forward(const AttentionParams& p, const ForwardArgs<T>& args, TaskScheduler
   std::vector<ForwardScratch> scratch(workers, ForwardScratch(p));
   ParallelForWorkers(scheduler, static_cast<int64_t>(items.size()), workers, [&](int64_t worker, int64_t i) {
     const WorkItem& item = items[i];
-    ForwardTile<T, Variant>(args, scratch[worker], tiling.Rows(p, item.batch, item.head, item.tile));
+    ForwardTile<T, TKv, Variant>(args, scratch[worker], tiling.Rows(p, item.batch, item.head, item.tile));
   });
 }
 
@@ -305,10 +308,14 @@ Status AttentionForward(const AttentionParams& params, const ForwardBuffers& buf
   const std::vector<KeyTokenBounds> kv_tile_tokens = KVTileTokens(params, TokenOperandsOf(buffers));
   DispatchDType(params.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const ForwardArgs<T> args{OperandArgsOf<T>(params, buffers, kv_tile_tokens, flex), static_cast<T*>(buffers.out),
-                              buffers.lse, params.has_sinks ? buffers.sinks : nullptr};
-    DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
-      Forward<T, decltype(variant_tag)>(params, args, scheduler);
+    DispatchKvFormat(params.kv_format, dtype_tag, [&](auto kv_tag) {
+      using TKv = decltype(kv_tag);
+      const ForwardArgs<T, TKv> args{OperandArgsOf<T, TKv>(params, buffers, kv_tile_tokens, flex),
+                                     static_cast<T*>(buffers.out), buffers.lse,
+                                     params.has_sinks ? buffers.sinks : nullptr};
+      DispatchVariant(params.softcap > 0.0f, params.has_alibi, [&](auto variant_tag) {
+        Forward<T, TKv, decltype(variant_tag)>(params, args, scheduler);
+      });
     });
   });
   return Status::Ok();

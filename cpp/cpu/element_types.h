@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "cpp/core/dtype.h"
+#include "cpp/core/kv_format.h"
 
 namespace te_jax::cpu {
 
@@ -14,6 +15,13 @@ struct BFloat16 {
 };
 struct Float16 {
   uint16_t bits;
+};
+// An FP8 KV cache's elements (cpp/core/kv_format.h): read, never written.
+struct Float8E4M3 {
+  uint8_t bits;
+};
+struct Float8E5M2 {
+  uint8_t bits;
 };
 
 inline float FloatFromBits(uint32_t u) {
@@ -44,6 +52,23 @@ inline float ToFloat(Float16 x) {
   }
   return FloatFromBits(BitsFromFloat(f) | sign);
 }
+
+// e4m3fn: bias 7, no inf, S.1111.111 NaN; a subnormal is mantissa * 2^-9, a normal float32 (see Float16's note).
+inline float ToFloat(Float8E4M3 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  const uint32_t magnitude = x.bits & 0x7fu;
+  float f;
+  if (magnitude == 0x7fu) {
+    f = FloatFromBits(0x7fc00000u);
+  } else if (magnitude >= 0x08u) {  // normal: the exponent rebiased from 7 to 127
+    f = FloatFromBits((magnitude << 20) + ((127u - 7u) << 23));
+  } else {
+    f = static_cast<float>(magnitude) * 0x1p-9f;
+  }
+  return FloatFromBits(BitsFromFloat(f) | sign);
+}
+// e5m2 is float16 with its low mantissa byte dropped.
+inline float ToFloat(Float8E5M2 x) { return ToFloat(Float16{static_cast<uint16_t>(x.bits << 8)}); }
 
 template <typename T>
 T FromFloat(float f);
@@ -83,6 +108,16 @@ void DispatchDType(DType dtype, F&& f) {
     case DType::kFloat32: f(float{}); break;
     case DType::kBFloat16: f(BFloat16{}); break;
     case DType::kFloat16: f(Float16{}); break;
+  }
+}
+
+// Calls f(element_type_tag) with the storage type of k and v: the dtype's (`as_q`) or an FP8 KV cache's.
+template <typename T, typename F>
+void DispatchKvFormat(KvFormat format, T as_q, F&& f) {
+  switch (format) {
+    case KvFormat::kAsQ: f(as_q); break;
+    case KvFormat::kE4M3: f(Float8E4M3{}); break;
+    case KvFormat::kE5M2: f(Float8E5M2{}); break;
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cpp/core/kv_format.h"
 #include "cpp/core/kv_rows.h"
 #include "cpp/core/limits.h"
 #include "cpp/cpu/element_types.h"
@@ -60,14 +61,28 @@ struct KeyRuns {
   const KeyRun* end() const { return run + count; }
 };
 
+// An FP8 KV cache's descales of k (which 0) or v (1), cpp/core/kv_format.h: a copied run of rows, which lies within one
+// page, is scaled by its block's and head's. Without one (data null) rows are taken as they are.
+struct RowDescales {
+  KvDescales descales;
+  int which = 0;
+
+  bool active() const { return descales.data != nullptr; }
+  float Of(const KvRows& rows, int64_t b, int64_t key, int64_t h) const {
+    const int64_t block = descales.Block(rows.paged(), rows.paged() ? rows.Row(b, key) / rows.page_size : 0, b);
+    return which == 0 ? descales.K(block, h) : descales.V(block, h);
+  }
+};
+
 // Keys key0 .. key0 + keys - 1 of k or v (batch b, kv head h), wherever `rows` says they live. In place (float32
 // inputs and `in_place`): a run per stretch of consecutive rows (the rest of a page; the whole tile when contiguous),
 // so a paged call reads its pages as a contiguous call reads its rows. Otherwise one run of `scratch`, the rows copied
 // (converted, gathered from their pages) once. The same values in the same order either way, and TileGemm adds over
-// its depth in order, so products run by run give the bits of one product over the whole tile.
+// its depth in order, so products run by run give the bits of one product over the whole tile. FP8 rows (never in
+// place) come out dequantized by `descales`.
 template <int64_t kMaxKeys, typename T>
 KeyRuns<kMaxKeys> KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b, int64_t h, int64_t key0,
-                                 int64_t keys, bool in_place, float* scratch) {
+                                 int64_t keys, bool in_place, float* scratch, const RowDescales& descales = {}) {
   KeyRuns<kMaxKeys> runs;
   for (int64_t c = 0; c < keys;) {
     const int64_t run = std::min(keys - c, rows.ContiguousKeys(key0 + c));
@@ -79,7 +94,12 @@ KeyRuns<kMaxKeys> KeyRowsAsFloat(const T* tensor, const KvRows& rows, int64_t b,
         continue;
       }
     }
-    CopyRowsAsFloat(first, rows.row_stride, run, rows.head_dim, scratch + c * rows.head_dim);
+    float* copy = scratch + c * rows.head_dim;
+    CopyRowsAsFloat(first, rows.row_stride, run, rows.head_dim, copy);
+    if (descales.active()) {
+      const float descale = descales.Of(rows, b, key0 + c, h);
+      for (int64_t i = 0; i < run * rows.head_dim; ++i) copy[i] *= descale;
+    }
     c += run;
   }
   if (runs.count == 0) runs.run[runs.count++] = {{scratch, rows.head_dim}, 0, keys};

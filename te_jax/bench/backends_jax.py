@@ -440,6 +440,42 @@ class PagedBackend(JaxBackend):
     return fn
 
 
+def _fp8_cache_workload(charged: dict, case: Case) -> dict:
+  """An FP8 KV cache's workload: its K/V bytes one byte an element instead of the case dtype's."""
+  if charged.get("kv_bytes"):
+    return dict(charged, kv_bytes=charged["kv_bytes"] / np.dtype(case.dtype).itemsize)
+  return charged
+
+
+class Fp8CacheBackend(TeJaxBackend):
+  """te_jax.fused_attn over a contiguous FP8 KV cache: k and v quantized to e4m3 per kv head in setup
+  (te_jax.quantize_fp8), q in the case's dtype; the kernels read the cache as it is. Forward only (its gradient is q's
+  alone). On the CPU only until te_jax has FP8 kernels on the GPU (te_jax/fp8.py)."""
+
+  def __init__(self):
+    super().__init__("ffi", "te")
+    self.name = "te_jax-fp8-cache"
+    self.label = "te_jax, FP8 KV cache (e4m3, a descale per kv head)"
+    self.url = "te_jax.fused_attn(k_descale=..., v_descale=...) on te_jax.quantize_fp8(per_head=True)"
+    self.caps = dataclasses.replace(self.caps, platforms={"cpu": ALL}, modes=("fwd",))
+    self.fp8 = True
+
+  def fwd_operands(self, case: Case, q, k, v) -> tuple:
+    import te_jax
+    (k8, k_descale), (v8, v_descale) = (te_jax.quantize_fp8(x, per_head=True) for x in (k, v))
+    return q, k8, v8, k_descale, v_descale
+
+  def attention_fn(self, case: Case):
+    plain = super().attention_fn(case)
+
+    def fn(q, k8, v8, k_descale, v_descale, **operands):
+      return plain(q, k8, v8, k_descale=k_descale, v_descale=v_descale, **operands)
+    return fn
+
+  def workload(self, case: Case, mode: str) -> dict:
+    return _fp8_cache_workload(super().workload(case, mode), case)
+
+
 class PagedFp8Backend(PagedBackend):
   """te_jax.paged_attention over an FP8 KV cache: the paged layout's pools quantized to e4m3 with a descale per page
   and kv head in setup (te_jax.quantize_kv_pages), q in the case's dtype. Its K/V bytes are the FP8 pools'. On the CPU
@@ -467,10 +503,7 @@ class PagedFp8Backend(PagedBackend):
     return fn
 
   def workload(self, case: Case, mode: str) -> dict:
-    charged = super().workload(case, mode)
-    if charged.get("kv_bytes"):  # one byte an element instead of the case dtype's
-      charged = dict(charged, kv_bytes=charged["kv_bytes"] / np.dtype(case.dtype).itemsize)
-    return charged
+    return _fp8_cache_workload(super().workload(case, mode), case)
 
 
 class JaxNNBackend(JaxBackend):
@@ -652,6 +685,7 @@ class KvReadBackend(JaxBackend):
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
                  DeterministicBackend(), MaskModBackend(False), MaskModBackend(True), ScoreModBackend(), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
+                 Fp8CacheBackend(),
                  JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
                  TokamaxBackend("triton"), TokamaxBackend("xla"), KvReadBackend(), RingPermutesBackend(),

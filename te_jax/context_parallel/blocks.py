@@ -84,9 +84,11 @@ def block_backward(config, kind, q, k, v, out, lse, dout, dlse, blk: Block, alib
 
 
 def _no_block_options():
-  """The sinks, tokens, page table and bias of a block of a call without segment ids and positions: placeholders.
-  Sinks join once, after the blocks' merge (te_jax/attention.py); check_supported refuses paging and a bias."""
-  return (_primitives.no_sinks(), *_primitives.no_tokens(), _primitives.no_page_table(), _primitives.no_bias())
+  """The sinks, tokens, page table, kv_descale and bias of a block of a call without segment ids and positions:
+  placeholders. Sinks join once, after the blocks' merge (te_jax/attention.py); check_supported refuses paging and a
+  bias, and a context-parallel FP8 call attends over dequantized values."""
+  return (_primitives.no_sinks(), *_primitives.no_tokens(), _primitives.no_page_table(), _primitives.no_kv_descale(),
+          _primitives.no_bias())
 
 
 def block_dropout(config, dropout, qo, ko):

@@ -18,7 +18,7 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config:
                   cp: ContextParallel):
   """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `sinks` is a placeholder (the
   sinks join after the blocks' merge, te_jax/attention.py). `tokens`: the local segment ids and positions
-  (placeholders when the call has none), then the page table and bias placeholders, the dropout operand (the key,
+  (placeholders when the call has none), then the page table, kv_descale and bias placeholders, the dropout operand (the key,
   with this shard's batch and head offsets; each block adds its sequence offsets) and the mods' captures (whole)."""
   del sinks
   tokens, captures = _primitives.split_captures(tokens, config)
@@ -48,7 +48,7 @@ def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, 
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv, the bias placeholder's zero gradient and the capture gradients of this shard's
   batch entries and heads, summed over the sequence's shards (each block uses the final out and lse, so its softmax is exact, and the same dropout operand as its
-  forward, so its keep-mask is the forward's). `placeholders`: the tokens, page table, bias and dropout operands and the
+  forward, so its keep-mask is the forward's). `placeholders`: the tokens, page table, kv_descale, bias and dropout operands and the
   captures (see local_forward)."""
   del sinks
   placeholders, captures = _primitives.split_captures(placeholders, config)

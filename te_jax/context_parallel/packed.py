@@ -60,11 +60,11 @@ def _packed_config(config):
 
 
 def _packed_operands(alibi, q_side, kv_side, dropout):
-  """The lengths (none: the whole blocks, ids and positions say the rest), alibi, tokens, page table, bias and
-  dropout of one block."""
+  """The lengths (none: the whole blocks, ids and positions say the rest), alibi, tokens, page table, kv_descale, bias
+  and dropout of one block."""
   ids = _primitives.no_tokens()[:2] if q_side[0] is None else (q_side[0], kv_side[0])
   return (_primitives.no_lengths(), _primitives.no_lengths(), alibi, _primitives.no_sinks(), *ids, q_side[1],
-          kv_side[1], _primitives.no_page_table(), _primitives.no_bias(), dropout)
+          kv_side[1], _primitives.no_page_table(), _primitives.no_kv_descale(), _primitives.no_bias(), dropout)
 
 
 def _block_forward(config, q, alibi, q_side, k, v, kv_side, dropout, captures):
