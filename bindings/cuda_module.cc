@@ -57,8 +57,9 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 
 // A module request from Python (te_jax/aot.py's configurations): {"direction", "dtype" (core code), "head_dim",
 // "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and optionally "deterministic", "decode", "tokens",
-// "dropout" (bools, default false), "bias_dtype" (core code of the additive bias's dtype; absent or None: no bias) and
-// "bias_fits_tma" (bool), "score_mod" and "mask_mod" (paths of generated mod sources, te_jax/flex/cuda_source.py).
+// "dropout" (bools, default false), "kv_format" (cpp/core/kv_format.h's code; absent: k and v in q's dtype),
+// "bias_dtype" (core code of the additive bias's dtype; absent or None: no bias) and "bias_fits_tma" (bool),
+// "score_mod" and "mask_mod" (paths of generated mod sources, te_jax/flex/cuda_source.py).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 // Which module serves the request, and what no module serves, is ConfigFor's decision (cpp/cuda/kernel_config.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
@@ -76,6 +77,7 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   r.alibi = nb::cast<bool>(d["alibi"]);
   r.deterministic = flag("deterministic");
   r.decode = flag("decode");
+  if (d.contains("kv_format")) r.kv_format = static_cast<KvFormat>(nb::cast<int>(d["kv_format"]));
   r.tokens = flag("tokens");
   r.dropout = flag("dropout");
   r.bias = d.contains("bias_dtype") && !d["bias_dtype"].is_none();

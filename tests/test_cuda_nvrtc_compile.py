@@ -443,10 +443,7 @@ FP8_DECODE_CONFIGS = [
 
 
 def _fp8_request(**fields):
-  config = dict(direction="forward", decode=True, **fields)
-  if "_kv_e" not in ext.kernel_name(config):
-    pytest.skip("the extension's configuration dict does not take kv_format yet (bindings/cuda_module.cc)")
-  return config
+  return dict(direction="forward", decode=True, **fields)
 
 
 def test_fp8_kv_decode_configurations_compile(cache_dir):
@@ -475,7 +472,6 @@ def test_fp8_kv_decode_modules_name_their_format():
 ])
 def test_fp8_kv_calls_the_decode_kernels_do_not_serve_are_refused(change, arch, message):
   params = dict(_decode_params(2, 100), kv_format=1)
-  _fp8_request(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_90a")
   assert ext.call_kernel_name(params, "forward", "sm_90a") == "dec_bf16_kv_e4m3_d128_dv128_scaled_sm_90a_decode_n64"
   with pytest.raises(ValueError, match="read an FP8 KV cache in the decode kernels only: .*" + message):
     ext.call_kernel_name(dict(params, **change), "forward", arch)
