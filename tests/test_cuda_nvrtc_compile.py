@@ -429,9 +429,10 @@ def test_modules_with_mods_compile_and_are_named_by_them(cache_dir):
 
 
 # An FP8 KV cache (kv_format 1 = e4m3, 2 = e5m2; cpp/core/kv_format.h) in the decode kernels: each module holds the
-# one- and four-row-tile kernels (contiguous and paged calls alike), so these cover d 64 (padded cp.async stages), 128
-# (one swizzle row: TMA stages on sm_90a) and 256, both formats, the variants, and sm_89 (cp.async, the oldest arch
-# with the FP8 conversions).
+# one- and four-row-tile kernels (contiguous and paged calls alike), so these cover d 64 (padded cp.async stages), 112
+# (56 byte-pair columns in a 64-column swizzled stage: TMA's boxes reach past the row), 128 (one swizzle row: TMA
+# stages on sm_90a) and 256, dv above d (the epilogue then outgrows the half-size rings and the q tile) and below,
+# both formats, the variants, and sm_89 (cp.async, the oldest arch with the FP8 conversions).
 FP8_DECODE_CONFIGS = [
     dict(dtype=2, head_dim=64, head_dim_v=64, softcap=True, alibi=False, kv_format=1, arch="sm_90a"),
     dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
@@ -439,6 +440,11 @@ FP8_DECODE_CONFIGS = [
     dict(dtype=1, head_dim=256, head_dim_v=256, softcap=True, alibi=True, kv_format=1, arch="sm_90a"),
     dict(dtype=2, head_dim=256, head_dim_v=256, softcap=False, alibi=False, kv_format=2, arch="sm_90a"),
     dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_89"),
+    dict(dtype=1, head_dim=112, head_dim_v=112, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
+    dict(dtype=1, head_dim=64, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
+    dict(dtype=2, head_dim=128, head_dim_v=256, softcap=False, alibi=False, kv_format=2, arch="sm_90a"),
+    dict(dtype=1, head_dim=32, head_dim_v=192, softcap=False, alibi=False, kv_format=1, arch="sm_89"),
+    dict(dtype=1, head_dim=256, head_dim_v=64, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
 ]
 
 
@@ -483,3 +489,7 @@ def test_fp8_kv_decode_takes_the_deep_ring_at_head_dim_256():
   fp8 = _fp8_request(dtype=1, head_dim=256, head_dim_v=256, softcap=False, alibi=False, kv_format=1, arch="sm_90a")
   assert "te_jax_attention_decode_rows16_shallow(" in ext.render_source(fp8)
   assert "te_jax_attention_decode_rows16_shallow(" not in ext.render_source(dict(fp8, kv_format=0))
+  # 16-bit K/V keep their depths: a head dim above 128 takes the two-stage ring, whatever the other's bytes.
+  for d, dv in ((64, 192), (192, 64)):
+    plain = dict(fp8, kv_format=0, head_dim=d, head_dim_v=dv)
+    assert "te_jax_attention_decode_rows16_shallow(" not in ext.render_source(plain)

@@ -159,7 +159,7 @@ struct DecodeKernel {
   // From a 1024-byte-aligned base (tile_size.h SmemBytes), the ring first, so its tiles start on the swizzle's atoms.
   static constexpr int kRingOffset = 0;
   static constexpr int kQOffset = kRingOffset + kStages * kStageBytes;
-  static constexpr int kRowsOffset = kQOffset + QTile::kBytes;
+  static constexpr int kRowsOffset = RowsOffset(kD, kDv, kRowTiles, kStages, KvElement::kBytes);
   static constexpr int kKeyRowsOffset = kRowsOffset + kRows * 16;
   static constexpr int kKeyRowSlots = KeyRowSlots(kStages);
   static constexpr int kDescalesOffset = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
@@ -173,9 +173,9 @@ struct DecodeKernel {
   static_assert(kStageBytes % 1024 == 0 && KTile::kBytes % 1024 == 0 && kBarriersOffset % 8 == 0,
                 "stage tiles start on 1024-byte swizzle atoms (TMA's swizzle, the bank groups, whole L2 sectors)");
   static_assert(!kFp8 || (kD % 16 == 0 && kDv % 16 == 0), "FP8 rows are whole 16-byte chunks");
-  // (The q tile is read no more by then, so the epilogue may take it too: an FP8 ring alone is too small at d >= 128.)
-  static_assert(EpilogueBytes(kDvP) + kRows * (kKeySlices + 2) * 4 <= kRowsOffset,
-                "the epilogue fits in the rings and the q tile");
+  static_assert(kRowsOffset >= kQOffset + QTile::kBytes &&
+                    kRowsOffset >= kWarps * 16 * (kPitch + 2) * 4 + kRows * (kKeySlices + 2) * 4,
+                "the rows' ranges follow the q tile and the epilogue (Smem)");
 
   struct Smem {
     unsigned char* base;
@@ -204,8 +204,8 @@ struct DecodeKernel {
     __device__ __forceinline__ uint32_t Full(int stage) const {
       return SmemAddress(base + kBarriersOffset) + stage * 8;
     }
-    // The epilogue, over the rings: each warp's 16 x dv partial output, then each warp's row maxima and sums, then per
-    // CTA row the warps' weights, 1 / sum and lse.
+    // The epilogue, over the rings and the q tile (tile_size.h RowsOffset): each warp's 16 x dv partial output, then
+    // each warp's row maxima and sums, then per CTA row the warps' weights, 1 / sum and lse.
     __device__ __forceinline__ float* PartialOut(int warp) const {
       return reinterpret_cast<float*>(base + kRingOffset) + warp * 16 * kPitch;
     }
