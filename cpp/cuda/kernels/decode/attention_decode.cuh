@@ -541,14 +541,15 @@ struct DecodeKernel {
   // FP8: q to f16 in place, for the f16 products: each 16-column chunk in the order the K fragments take
   // (PermutedChunkWord, primitives/fp8_tile.h), times 2^-e, e putting the CTA's largest |q| in [2^14, 2^15) (a bf16 q
   // may exceed f16's range, and a small one would lose bits to f16's subnormals; a power of two changes no other bit).
-  // Returns e: 0 where that |q| is 0, inf or NaN (which then reach the logits as they would). Every thread calls it
-  // once q has landed.
+  // e follows the largest finite |q| (inf and NaN stay so whatever e is, and reach the logits as they would); 0 where
+  // every q is 0 or non-finite. Every thread calls it once q has landed.
   static __device__ __forceinline__ int ConvertQ(const Smem& sm, int tid) {
     constexpr int kChunksPerRow = kDP / 16;
     const auto chunk = [&](int c) {
       return reinterpret_cast<uint4*>(sm.Q().At(c / kChunksPerRow, c % kChunksPerRow * 16));
     };
-    // The magnitudes' bits of 16-bit floats order as their values, NaN above inf.
+    // The magnitudes' bits of 16-bit floats order as their values, inf and NaN from kExponentBits up.
+    const auto finite = [](uint32_t magnitude) { return magnitude < Element::kExponentBits ? magnitude : 0u; };
     unsigned largest = 0;
     for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
       const uint4* x = chunk(c);
@@ -556,15 +557,16 @@ struct DecodeKernel {
       for (int h = 0; h < 2; ++h) {
         const uint32_t words[4] = {x[h].x, x[h].y, x[h].z, x[h].w};
 #pragma unroll
-        for (int w = 0; w < 4; ++w) largest = max(largest, max(words[w] & 0x7FFFu, words[w] >> 16 & 0x7FFFu));
+        for (int w = 0; w < 4; ++w) {
+          largest = max(largest, max(finite(words[w] & 0x7FFFu), finite(words[w] >> 16 & 0x7FFFu)));
+        }
       }
     }
     largest = __reduce_max_sync(0xffffffffu, largest);
     if ((tid & 31) == 0) atomicMax(sm.QMax(), largest);
     __syncthreads();
     const float magnitude = Element::ToFloat(static_cast<uint16_t>(*sm.QMax()));
-    const int biased = __float_as_int(magnitude) >> 23;
-    const int e = magnitude > 0.0f && biased < 255 ? max(biased - 127 - 14, -126) : 0;
+    const int e = magnitude > 0.0f ? max((__float_as_int(magnitude) >> 23) - 127 - 14, -126) : 0;
     const float down = __int_as_float((127 - e) << 23);
     for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
       uint4* x = chunk(c);
