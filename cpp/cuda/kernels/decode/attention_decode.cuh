@@ -133,6 +133,11 @@ inline constexpr bool kArchHasTma = true;
 inline constexpr bool kArchHasTma = false;
 #endif
 
+// The power of two just above a positive finite x, within float's normal range (2^-126 to 2^127).
+__device__ __forceinline__ float PowerOfTwoAbove(float x) {
+  return __int_as_float(min((__float_as_int(x) & 0x7F800000) + 0x00800000, 0x7F000000));
+}
+
 // kStages: the ring's depth (tile_size.h: the deep ring, or the shallow one that fits more CTAs on an SM). KvElement:
 // the type of k and v, Element's or an FP8 format.
 template <typename Element, int kD, int kDv, typename Variant, int kRowTiles, int kStages, typename KvElement>
@@ -268,7 +273,9 @@ struct DecodeKernel {
     // call's batch entry) but where a paged call's pages have their own: then the row look-ups write each key's pair
     // beside its row. One pair's k descale folds into the logit scale where it is positive and finite (the softmax's
     // log2 scale must be > 0), else it multiplies the logits as per-key ones do (0 and NaN reach them as in the
-    // dequantized product).
+    // dequantized product, and the mask then hides the keys a row does not see). One pair's v descale scales o where it
+    // is finite, else it multiplies each probability as per-key ones do, a zero probability staying 0 (so a NaN or inf
+    // reaches only the rows that see its keys, as in the dequantized product).
     const bool descale_per_key = kFp8 && paged && a.kv_descales.blocks > 1;
     float k_descale = 1.0f, v_descale = 1.0f;
     if (kFp8 && !descale_per_key) {
@@ -276,7 +283,9 @@ struct DecodeKernel {
       k_descale = a.kv_descales.K(block, rb.kv_head);
       v_descale = a.kv_descales.V(block, rb.kv_head);
     }
-    const bool scores_times_descale = descale_per_key || !(k_descale > 0.0f && k_descale <= 3.402823466e38f);
+    constexpr float kFloatMax = 3.402823466e38f;
+    const bool scores_times_descale = descale_per_key || !(k_descale > 0.0f && k_descale <= kFloatMax);
+    const bool values_times_descale = descale_per_key || !(fabsf(v_descale) <= kFloatMax);
     // A build with TMA stages (the host encoded the maps: attention_cuda.cc): warp 0 copies each stage, which completes
     // on the stage's barrier; else every thread's cp.async copies, which it waits for by group. A contiguous call's
     // stage is one box of 64 rows, so it also holds the rows of the batch entry's K/V past its length up to the tile's
@@ -384,10 +393,12 @@ struct DecodeKernel {
     float o[1][kDvP / 8][4];
     OnlineSoftmax<kSliceN / 8> softmax;
     const int2* warp_ranges = sm.Ranges() + row_tile * 16;
-    // FP8: P is packed to f16 as p * v descale / v_unit * kPScale (probabilities down to 2^-29 stay normal f16
-    // numbers, the largest 2^15 < 65504), so o holds the output in units of v_unit / kPScale. v_unit is the CTA's v
-    // descale, or with per-key descales the largest of the warp's keys in the last tile that had one (each tile's
-    // ratio to the previous folding into o's rescale), which keeps every packed value at most kPScale.
+    // FP8: P is packed to f16 as p * kPScale, times v descale / v_unit where the descales multiply the probabilities
+    // (probabilities down to 2^-29 stay normal f16 numbers, the largest 2^15 < 65504), so o holds the output in units
+    // of v_unit / kPScale. v_unit is the CTA's finite v descale, 1 for a non-finite one, or with per-key descales the
+    // power of two just above the largest finite |descale| of the warp's keys in the last tile that had one (each
+    // tile's ratio to the previous, exact and clamped to float's range, folding into o's rescale), which keeps every
+    // packed value at most kPScale (for descales below 2^127).
     constexpr float kPScale = 32768.0f;
     float v_unit = 1.0f;
 
@@ -395,7 +406,7 @@ struct DecodeKernel {
       constexpr bool kCareful = decltype(careful)::kValue;
       softmax.Reset();
       ZeroFragments(o);
-      v_unit = v_descale;
+      v_unit = values_times_descale ? 1.0f : v_descale;
       if (paged) {
         for (int c = tid; c < kRowsLead * kBlockN; c += kThreads) {
           if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
@@ -477,28 +488,36 @@ struct DecodeKernel {
         float rescale[2];
         softmax.Update(sc[0], log2_scale, rescale);
         if constexpr (kFp8) {
-          float to_packed = kPScale;
           if (descale_per_key) {
             float largest = 0.0f;
 #pragma unroll
-            for (int j = 0; j < kSliceN / 8; ++j) {
-              largest = fmaxf(largest, fmaxf(key_descales[j * 8].y, key_descales[j * 8 + 1].y));
-            }
+            for (int j = 0; j < kSliceN / 8; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const float descale = fabsf(key_descales[j * 8 + c].y);
+                if (descale <= kFloatMax) largest = fmaxf(largest, descale);
+              }
             largest = QuadMax(largest);
             if (largest > 0.0f) {
-              rescale[0] *= v_unit / largest;
-              rescale[1] *= v_unit / largest;
-              v_unit = largest;
+              const float unit = PowerOfTwoAbove(largest);
+              const float ratio = fminf(v_unit / unit, kFloatMax);
+              rescale[0] *= ratio;
+              rescale[1] *= ratio;
+              v_unit = unit;
             }
-            to_packed = kPScale / v_unit;
           }
+          const float inv_unit = 1.0f / v_unit;  // (2^-127 at least: kPScale / v_unit could overflow)
 #pragma unroll
           for (int j = 0; j < kSliceN / 8; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const float factor = descale_per_key ? key_descales[j * 8 + c].y * to_packed : to_packed;
-              sc[0][j][c] *= factor;
-              sc[0][j][2 + c] *= factor;
+              const float descale = descale_per_key ? key_descales[j * 8 + c].y : v_descale;
+              const float factor = values_times_descale ? descale * inv_unit * kPScale : kPScale;
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const float p = sc[0][j][2 * r + c];
+                sc[0][j][2 * r + c] = p > 0.0f ? p * factor : p;
+              }
             }
         }
 #pragma unroll
