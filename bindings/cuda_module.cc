@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/engine_timing.h"
 #include "cpp/cuda/jit_cache.h"
+#include "cpp/cuda/kernel_config.h"
 #include "cpp/cuda/kernel_module.h"
 #include "cpp/cuda/kernel_registry.h"
 #include "cpp/cuda/nvrtc_compiler.h"
@@ -214,6 +216,25 @@ NB_MODULE(_te_jax_cuda, m) {
         return reads;
       },
       nb::arg("params"), nb::arg("direction"), nb::arg("arch"));
+  // Why te_jax's CUDA kernels do not serve this FP8 KV cache call in `direction` on `arch` (default: the current
+  // device's), or None where they do (no GPU needed with an arch).
+  m.def(
+      "fp8_kv_refusal",
+      [](const nb::dict& fields, const std::string& direction,
+         std::optional<std::string> arch) -> std::optional<std::string> {
+        if (!arch) {
+          CUdevice device = 0;
+          arch.emplace();
+          bindings::ThrowIfError(cuda::CurrentDeviceArch(&device, &*arch));
+        }
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        if (!IsFp8(params.kv_format)) throw nb::value_error("fp8_kv_refusal takes an FP8 KV cache call's params");
+        const std::string refusal =
+            cuda::Fp8Refusal(cuda::RequestFor(params, bindings::CudaDirection(direction), *arch));
+        if (refusal.empty()) return std::nullopt;
+        return refusal;
+      },
+      nb::arg("params"), nb::arg("direction"), nb::arg("arch") = nb::none());
   m.def("render_source", [](const nb::dict& config) { return cuda::RenderSource(bindings::ConfigFromDict(config)); });
   // How a decode call of these params is laid out on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor`
   // bytes of shared memory each (no GPU needed): the entry point it takes, its splits and its CTAs per split.
