@@ -362,6 +362,15 @@ def test_fp8_paged_attention_beyond_the_decode_kernels_gathers_in_q_dtype_on_cud
   assert len(calls) == 1 and "f8E4M3FN" not in calls[0] and "tensor<3x64x2x32xbf16>" in calls[0], calls
 
 
+def test_fp8_paged_attention_gradient_on_cuda_is_over_the_pages_in_q_dtype(cuda_lowering):
+  k8, kd, v8, vd, table, lengths = _paged_case("page")
+  loss = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd,
+                                          engine="te").astype(jnp.float32).sum()
+  text = cuda_lowering(jax.grad(loss), normal(62, (3, 1, 8, 32), jnp.bfloat16))
+  backward = [line for line in text.splitlines() if "custom_call @te_jax_attention_backward_cuda" in line]
+  assert len(backward) == 1 and "f8E4M3FN" not in backward[0] and "tensor<3x64x2x32xbf16>" in backward[0], backward
+
+
 def test_fp8_kv_cache_fused_attn_decode_lowers_for_cuda(cuda_lowering):
   k8, kd = quantize_fp8(normal(70, (2, 80, 2, 64)), dtype=jnp.float8_e5m2, per_head=True)
   v8, vd = quantize_fp8(normal(71, (2, 80, 2, 64)), dtype=jnp.float8_e5m2, per_head=True)
