@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -481,6 +482,12 @@ def test_fp8_kv_calls_the_decode_kernels_do_not_serve_are_refused(change, arch, 
   assert ext.call_kernel_name(params, "forward", "sm_90a") == "dec_bf16_kv_e4m3_d128_dv128_scaled_sm_90a_decode_n64"
   with pytest.raises(ValueError, match="read an FP8 KV cache in the decode kernels only: .*" + message):
     ext.call_kernel_name(dict(params, **change), "forward", arch)
+  # The same decision, as the lowering asks it (te_jax/_primitives.py _refuse_unread_kv_cache).
+  assert ext.fp8_kv_refusal(params, "forward", "sm_90a") is None
+  assert re.search(message, ext.fp8_kv_refusal(dict(params, **change), "forward", arch))
+  assert "the forward" in ext.fp8_kv_refusal(params, "backward", "sm_90a")
+  with pytest.raises(ValueError, match="takes an FP8 KV cache call's params"):
+    ext.fp8_kv_refusal(dict(params, kv_format=0), "forward", "sm_90a")
 
 
 def test_fp8_kv_decode_takes_the_deep_ring_at_head_dim_256():
