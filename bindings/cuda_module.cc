@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/engine_timing.h"
 #include "cpp/cuda/jit_cache.h"
+#include "cpp/cuda/kernel_config.h"
 #include "cpp/cuda/kernel_module.h"
 #include "cpp/cuda/kernel_registry.h"
 #include "cpp/cuda/nvrtc_compiler.h"
@@ -57,8 +59,9 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 
 // A module request from Python (te_jax/aot.py's configurations): {"direction", "dtype" (core code), "head_dim",
 // "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and optionally "deterministic", "decode", "tokens",
-// "dropout" (bools, default false), "bias_dtype" (core code of the additive bias's dtype; absent or None: no bias) and
-// "bias_fits_tma" (bool), "score_mod" and "mask_mod" (paths of generated mod sources, te_jax/flex/cuda_source.py).
+// "dropout" (bools, default false), "kv_format" (cpp/core/kv_format.h's code; absent: k and v in q's dtype),
+// "bias_dtype" (core code of the additive bias's dtype; absent or None: no bias) and "bias_fits_tma" (bool),
+// "score_mod" and "mask_mod" (paths of generated mod sources, te_jax/flex/cuda_source.py).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
 // Which module serves the request, and what no module serves, is ConfigFor's decision (cpp/cuda/kernel_config.h).
 cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
@@ -76,6 +79,7 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   r.alibi = nb::cast<bool>(d["alibi"]);
   r.deterministic = flag("deterministic");
   r.decode = flag("decode");
+  if (d.contains("kv_format")) r.kv_format = static_cast<KvFormat>(nb::cast<int>(d["kv_format"]));
   r.tokens = flag("tokens");
   r.dropout = flag("dropout");
   r.bias = d.contains("bias_dtype") && !d["bias_dtype"].is_none();
@@ -212,6 +216,25 @@ NB_MODULE(_te_jax_cuda, m) {
         return reads;
       },
       nb::arg("params"), nb::arg("direction"), nb::arg("arch"));
+  // Why te_jax's CUDA kernels do not serve this FP8 KV cache call in `direction` on `arch` (default: the current
+  // device's), or None where they do (no GPU needed with an arch).
+  m.def(
+      "fp8_kv_refusal",
+      [](const nb::dict& fields, const std::string& direction,
+         std::optional<std::string> arch) -> std::optional<std::string> {
+        if (!arch) {
+          CUdevice device = 0;
+          arch.emplace();
+          bindings::ThrowIfError(cuda::CurrentDeviceArch(&device, &*arch));
+        }
+        const AttentionParams params = bindings::ParamsFromDict(fields);
+        if (!IsFp8(params.kv_format)) throw nb::value_error("fp8_kv_refusal takes an FP8 KV cache call's params");
+        const std::string refusal =
+            cuda::Fp8Refusal(cuda::RequestFor(params, bindings::CudaDirection(direction), *arch));
+        if (refusal.empty()) return std::nullopt;
+        return refusal;
+      },
+      nb::arg("params"), nb::arg("direction"), nb::arg("arch") = nb::none());
   m.def("render_source", [](const nb::dict& config) { return cuda::RenderSource(bindings::ConfigFromDict(config)); });
   // How a decode call of these params is laid out on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor`
   // bytes of shared memory each (no GPU needed): the entry point it takes, its splits and its CTAs per split.

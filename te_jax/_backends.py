@@ -30,6 +30,9 @@ class Backend:
   # Whether the backend serves FP8 attention (AttentionConfig.fp8): the CPU attends over the dequantized values in
   # float32, the reference; a backend without FP8 kernels refuses such a call at lowering.
   serves_fp8: bool = False
+  # (core params, direction) -> why the backend's kernels do not read this FP8 KV cache call (k and v FP8 as they are,
+  # q in its own dtype), or None where they do; consulted where serves_fp8 is False (None: no kernel reads one).
+  fp8_kv_refusal: Callable[[dict, str], str | None] | None = None
   # (te_jax.flex.ModSpec) -> the path of what serves the mod (the CPU: its compiled library; CUDA: its generated source,
   # which the kernels compile in), made or found in the disk cache; None: the backend serves no score_mod / mask_mod
   # and refuses such a call at lowering.

@@ -116,11 +116,17 @@ def choose_engine(params: dict, direction: str, config) -> Choice:
   return _tuner().choose(params, direction)
 
 
+def fp8_kv_refusal(params: dict, direction: str) -> str | None:
+  """Why te_jax's CUDA kernels on this GPU do not read this FP8 KV cache call, or None where its decode kernels do."""
+  return ext.fp8_kv_refusal(params, direction)
+
+
 def _flex_source(spec) -> str:
   """A mod's generated source, which the sm90 kernels compile in (te_jax/flex/cuda_source.py)."""
   return source_path(spec, ext.cache_dir())
 
 
 register_backend(Backend(platform="cuda", code=1, extension_name="_te_jax_cuda", legacy_api_version=2,
-                         prepare=prepare, choose_engine=choose_engine, flex_library=_flex_source))
+                         prepare=prepare, choose_engine=choose_engine, fp8_kv_refusal=fp8_kv_refusal,
+                         flex_library=_flex_source))
 register_lowering("cuda")

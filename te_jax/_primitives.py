@@ -155,10 +155,6 @@ def _backward_abstract_eval(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens
 
 def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform: str):
   backend = backend_for(platform)
-  if config.fp8 and not backend.serves_fp8:
-    raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=) has no {platform} kernels in te_jax "
-                     "yet: only its CPU backend serves it, the reference for those kernels; te_jax never runs an FP8 "
-                     "call at another precision silently")
   if direction == "backward":  # it is given the forward's out and lse, sinks merged
     config = dataclasses.replace(config, has_sinks=False)
   avals, capture_avals = split_captures(ctx.avals_in, config)
@@ -169,8 +165,18 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
                               kv_dtype=k_aval.dtype, kv_descale_shape=kv_descale_aval.shape)
   flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals], direction)
   params.update(flex)
+  # k and v FP8 as they are (an FP8 KV cache); FP8 attention proper, and an FP8 KV cache call's backward, pass the
+  # dequantized values in float32 with config.fp8.
+  kv_cache = params["kv_format"] != 0
+  if config.fp8 and not kv_cache and not backend.serves_fp8:
+    raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=; or the gradient of an FP8 KV cache call, "
+                     f"over its dequantized values) has no {platform} kernels in te_jax yet: only its CPU backend "
+                     "serves it, the reference for those kernels; te_jax never runs an FP8 call at another precision "
+                     "silently")
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code, direction)
+  if kv_cache and not backend.serves_fp8:
+    _refuse_unread_kv_cache(backend, params, direction)
   choice = backend.choose_engine(params, direction, config)
   params = params_for_engine(params, choice.engine)
   merge_sinks_here = config.has_sinks and not params["has_sinks"]
@@ -196,6 +202,16 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
     merge_ctx = ctx.replace(avals_in=[*ctx.avals_out, ctx.avals_in[_SINKS]])
     results = mlir.lower_fun(apply_sinks, multiple_results=True)(merge_ctx, *results, operands[_SINKS])
   return results
+
+
+def _refuse_unread_kv_cache(backend, params: dict, direction: str) -> None:
+  """A ValueError for an FP8 KV cache call the backend's kernels do not read (Backend.fp8_kv_refusal says why)."""
+  refusal = (f"te_jax has no {backend.platform} kernels that read one" if backend.fp8_kv_refusal is None else
+             backend.fp8_kv_refusal(params, direction))
+  if refusal is not None:
+    raise ValueError(f"this FP8 KV cache call has no {backend.platform} kernel: {refusal}. Dequantize the cache to "
+                     "q's dtype first (te_jax.dequantize_fp8(k8, k_descale, q.dtype), and v's), or split the queries "
+                     "into calls the kernels serve")
 
 
 def _mod_libraries(config: AttentionConfig, backend) -> tuple[str, str]:

@@ -95,12 +95,12 @@ def refuse_kv_cache_gradients(k, v, kv_descale):
                      "would be a silent zero): pass them through jax.lax.stop_gradient")
 
 
-def dequantize_kv_operand(x8, kv_descale, which: int):
-  """k (which 0) or v (1) of an FP8 KV cache in float32 from the kv_descale operand (blocks 1 or pages, along axis
-  0 of a pool; heads along axis 2)."""
+def dequantize_kv_operand(x8, kv_descale, which: int, dtype=jnp.float32):
+  """k (which 0) or v (1) of an FP8 KV cache in dtype from the kv_descale operand (blocks 1 or pages, along axis 0 of
+  a pool; heads along axis 2)."""
   descale = kv_descale[which]  # [blocks, heads]
   scale = descale[:, None, :, None] if descale.shape[0] > 1 else descale.reshape(1, 1, -1, 1)
-  return x8.astype(jnp.float32) * scale
+  return (x8.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _per_head(scale, ndim: int):

@@ -50,8 +50,10 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mask_type="c
     window_size, scale, softcap, alibi_slopes, return_lse, engine: as in te_jax.fused_attn.
     k_descale, v_descale: an FP8 KV cache: k_pages and v_pages of one FP8 dtype (float8_e4m3fn or float8_e5m2) with q
       in bfloat16, float16 or float32, each pool with its float32 descale: a scalar, one per kv head [Hkv], or one per
-      page and kv head [num_pages, Hkv] (te_jax.quantize_kv_pages returns them). Attends over the dequantized pages in
-      float32, out in q's dtype; on the CPU only so far (te_jax/fp8.py). The pages and descales get no gradient.
+      page and kv head [num_pages, Hkv] (te_jax.quantize_kv_pages returns them). Out in q's dtype. The CPU attends
+      over the dequantized pages in float32; a GPU reads the pages as they are in its decode kernels (up to 16 query
+      positions, f16 products) and attends over them dequantized to q's dtype beyond (the gathered formulation). The
+      pages and descales get no gradient.
 
   Returns:
     out [B, Sq, H, Dv] (and lse float32 [B, H, Sq] if return_lse), as fused_attn over the sequence's keys.
@@ -96,11 +98,13 @@ _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 # the gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes
 # its VJP with the lengths clamped into range and a cotangent made NaN on a poisoned entry. kv_descale is None, or the
 # kernels' operand of FP8 pools (te_jax/fp8.py), which the in-place kernels read as they are and the gathered
-# formulation dequantizes; the pools and descales get no gradient (refuse_kv_cache_gradients), q's flows.
+# formulation dequantizes (to float32, or on CUDA, which computes in bfloat16/float16, to q's dtype: _gathered_dtype);
+# the pools and descales get no gradient (refuse_kv_cache_gradients), q's flows.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi, kv_descale):
   in_place, gathered = partial(_attend_in_place, config, return_lse), partial(_attend_gathered, config, return_lse)
-  cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else _with_poisoned_lengths(gathered)
+  gathered_cuda = partial(_attend_gathered, config, return_lse, dtype=_gathered_dtype(q, "cuda"))
+  cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else _with_poisoned_lengths(gathered_cuda)
   return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi, kv_descale,
                                     cpu=_with_poisoned_lengths(_poisoned_here(in_place)), cuda=cuda,
                                     default=_with_poisoned_lengths(gathered))
@@ -155,7 +159,9 @@ def _attend_bwd(config, return_lse, residuals, cotangent):
   # The page table and lengths are integers; ALiBi's slopes are never differentiated (refuse_slope_gradient), nor
   # are FP8 pools and their descales.
   if kv_descale is not None:
-    _, vjp = jax.vjp(lambda q: attend(q, k_pages, v_pages), q)
+    over = lambda platform: lambda q: _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, clamped, alibi,
+                                                       kv_descale, dtype=_gathered_dtype(q, platform))
+    _, vjp = jax.vjp(lambda q: jax.lax.platform_dependent(q, cuda=over("cuda"), default=over(None)), q)
     return (*vjp(cotangent), None, None, None, None, None, None)
   _, vjp = jax.vjp(attend, q, k_pages, v_pages)
   return (*vjp(cotangent), None, None, None, None)
@@ -175,14 +181,21 @@ def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
   return (out, lse) if return_lse else out
 
 
-def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi, kv_descale):
+def _gathered_dtype(q, platform: str | None):
+  """The dtype FP8 pools are dequantized to for the gathered formulation: float32 (the reference, AttentionConfig.fp8),
+  or on CUDA, whose kernels compute in bfloat16/float16, q's dtype (a call in that dtype)."""
+  return q.dtype if platform == "cuda" else jnp.float32
+
+
+def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi, kv_descale, dtype=jnp.float32):
   """Each sequence's pages gathered into contiguous K/V (one XLA gather, of the page ids clamped into the pool as the
   kernels clamp them), then fused_attn's attention on them, with the paged call's configuration (its arguments are
-  checked, and an FP8 call stays one: AttentionConfig.fp8, attending in float32 over the dequantized pools)."""
+  checked). FP8 pools are dequantized to `dtype` (_gathered_dtype): in float32 the call stays an FP8 one
+  (AttentionConfig.fp8), in q's dtype it is a call in that dtype."""
   if kv_descale is not None:
-    k_pages, v_pages = (dequantize_kv_operand(x, kv_descale, i) for i, x in enumerate((k_pages, v_pages)))
-    result = _attend_gathered(config, return_lse, q.astype(jnp.float32), k_pages, v_pages, pages, kv_lengths, alibi,
-                              None)
+    k_pages, v_pages = (dequantize_kv_operand(x, kv_descale, i, dtype) for i, x in enumerate((k_pages, v_pages)))
+    config = dataclasses.replace(config, fp8=np.dtype(dtype) == np.float32)
+    result = _attend_gathered(config, return_lse, q.astype(dtype), k_pages, v_pages, pages, kv_lengths, alibi, None)
     return (result[0].astype(q.dtype), result[1]) if return_lse else result.astype(q.dtype)
   batch, capacity = q.shape[0], pages.shape[1] * config.page_size
   pages = jnp.clip(pages, 0, k_pages.shape[0] - 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -426,3 +427,76 @@ def test_modules_with_mods_compile_and_are_named_by_them(cache_dir):
     assert "te_jax::flex::ScoreMod" in ext.render_source(config)
   with pytest.raises(ValueError, match="score_mod/mask_mod run in the sm90 kernels so far"):
     ext.kernel_name(dict(base, direction="forward", arch="sm_80"))
+
+
+# An FP8 KV cache (kv_format 1 = e4m3, 2 = e5m2; cpp/core/kv_format.h) in the decode kernels: each module holds the
+# one- and four-row-tile kernels (contiguous and paged calls alike), so these cover d 64 (padded cp.async stages), 112
+# (56 byte-pair columns in a 64-column swizzled stage: TMA's boxes reach past the row), 128 (one swizzle row: TMA
+# stages on sm_90a) and 256, dv above d (the epilogue then outgrows the half-size rings and the q tile) and below,
+# both formats, the variants, and sm_89 (cp.async, the oldest arch with the FP8 conversions).
+FP8_DECODE_CONFIGS = [
+    dict(dtype=2, head_dim=64, head_dim_v=64, softcap=True, alibi=False, kv_format=1, arch="sm_90a"),
+    dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
+    dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=True, kv_format=2, arch="sm_90a"),
+    dict(dtype=1, head_dim=256, head_dim_v=256, softcap=True, alibi=True, kv_format=1, arch="sm_90a"),
+    dict(dtype=2, head_dim=256, head_dim_v=256, softcap=False, alibi=False, kv_format=2, arch="sm_90a"),
+    dict(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_89"),
+    dict(dtype=1, head_dim=112, head_dim_v=112, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
+    dict(dtype=1, head_dim=64, head_dim_v=128, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
+    dict(dtype=2, head_dim=128, head_dim_v=256, softcap=False, alibi=False, kv_format=2, arch="sm_90a"),
+    dict(dtype=1, head_dim=32, head_dim_v=192, softcap=False, alibi=False, kv_format=1, arch="sm_89"),
+    dict(dtype=1, head_dim=256, head_dim_v=64, softcap=False, alibi=False, kv_format=1, arch="sm_90a"),
+]
+
+
+def _fp8_request(**fields):
+  return dict(direction="forward", decode=True, **fields)
+
+
+def test_fp8_kv_decode_configurations_compile(cache_dir):
+  _nvrtc_or_skip()
+  configs = [_fp8_request(**c) for c in FP8_DECODE_CONFIGS]
+  assert aot.compile_all(configs, jobs=os.cpu_count() or 1, log=lambda s: None) == []
+  names = {ext.kernel_name(c) for c in configs}
+  assert "dec_fp16_kv_e4m3_d64_dv64_softcap_sm_90a_decode_n64" in names
+  assert "dec_bf16_kv_e5m2_d128_dv128_alibi_sm_90a_decode_n64" in names
+
+
+def test_fp8_kv_decode_modules_name_their_format():
+  # The kernels take the KV element as their last template argument; 16-bit K/V keep their names and their element.
+  config = _fp8_request(dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False, kv_format=2, arch="sm_90a")
+  assert "te_jax::LogitsVariant<false, false, false, false>, 1, 3, te_jax::cuda::E5M2>" in ext.render_source(config)
+  plain = dict(config, kv_format=0)
+  assert ext.kernel_name(plain) == "dec_bf16_d128_dv128_scaled_sm_90a_decode_n64"
+  assert "1, 3, te_jax::cuda::BFloat16>" in ext.render_source(plain)
+
+
+@pytest.mark.parametrize("change, arch, message", [
+    (dict(seqlen_q=17), "sm_90a", "at most 16 query positions"),
+    (dict(), "sm_80", "on sm_89 and newer"),
+    (dict(head_dim=72, head_dim_v=72), "sm_90a", "multiples of 16"),
+    (dict(has_bias=True, bias_dtype=1, bias_broadcast=0), "sm_90a", "at most 16 query positions"),
+])
+def test_fp8_kv_calls_the_decode_kernels_do_not_serve_are_refused(change, arch, message):
+  params = dict(_decode_params(2, 100), kv_format=1)
+  assert ext.call_kernel_name(params, "forward", "sm_90a") == "dec_bf16_kv_e4m3_d128_dv128_scaled_sm_90a_decode_n64"
+  with pytest.raises(ValueError, match="read an FP8 KV cache in the decode kernels only: .*" + message):
+    ext.call_kernel_name(dict(params, **change), "forward", arch)
+  # The same decision, as the lowering asks it (te_jax/_primitives.py _refuse_unread_kv_cache).
+  assert ext.fp8_kv_refusal(params, "forward", "sm_90a") is None
+  assert re.search(message, ext.fp8_kv_refusal(dict(params, **change), "forward", arch))
+  assert "the forward" in ext.fp8_kv_refusal(params, "backward", "sm_90a")
+  with pytest.raises(ValueError, match="takes an FP8 KV cache call's params"):
+    ext.fp8_kv_refusal(dict(params, kv_format=0), "forward", "sm_90a")
+
+
+def test_fp8_kv_decode_takes_the_deep_ring_at_head_dim_256():
+  # Half-size stages: at d 256 an FP8 stage is 16-bit d 128's 32 KB, so the module has the deep (three-stage) ring and
+  # the shallow one, as 16-bit d 128's has; 16-bit d 256's has one ring (three entries).
+  fp8 = _fp8_request(dtype=1, head_dim=256, head_dim_v=256, softcap=False, alibi=False, kv_format=1, arch="sm_90a")
+  assert "te_jax_attention_decode_rows16_shallow(" in ext.render_source(fp8)
+  assert "te_jax_attention_decode_rows16_shallow(" not in ext.render_source(dict(fp8, kv_format=0))
+  # 16-bit K/V keep their depths: a head dim above 128 takes the two-stage ring, whatever the other's bytes.
+  for d, dv in ((64, 192), (192, 64)):
+    plain = dict(fp8, kv_format=0, head_dim=d, head_dim_v=dv)
+    assert "te_jax_attention_decode_rows16_shallow(" not in ext.render_source(plain)

@@ -320,12 +320,89 @@ def test_fp8_paged_attention_gradient_of_q_and_refusals():
     call(q.astype(jnp.float8_e4m3fn))
 
 
-@pytest.mark.parametrize("sq", [1, 20], ids=["in-place", "gathered"])
-def test_fp8_paged_attention_gpu_lowering_refuses(sq):
-  k8, kd, v8, vd, table, lengths = _paged_case("head")
+@pytest.fixture()
+def cuda_lowering(monkeypatch):
+  """Lowering for cuda on this machine: the CUDA backend without its GPU-time hook (compiling for the device), its FP8
+  KV cache decision taken for the arch `arch(name)` sets (sm_90a by default) through the extension's own binding."""
+  ext = pytest.importorskip("te_jax._te_jax_cuda", reason="te_jax was built without its CUDA backend")
+  import dataclasses
+  from te_jax import _backends, _cuda  # noqa: F401 (registers the backend)
+  arch = ["sm_90a"]
+  backend = dataclasses.replace(_backends.backend_for("cuda"), prepare=None,
+                                fp8_kv_refusal=lambda params, direction: ext.fp8_kv_refusal(params, direction, arch[0]))
+  monkeypatch.setitem(_backends._BACKENDS, "cuda", backend)
+  def lower(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  lower.arch = lambda name: arch.__setitem__(0, name)
+  return lower
+
+
+def _custom_calls(text):
+  return [line for line in text.splitlines() if "stablehlo.custom_call @te_jax_attention_forward_cuda" in line]
+
+
+@pytest.mark.parametrize("granularity, descale", [("page", "2x13x2xf32"), ("head", "2x1x2xf32"),
+                                                  ("tensor", "2x1x1xf32")])
+def test_fp8_paged_decode_lowers_for_cuda_to_the_decode_kernels_over_the_pool(cuda_lowering, granularity, descale):
+  """An FP8 KV cache decode (at most 16 query positions) is one custom call on the FP8 pools as they are and the
+  [2, blocks, heads] descale operand: the decode kernels read the bytes."""
+  k8, kd, v8, vd, table, lengths = _paged_case(granularity)
   fn = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd)
-  with pytest.raises(Exception, match="FP8 attention .* has no cuda kernels in te_jax yet"):
-    jax.jit(fn).trace(normal(62, (3, sq, 8, 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+  calls = _custom_calls(cuda_lowering(fn, normal(62, (3, 16, 8, 32), jnp.bfloat16)))
+  assert len(calls) == 1, calls
+  assert calls[0].count("tensor<13x16x2x32xf8E4M3FN>") == 2 and f"tensor<{descale}>" in calls[0], calls[0]
+
+
+def test_fp8_paged_attention_beyond_the_decode_kernels_gathers_in_q_dtype_on_cuda(cuda_lowering):
+  """More than 16 query positions: the gathered formulation on CUDA dequantizes the pools to q's dtype (its kernels
+  compute in bfloat16/float16), a call in that dtype."""
+  k8, kd, v8, vd, table, lengths = _paged_case("head")
+  fn = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd, engine="te")
+  calls = _custom_calls(cuda_lowering(fn, normal(62, (3, 20, 8, 32), jnp.bfloat16)))
+  assert len(calls) == 1 and "f8E4M3FN" not in calls[0] and "tensor<3x64x2x32xbf16>" in calls[0], calls
+
+
+def test_fp8_paged_attention_gradient_on_cuda_is_over_the_pages_in_q_dtype(cuda_lowering):
+  k8, kd, v8, vd, table, lengths = _paged_case("page")
+  loss = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd,
+                                          engine="te").astype(jnp.float32).sum()
+  text = cuda_lowering(jax.grad(loss), normal(62, (3, 1, 8, 32), jnp.bfloat16))
+  backward = [line for line in text.splitlines() if "custom_call @te_jax_attention_backward_cuda" in line]
+  assert len(backward) == 1 and "f8E4M3FN" not in backward[0] and "tensor<3x64x2x32xbf16>" in backward[0], backward
+
+
+def test_fp8_kv_cache_fused_attn_decode_lowers_for_cuda(cuda_lowering):
+  k8, kd = quantize_fp8(normal(70, (2, 80, 2, 64)), dtype=jnp.float8_e5m2, per_head=True)
+  v8, vd = quantize_fp8(normal(71, (2, 80, 2, 64)), dtype=jnp.float8_e5m2, per_head=True)
+  fn = lambda q: te_jax.fused_attn(q, k8, v8, k_descale=kd, v_descale=vd, mask_type="causal_bottom_right")
+  calls = _custom_calls(cuda_lowering(fn, normal(72, (2, 1, 8, 64), jnp.float16)))
+  assert len(calls) == 1 and calls[0].count("tensor<2x80x2x64xf8E5M2>") == 2 and "tensor<2x1x2xf32>" in calls[0]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("queries", "a forward of at most 16 query positions"),
+    ("arch", "on sm_89 and newer"),
+    ("head_dim", r"multiples of 16 .*\(40, 40\)"),
+])
+def test_fp8_kv_cache_calls_the_cuda_kernels_do_not_serve_raise_why_and_what_to_do(cuda_lowering, case, message):
+  d = 40 if case == "head_dim" else 32
+  k8, kd = quantize_fp8(normal(73, (2, 64, 2, d)), per_head=True)
+  v8, vd = quantize_fp8(normal(74, (2, 64, 2, d)), per_head=True)
+  if case == "arch":
+    cuda_lowering.arch("sm_80")
+  fn = lambda q: te_jax.fused_attn(q, k8, v8, k_descale=kd, v_descale=vd, mask_type="causal_bottom_right")
+  q = normal(75, (2, 20 if case == "queries" else 1, 8, d), jnp.bfloat16)
+  with pytest.raises(ValueError, match=f"this FP8 KV cache call has no cuda kernel: .*{message}.*Dequantize the cache "
+                                       r"to q's dtype first \(te_jax.dequantize_fp8"):
+    cuda_lowering(fn, q)
+
+
+def test_fp8_kv_cache_gradient_on_cuda_is_refused(cuda_lowering):
+  """The backward attends over the dequantized cache in float32, the CPU's reference: refused on a GPU."""
+  k8, kd = quantize_fp8(normal(76, (2, 64, 2, 32)), per_head=True)
+  fn = jax.grad(lambda q: te_jax.fused_attn(q, k8, k8, k_descale=kd, v_descale=kd).astype(jnp.float32).sum())
+  with pytest.raises(ValueError, match="or the gradient of an FP8 KV cache call.* has no cuda kernels in te_jax yet"):
+    cuda_lowering(fn, normal(77, (2, 1, 8, 32), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head", "page", None])

@@ -155,8 +155,9 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
 }
 
 // k's and v's storage: q's dtype (the kv_descale operand a [1, 1, 1] placeholder), or an FP8 KV cache with descales
-// per block of keys (1, pages, or batch entries) and per K/V head (1 or Hkv).
-Status CheckKvFormat(const AttentionParams& p, Backend backend) {
+// per block of keys (1, pages, or batch entries) and per K/V head (1 or Hkv). Which FP8 calls the CUDA kernels serve
+// is their module decision's (cpp/cuda/kernel_config.h Fp8Refusal).
+Status CheckKvFormat(const AttentionParams& p) {
   if (static_cast<int>(p.kv_format) >= kNumKvFormats) {
     return Status::InvalidArgument("kv_format must be as_q (0), e4m3 (1) or e5m2 (2), got code " +
                                    Str(static_cast<int>(p.kv_format)));
@@ -176,10 +177,6 @@ Status CheckKvFormat(const AttentionParams& p, Backend backend) {
                                    (paged ? " (the pool's pages)" : " (the batch entries)") + " and heads 1 or " +
                                    Str(p.num_kv_heads) + ", got [2, " + Str(p.kv_descale_blocks) + ", " +
                                    Str(p.kv_descale_heads) + "]");
-  }
-  if (backend == Backend::kCuda) {
-    return Status::InvalidArgument("an FP8 KV cache (float8 k and v with descales) has no CUDA kernels yet: dequantize "
-                                   "it (te_jax.dequantize_fp8) or run the call on the CPU backend");
   }
   return Status::Ok();
 }
@@ -220,7 +217,7 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
   TE_JAX_RETURN_IF_ERROR(CheckPaging(p, backend));
-  TE_JAX_RETURN_IF_ERROR(CheckKvFormat(p, backend));
+  TE_JAX_RETURN_IF_ERROR(CheckKvFormat(p));
   TE_JAX_RETURN_IF_ERROR(CheckFlex(p, backend));
   const bool packed = p.has_segment_ids || p.has_positions;
   if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {

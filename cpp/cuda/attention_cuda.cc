@@ -245,11 +245,15 @@ namespace {
 // one split, the combine kernel (a warp per query row).
 Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const AttentionParams& p,
                     const ForwardBuffers& b, const ForwardArgs& args, CUdevice device, CUstream stream) {
-  int multiprocessors = 0, smem_per_multiprocessor = 0;
+  int multiprocessors = 0, smem_per_multiprocessor = 0, registers_per_multiprocessor = 0;
   CUresult r = driver->cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);
   if (r == CUDA_SUCCESS) {
     r = driver->cuDeviceGetAttribute(&smem_per_multiprocessor,
                                      CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, device);
+  }
+  if (r == CUDA_SUCCESS) {
+    r = driver->cuDeviceGetAttribute(&registers_per_multiprocessor,
+                                     CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, device);
   }
   if (r != CUDA_SUCCESS) return Status::Internal("cannot read the GPU's multiprocessors: " + driver->ErrorString(r));
   // The kernels keep a key's row (in the batch's K/V or in the page pool) as a 32-bit index.
@@ -258,8 +262,9 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
     return Status::InvalidArgument("the decode kernels address at most 2^31 - 1 key rows, this call's K/V hold " +
                                    std::to_string(rows));
   }
-  const DecodeGeometry g =
-      DecodeGeometryOnGpu(p, module->smem_bytes.data(), module->count(), multiprocessors, smem_per_multiprocessor);
+  const DecodeGeometry g = DecodeGeometryOnGpu(p, module->smem_bytes.data(), module->count(), multiprocessors,
+                                               smem_per_multiprocessor, module->registers.data(),
+                                               registers_per_multiprocessor);
   const int64_t partial_rows = g.splits * p.batch * p.seqlen_q * p.num_heads;
   if (g.splits > 1) {
     TE_JAX_RETURN_IF_ERROR(
@@ -279,20 +284,25 @@ Status LaunchDecode(const DriverApi* driver, const LoadedModule* module, const A
                     b.page_table,
                     p.page_size,
                     p.num_pages,
+                    KvDescales{b.kv_descale, p.kv_descale_blocks, p.kv_descale_heads},
                     {},
                     {}};
   // TMA copies the K and V stages where the arch has it and the stages are swizzled tiles (kernels/decode/
   // attention_decode.cuh kTmaStages, the same conditions): a contiguous call's [B, Skv] rows a stage as one 64-row box,
   // a paged call's pool as one sequence of num_pages x page_size rows (32-bit coordinates: `rows` above) in boxes
-  // within a page (PagedBoxRows). Without K/V rows (no keys, an empty pool) the kernels read none: no maps.
-  const int dp = PadHeadDim(static_cast<int>(p.head_dim)), dvp = PadHeadDim(static_cast<int>(p.head_dim_v));
-  if (module->tma && rows > 0 && decode::SwizzledStage(dp) && decode::SwizzledStage(dvp)) {
+  // within a page (PagedBoxRows). Without K/V rows (no keys, an empty pool) the kernels read none: no maps. An FP8
+  // cache's maps see its rows as the 16-bit byte pairs its stages hold (decode/tile_size.h StageCols).
+  const int kv_bytes = KvElementSize(p.dtype, p.kv_format);
+  const int k_cols = static_cast<int>(p.head_dim) * kv_bytes / 2;
+  const int v_cols = static_cast<int>(p.head_dim_v) * kv_bytes / 2;
+  if (module->tma && rows > 0 && decode::SwizzledStage(decode::StageCols(static_cast<int>(p.head_dim), kv_bytes)) &&
+      decode::SwizzledStage(decode::StageCols(static_cast<int>(p.head_dim_v), kv_bytes))) {
     const bool paged = p.page_size > 0;
     const int64_t batch = paged ? 1 : p.batch, seqlen = paged ? rows : p.seqlen_kv;
     const int box_rows = paged ? decode::PagedBoxRows(p.page_size) : decode::kBlockN;
-    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.k, batch, seqlen, p.num_kv_heads, p.head_dim,
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.k, batch, seqlen, p.num_kv_heads, k_cols,
                                                 box_rows, &decode.k_map));
-    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.v, batch, seqlen, p.num_kv_heads, p.head_dim_v,
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.v, batch, seqlen, p.num_kv_heads, v_cols,
                                                 box_rows, &decode.v_map));
   }
   TE_JAX_RETURN_IF_ERROR(Launch(driver, module->kernels[g.kernel], "attention decode", static_cast<unsigned>(g.splits),

@@ -37,8 +37,9 @@ DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots) {
   g.row_blocks = g.head_blocks * static_cast<int>(CeilDiv(p.seqlen_q, g.positions_per_block));
   g.ctas_per_split = p.batch * p.num_kv_heads * g.row_blocks;
   int64_t wave = slots.deep;
-  const bool shallower = decode::kShallowStages < decode::DeepStages(static_cast<int>(p.head_dim),
-                                                                    static_cast<int>(p.head_dim_v));
+  const bool shallower =
+      decode::kShallowStages < decode::DeepStages(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
+                                                  KvElementSize(p.dtype, p.kv_format));
   if (g.kernel == 0 && shallower && g.ctas_per_split <= slots.shallow) {
     g.kernel = decode::kShallowKernel;
     wave = slots.shallow;
@@ -60,11 +61,17 @@ int64_t DecodeWorkspaceBytes(const AttentionParams& p) {
 }
 
 DecodeGeometry DecodeGeometryOnGpu(const AttentionParams& p, const int* smem_bytes, int count, int multiprocessors,
-                                   int smem_per_multiprocessor) {
+                                   int smem_per_multiprocessor, const int* registers,
+                                   int registers_per_multiprocessor) {
   const auto slots = [&](int kernel) -> int64_t {
     if (kernel >= count) return 0;
-    // Each CTA also takes 1 KB of shared memory the driver reserves.
-    const int64_t per_sm = std::max(1, smem_per_multiprocessor / (smem_bytes[kernel] + 1024));
+    // Each CTA also takes 1 KB of shared memory the driver reserves; a warp's registers are allocated in 256s.
+    int per_sm = smem_per_multiprocessor / (smem_bytes[kernel] + 1024);
+    if (registers != nullptr && registers[kernel] > 0) {
+      const int warp_registers = (registers[kernel] * 32 + 255) / 256 * 256;
+      per_sm = std::min(per_sm, registers_per_multiprocessor / (warp_registers * (decode::kThreads / 32)));
+    }
+    per_sm = std::max(1, per_sm);
     return std::min<int64_t>(kMaxSlots, static_cast<int64_t>(multiprocessors) * per_sm);
   };
   return DecodeGeometryFor(p, {slots(DecodeKernelFor(p)), slots(decode::kShallowKernel)});

@@ -44,8 +44,11 @@ int64_t DecodeWorkspaceBytes(const AttentionParams& p);
 
 // DecodeGeometryFor on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor` bytes of shared memory each, the
 // decode module's entry points taking smem_bytes[0 .. count) (LoadedModule's; a module without the shallow ring's
-// entry point has count <= kShallowKernel).
+// entry point has count <= kShallowKernel). With `registers` (LoadedModule's, per entry point) and the SM's register
+// file, an SM's CTAs are also bounded by their registers: an FP8 KV cache's half-size stages fit more CTAs than its
+// registers do (d 128, shallow ring: 5 by shared memory, 3 by 158 registers a thread).
 DecodeGeometry DecodeGeometryOnGpu(const AttentionParams& p, const int* smem_bytes, int count, int multiprocessors,
-                                   int smem_per_multiprocessor);
+                                   int smem_per_multiprocessor, const int* registers = nullptr,
+                                   int registers_per_multiprocessor = 0);
 
 }  // namespace te_jax::cuda

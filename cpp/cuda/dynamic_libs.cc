@@ -53,6 +53,7 @@ Status GetDriver(const DriverApi** api) {
     Bind(lib, "cuLibraryLoadData", &driver.cuLibraryLoadData, &missing);
     Bind(lib, "cuLibraryGetKernel", &driver.cuLibraryGetKernel, &missing);
     Bind(lib, "cuKernelSetAttribute", &driver.cuKernelSetAttribute, &missing);
+    Bind(lib, "cuKernelGetAttribute", &driver.cuKernelGetAttribute, &missing);
     Bind(lib, "cuLaunchKernel", &driver.cuLaunchKernel, &missing);
     Bind(lib, "cuLaunchKernelEx", &driver.cuLaunchKernelEx, &missing);
     Bind(lib, "cuMemsetD8Async", &driver.cuMemsetD8Async, &missing);

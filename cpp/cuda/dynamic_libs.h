@@ -23,6 +23,7 @@ struct DriverApi {
                                 unsigned int);
   CUresult (*cuLibraryGetKernel)(CUkernel*, CUlibrary, const char*);
   CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice);
+  CUresult (*cuKernelGetAttribute)(int*, CUfunction_attribute, CUkernel, CUdevice);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                              unsigned int, unsigned int, CUstream, void**, void**);
   CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);  // a dependent launch

@@ -4,6 +4,7 @@
 
 #include "cpp/core/flex_mods.h"
 #include "cpp/core/host_device.h"
+#include "cpp/core/kv_format.h"
 #if !defined(__CUDACC_RTC__)
 #include <cstdint>
 #endif
@@ -163,8 +164,10 @@ struct DecodeArgs {
   const int32_t* page_table;
   int64_t page_size;
   int64_t num_pages;
+  // An FP8 KV cache's descales (kernels built with an FP8 KvElement read them; cpp/core/kv_format.h).
+  KvDescales kv_descales;
   // On sm_90 on where the K and V stages are swizzled tiles (attention_decode.cuh kTmaStages): k and v as tensor maps
-  // (tensor_maps.h) whose copies fill the stages, of 64-row boxes of [B, Skv] rows, or (paged) of the pool's rows in
+  // (tensor_maps.h; an FP8 cache's as 16-bit byte pairs) whose copies fill the stages, of 64-row boxes of [B, Skv] rows, or (paged) of the pool's rows in
   // boxes within a page (decode/tile_size.h PagedBoxRows). The parameter is __grid_constant__, so TMA reads the maps in
   // place.
   TensorMap k_map;

@@ -38,6 +38,11 @@ std::string ModName(const char* kind, const std::string& path) {
   return std::string("_") + kind + path.substr(end >= 16 ? end - 16 : 0, 16);
 }
 
+// An FP8 KV cache's format in module names.
+const char* KvFormatName(KvFormat format) {
+  return format == KvFormat::kE4M3 ? "_kv_e4m3" : format == KvFormat::kE5M2 ? "_kv_e5m2" : "";
+}
+
 // The bias's element type in module names.
 const char* BiasName(DType dtype) {
   return dtype == DType::kFloat32 ? "_bias_f32" : dtype == DType::kBFloat16 ? "_bias_bf16" : "_bias_fp16";
@@ -85,7 +90,8 @@ std::string KernelConfig::BaseName() const {
   if (kind == ModuleKind::kLengthGuard) return "length_guard_" + arch;
   const bool sm90 = Family() == KernelFamily::kSm90;
   const char* what = decode ? "dec" : direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
-  std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" +
+  std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") +
+                     KvFormatName(kv_format) + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
                      VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + (dropout ? "_dropout" : "") +
                      (bias ? BiasName(bias_dtype) : "") + ModName("score", score_mod) + ModName("mask", mask_mod) +
@@ -125,6 +131,10 @@ Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
     return Status::InvalidArgument("the decode kernels take no tokens (segment ids, positions)");
   }
   if (r.decode && r.bias) return Status::InvalidArgument("the decode kernels take no bias");
+  if (IsFp8(r.kv_format)) {
+    const std::string refusal = Fp8Refusal(r);
+    if (!refusal.empty()) return Status::InvalidArgument(refusal);
+  }
   if (r.bias_fits_tma && !r.bias) return Status::InvalidArgument("bias_fits_tma applies to a bias (bias_dtype) only");
   *config = r;
   config->kind = ModuleKind::kAttention;
@@ -144,6 +154,23 @@ Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
   return Status::Ok();
 }
 
+std::string Fp8Refusal(const KernelConfig& r) {
+  const std::string what = "te_jax's CUDA kernels read an FP8 KV cache in the decode kernels only: ";
+  if (r.direction != Direction::kForward) return what + "the forward (the backward takes the dequantized values)";
+  if (!r.decode) {
+    return what + "a forward of at most " + std::to_string(kMaxDecodeSeqlenQ) +
+           " query positions without segment ids, positions, dropout, a bias or score/mask mods";
+  }
+  if (ArchNumber(r.arch) < 89) {
+    return what + "on sm_89 and newer (their f16 products convert FP8 with cvt), not " + r.arch;
+  }
+  if (r.head_dim % 16 != 0 || r.head_dim_v % 16 != 0) {
+    return what + "head dims that are multiples of 16 (rows of whole 16-byte chunks), not (" +
+           std::to_string(r.head_dim) + ", " + std::to_string(r.head_dim_v) + ")";
+  }
+  return "";
+}
+
 KernelConfig RequestFor(const AttentionParams& params, Direction direction, const std::string& arch) {
   KernelConfig r;
   r.direction = direction;
@@ -154,6 +181,7 @@ KernelConfig RequestFor(const AttentionParams& params, Direction direction, cons
   r.alibi = params.has_alibi;
   r.deterministic = direction == Direction::kBackward && params.deterministic;
   r.decode = direction == Direction::kForward && UsesDecodeKernels(params);
+  r.kv_format = params.kv_format;
   r.tokens = UsesTokens(params);
   r.dropout = params.dropout_threshold > 0;
   r.bias = params.has_bias;

@@ -38,6 +38,9 @@ struct KernelConfig {
   bool deterministic = false;
   // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
   bool decode = false;
+  // How k and v are stored: in dtype, or an FP8 KV cache, which the decode kernels alone serve (on sm_89 and newer, head
+  // dims multiples of 16: FP8Refusal).
+  KvFormat kv_format = KvFormat::kAsQ;
   // Segment ids or positions (packed sequences): the kernels built with the variant's token mask, and the
   // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. Both families serve them.
   bool tokens = false;
@@ -85,6 +88,10 @@ struct KernelConfig {
 // default backward does not accumulate dq (kernels/common/tile_size.h), of the family that follows from the rest
 // (KernelConfig::Family). A request no module serves is an InvalidArgument naming what is wrong.
 Status ConfigFor(const KernelConfig& requested, KernelConfig* config);
+
+// Why no module serves an FP8 KV cache request (kv_format an FP8 format): empty where the decode kernels serve it.
+// The one decision of which FP8 calls run on te_jax's CUDA kernels (the others are the Python layer's to dequantize).
+std::string Fp8Refusal(const KernelConfig& requested);
 
 // The request of a validated call's params.
 KernelConfig RequestFor(const AttentionParams& params, Direction direction, const std::string& arch);

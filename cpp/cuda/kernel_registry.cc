@@ -5,6 +5,8 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "cpp/cuda/dynamic_libs.h"
 #include "cpp/cuda/jit_cache.h"
@@ -131,6 +133,19 @@ Status GetLoadedModule(const KernelConfig& config, CUdevice device, const Loaded
     report->path = entry->path;
   }
   if (entry->devices.count(device) == 0) {
+    // The registers once, before any launch reads them: launches on other devices read them without the lock.
+    if (entry->module.registers.empty()) {
+      std::vector<int> registers(entry->module.count(), 0);
+      for (int i = 0; i < entry->module.count(); ++i) {
+        const CUresult r = driver->cuKernelGetAttribute(&registers[i], CU_FUNC_ATTRIBUTE_NUM_REGS,
+                                                        entry->module.kernels[i], device);
+        if (r != CUDA_SUCCESS) {
+          return Status::Internal("cannot read the registers of te_jax kernel " + config.Name() + ": " +
+                                  driver->ErrorString(r));
+        }
+      }
+      entry->module.registers = std::move(registers);
+    }
     for (int i = 0; i < entry->module.count(); ++i) {
       if (entry->module.smem_bytes[i] <= 48 * 1024) continue;
       const CUresult r = driver->cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -31,6 +31,9 @@ struct LoadedModule {
   // The module's entries (kernel_module.h), in its order: the kernels and the dynamic shared memory each needs.
   std::vector<CUkernel> kernels;
   std::vector<int> smem_bytes;
+  // The registers a thread of each kernel takes (read on the first device that loads the module), which with the
+  // shared memory bound how many CTAs an SM holds (decode_geometry.h).
+  std::vector<int> registers;
   int count() const { return static_cast<int>(kernels.size()); }
   bool dependent_launch = false;  // DependentLaunch(its arch)
   bool tma = false;  // HasTma(its arch)

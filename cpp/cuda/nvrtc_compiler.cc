@@ -22,10 +22,10 @@ std::string& KernelRoot() {
 }
 
 // The headers a kernel TU may include: the device-only kernel tree and the shared headers it uses.
-const char* const kSharedHeaders[] = {"cpp/core/flex_math.h", "cpp/core/flex_mods.h",   "cpp/core/host_device.h",
-                                      "cpp/core/kv_rows.h",   "cpp/core/mask_type.h",   "cpp/core/philox.h",
-                                      "cpp/core/sink.h",      "cpp/core/variants.h",    "cpp/core/visible_keys.h",
-                                      "cpp/cuda/kernel_args.h"};
+const char* const kSharedHeaders[] = {"cpp/core/flex_math.h", "cpp/core/flex_mods.h", "cpp/core/host_device.h",
+                                      "cpp/core/kv_format.h", "cpp/core/kv_rows.h",   "cpp/core/mask_type.h",
+                                      "cpp/core/philox.h",    "cpp/core/sink.h",      "cpp/core/variants.h",
+                                      "cpp/core/visible_keys.h", "cpp/cuda/kernel_args.h"};
 const char* const kKernelTree = "cpp/cuda/kernels";
 
 }  // namespace

@@ -447,18 +447,29 @@ def _fp8_cache_workload(charged: dict, case: Case) -> dict:
   return charged
 
 
+def _fp8_cache_why_not(case: Case, platform: str) -> str | None:
+  """The GPU reads an FP8 KV cache in its decode kernels only (cpp/cuda/kernel_config.cc Fp8Refusal): beyond them
+  fused_attn refuses the call and paged_attention dequantizes the pages, which measures no FP8 read."""
+  if platform == "gpu" and (case.seq_q > 16 or case.head_dim % 16):
+    return "the GPU reads an FP8 KV cache in its decode kernels: at most 16 queries, head dims multiples of 16"
+  return None
+
+
 class Fp8CacheBackend(TeJaxBackend):
   """te_jax.fused_attn over a contiguous FP8 KV cache: k and v quantized to e4m3 per kv head in setup
   (te_jax.quantize_fp8), q in the case's dtype; the kernels read the cache as it is. Forward only (its gradient is q's
-  alone). On the CPU only until te_jax has FP8 kernels on the GPU (te_jax/fp8.py)."""
+  alone)."""
 
   def __init__(self):
     super().__init__("ffi", "te")
     self.name = "te_jax-fp8-cache"
     self.label = "te_jax, FP8 KV cache (e4m3, a descale per kv head)"
     self.url = "te_jax.fused_attn(k_descale=..., v_descale=...) on te_jax.quantize_fp8(per_head=True)"
-    self.caps = dataclasses.replace(self.caps, platforms={"cpu": ALL}, modes=("fwd",))
+    self.caps = dataclasses.replace(self.caps, modes=("fwd",))
     self.fp8 = True
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    return super().extra_why_not(case, mode, platform) or _fp8_cache_why_not(case, platform)
 
   def fwd_operands(self, case: Case, q, k, v) -> tuple:
     import te_jax
@@ -478,16 +489,17 @@ class Fp8CacheBackend(TeJaxBackend):
 
 class PagedFp8Backend(PagedBackend):
   """te_jax.paged_attention over an FP8 KV cache: the paged layout's pools quantized to e4m3 with a descale per page
-  and kv head in setup (te_jax.quantize_kv_pages), q in the case's dtype. Its K/V bytes are the FP8 pools'. On the CPU
-  only until te_jax has FP8 kernels on the GPU (te_jax/fp8.py)."""
+  and kv head in setup (te_jax.quantize_kv_pages), q in the case's dtype. Its K/V bytes are the FP8 pools'."""
 
   def __init__(self, page_size: int):
     super().__init__(page_size)
     self.name = f"te_jax-fp8-paged{page_size}"
     self.label = f"te_jax paged attention, FP8 cache ({page_size}-token pages)"
     self.url = "te_jax.paged_attention(k_descale=..., v_descale=...) on te_jax.quantize_kv_pages(granularity='page')"
-    self.caps = dataclasses.replace(self.caps, platforms={"cpu": ALL})
     self.fp8 = True
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    return super().extra_why_not(case, mode, platform) or _fp8_cache_why_not(case, platform)
 
   def fwd_operands(self, case: Case, q, k, v) -> tuple:
     import te_jax

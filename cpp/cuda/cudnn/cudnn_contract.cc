@@ -35,6 +35,9 @@ Status CheckCudnnContract(const AttentionParams& p) {
   if (p.page_size > 0) {
     return Status::InvalidArgument("the cuDNN engine does not read a paged KV cache (te_jax's decode kernels do)");
   }
+  if (IsFp8(p.kv_format)) {
+    return Status::InvalidArgument("the cuDNN engine does not read an FP8 KV cache (te_jax's decode kernels do)");
+  }
   if (p.has_bias) {
     // cuDNN's SDPA takes a bias (and gives dbias for some broadcast shapes), not wired up yet; te_jax's kernels serve it.
     return Status::InvalidArgument("the cuDNN engine does not take a bias (te_jax's kernels do)");

@@ -27,6 +27,12 @@ std::string ElementType(DType dtype) {
                                      : "te_jax::cuda::Float16";
 }
 
+std::string KvElementType(const KernelConfig& c) {
+  return c.kv_format == KvFormat::kE4M3   ? "te_jax::cuda::E4M3"
+         : c.kv_format == KvFormat::kE5M2 ? "te_jax::cuda::E5M2"
+                                          : ElementType(c.dtype);
+}
+
 std::string RowKernelTemplateArgs(const KernelConfig& c) {
   return ElementType(c.dtype) + ", " + std::to_string(c.head_dim) + ", " + std::to_string(c.head_dim_v);
 }

@@ -7,12 +7,21 @@
 #pragma once
 
 #include "cpp/cuda/kernels/primitives/element.h"
+#include "cpp/cuda/kernels/primitives/fp8_tile.h"
 #include "cpp/cuda/kernels/primitives/padded_tile.h"
 
 namespace te_jax::cuda {
 
 // The scans below reach elements through the tile's At(row, col) (PaddedTile's padded rows, XorSwizzledTile's permuted
-// chunks); a 16-byte chunk (8 columns from a multiple of 8) is stored whole in both.
+// chunks); a 16-byte chunk (8 columns from a multiple of 8) is stored whole in both. Element is the type of the values
+// the tile holds: its 16-bit columns are byte pairs of an FP8 tile (primitives/fp8_tile.h), whose every byte is tested.
+
+// Element (row, col) of a tile of Element, in the low bits.
+template <typename Element, typename Tile>
+__device__ __forceinline__ uint32_t ElementAt(const Tile& tile, int row, int col) {
+  if constexpr (Element::kBytes == 1) return reinterpret_cast<const uint8_t*>(tile.At(row, col >> 1))[col & 1];
+  return *tile.At(row, col);
+}
 
 // Whether any element of the tile (padding included: the loader zero-fills it) is inf or NaN; every thread of the CTA
 // calls it between barriers, and each looks at its share of 16-byte chunks.
@@ -22,12 +31,8 @@ __device__ __forceinline__ bool ThreadSeesNonFinite(const Tile& tile, int tid) {
   bool any = false;
   for (int c = tid; c < Tile::kRows * kChunksPerRow; c += kThreads) {
     const uint4 chunk = *reinterpret_cast<const uint4*>(tile.At(c / kChunksPerRow, c % kChunksPerRow * 8));
-    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      any |= IsNonFinite<Element>(static_cast<uint16_t>(words[w])) ||
-             IsNonFinite<Element>(static_cast<uint16_t>(words[w] >> 16));
-    }
+    any |= WordHasNonFinite<Element>(chunk.x) || WordHasNonFinite<Element>(chunk.y) ||
+           WordHasNonFinite<Element>(chunk.z) || WordHasNonFinite<Element>(chunk.w);
   }
   return any;
 }
@@ -35,16 +40,16 @@ __device__ __forceinline__ bool ThreadSeesNonFinite(const Tile& tile, int tid) {
 // Replaces every inf and NaN of the tile by 0 (each thread its share; a barrier must follow before the tile is read).
 template <typename Element, int kThreads, typename Tile>
 __device__ __forceinline__ void ZeroNonFinite(const Tile& tile, int tid) {
-  constexpr int kCols = Tile::kCols;
-  for (int e = tid; e < Tile::kRows * kCols; e += kThreads) {
-    uint16_t& x = *tile.At(e / kCols, e % kCols);
-    if (IsNonFinite<Element>(x)) x = 0;
+  constexpr int kWords = Tile::kCols / 2;  // a word: two 16-bit columns, 4-byte aligned in both tiles
+  for (int e = tid; e < Tile::kRows * kWords; e += kThreads) {
+    uint32_t& w = *reinterpret_cast<uint32_t*>(tile.At(e / kWords, e % kWords * 2));
+    if (WordHasNonFinite<Element>(w)) w = WordWithoutNonFinite<Element>(w);
   }
 }
 
 // Sets o to NaN in the columns where a key the thread's rows see holds a non-finite value (IEEE would give inf or NaN
 // there; the product of the zeroed tile then adds only the finite rest). o holds kMT 16-row m tiles in the m16n8
-// accumulator layout; ranges[16 mt + row] is the visible key range of the m tile's row; the tile's row 0 is key n0, and
+// accumulator layout (columns as FragmentColumn says); ranges[16 mt + row] is the visible key range of the m tile's row; the tile's row 0 is key n0, and
 // the warp multiplies keys [key_begin, key_end) of it. sees(16 mt + row, key) says whether the row sees a key of its
 // range (false where packed sequences' tokens hide it).
 template <typename Element, int kMT, int kN8, typename VTile, typename Sees>
@@ -65,7 +70,7 @@ __device__ __forceinline__ void PoisonColumnsOfNonFiniteValues(float (&o)[kMT][k
         for (int j = 0; j < kN8; ++j)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const uint16_t x = *v_tile.At(key - n0, j * 8 + 2 * t + c);
+            const uint32_t x = ElementAt<Element>(v_tile, key - n0, FragmentColumn<Element>(j, 2 * t + c));
             if (IsNonFinite<Element>(x)) o[mt][j][2 * r + c] = __int_as_float(0x7fffffff);
           }
       }

@@ -10,8 +10,13 @@
 // Masks, variants, lengths and non-finite values follow the sm80 forward (kernels/sm80/attention_fwd.cuh): tiles
 // outside the rows' key ranges are never read, tiles inside every row's range skip the per-element mask, and a CTA
 // whose straddling tiles may have put NaN where no row sees it runs again with the careful product.
+// An FP8 KV cache (KvElement E4M3 or E5M2, cpp/core/kv_format.h) halves the bytes: the stages hold its raw bytes as
+// 16-bit tiles of byte pairs, the products run in f16 on them (primitives/fp8_tile.h: q converted once to f16 in the
+// order its K fragments take, P packed to f16, V's fragments coming out as even and odd columns), and the descales
+// scale the logits and the output (Fp8Scales below).
 #pragma once
 
+#include "cpp/core/kv_format.h"
 #include "cpp/core/kv_rows.h"
 #include "cpp/cuda/kernel_args.h"
 #include "cpp/cuda/kernels/common/block_range.h"
@@ -19,6 +24,7 @@
 #include "cpp/cuda/kernels/common/online_softmax.h"
 #include "cpp/cuda/kernels/decode/tile_size.h"
 #include "cpp/cuda/kernels/primitives/dependent_launch.h"
+#include "cpp/cuda/kernels/primitives/fp8_tile.h"
 #include "cpp/cuda/kernels/primitives/padded_tile.h"
 #include "cpp/cuda/kernels/primitives/pipeline.h"
 #include "cpp/cuda/kernels/primitives/swizzled_tile.h"
@@ -127,37 +133,54 @@ inline constexpr bool kArchHasTma = true;
 inline constexpr bool kArchHasTma = false;
 #endif
 
-// kStages: the ring's depth (tile_size.h: the deep ring, or the shallow one that fits more CTAs on an SM).
-template <typename Element, int kD, int kDv, typename Variant, int kRowTiles, int kStages>
+// The power of two just above a positive finite x, within float's normal range (2^-126 to 2^127).
+__device__ __forceinline__ float PowerOfTwoAbove(float x) {
+  return __int_as_float(min((__float_as_int(x) & 0x7F800000) + 0x00800000, 0x7F000000));
+}
+
+// kStages: the ring's depth (tile_size.h: the deep ring, or the shallow one that fits more CTAs on an SM). KvElement:
+// the type of k and v, Element's or an FP8 format.
+template <typename Element, int kD, int kDv, typename Variant, int kRowTiles, int kStages, typename KvElement>
 struct DecodeKernel {
   static constexpr int kThreads = decode::kThreads;
   static constexpr int kRows = RowsOfTile(kRowTiles);
   static constexpr int kKeySlices = kWarps / kRowTiles;
   static constexpr int kSliceN = kBlockN / kKeySlices;  // keys per warp per stage
-  static constexpr int kDP = PadHeadDim(kD);
-  static constexpr int kDvP = PadHeadDim(kDv);
+  static constexpr bool kFp8 = KvElement::kBytes == 1;
+  using Product = typename ProductElement<Element, KvElement>::Type;  // the mma inputs' type: f16 with FP8 K/V
+  static constexpr int kDP = PadKvDim(kD, KvElement::kBytes);
+  static constexpr int kDvP = PadKvDim(kDv, KvElement::kBytes);
+  // A K or V row's 16-bit columns (byte pairs with FP8), which the copies count.
+  static constexpr int kKCols = kD * KvElement::kBytes / 2;
+  static constexpr int kVCols = kDv * KvElement::kBytes / 2;
   using QTile = PaddedTile<kRows, kDP>;
-  using KTile = typename StageTileOf<kBlockN, kDP>::Type;
-  using VTile = typename StageTileOf<kBlockN, kDvP>::Type;
+  using KTile = typename StageTileOf<kBlockN, StageCols(kD, KvElement::kBytes)>::Type;
+  using VTile = typename StageTileOf<kBlockN, StageCols(kDv, KvElement::kBytes)>::Type;
+  using KOperand = typename KvOperand<KvElement, KTile>::Type;  // what the products read of a stage
+  using VOperand = typename KvOperand<KvElement, VTile>::Type;
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
   // TMA for the stages of this build's calls, contiguous and paged: stage tiles in XorSwizzledTile's layout.
-  static constexpr bool kTmaStages = kArchHasTma && SwizzledStage(kDP) && SwizzledStage(kDvP);
+  static constexpr bool kTmaStages = kArchHasTma && SwizzledStage(KTile::kCols) && SwizzledStage(VTile::kCols);
   // From a 1024-byte-aligned base (tile_size.h SmemBytes), the ring first, so its tiles start on the swizzle's atoms.
   static constexpr int kRingOffset = 0;
   static constexpr int kQOffset = kRingOffset + kStages * kStageBytes;
-  static constexpr int kRowsOffset = kQOffset + QTile::kBytes;
+  static constexpr int kRowsOffset = RowsOffset(kD, kDv, kRowTiles, kStages, KvElement::kBytes);
   static constexpr int kKeyRowsOffset = kRowsOffset + kRows * 16;
   static constexpr int kKeyRowSlots = KeyRowSlots(kStages);
-  static constexpr int kBarriersOffset = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
+  static constexpr int kDescalesOffset = kKeyRowsOffset + kKeyRowSlots * kBlockN * 4;
+  static constexpr int kQMaxOffset = kDescalesOffset + (kFp8 ? kKeyRowSlots * kBlockN * 8 : 0);
+  static constexpr int kBarriersOffset = kQMaxOffset + (kFp8 ? 8 : 0);
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + kStages * 8;
-  static constexpr int kPitch = EpiloguePitch(kDv);
+  static constexpr int kPitch = EpiloguePitch(kDvP);
   static_assert(kRowTiles * kKeySlices == kWarps && kSliceN % 16 == 0, "warps split a stage into 16-key multiples");
-  static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles, kStages),
+  static_assert(kSmemBytes == SmemBytes(kD, kDv, kRowTiles, kStages, KvElement::kBytes),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(kStageBytes % 1024 == 0 && KTile::kBytes % 1024 == 0 && kBarriersOffset % 8 == 0,
                 "stage tiles start on 1024-byte swizzle atoms (TMA's swizzle, the bank groups, whole L2 sectors)");
-  static_assert(EpilogueBytes(kDv) + kRows * (kKeySlices + 2) * 4 <= kStages * kStageBytes,
-                "the epilogue fits in the rings");
+  static_assert(!kFp8 || (kD % 16 == 0 && kDv % 16 == 0), "FP8 rows are whole 16-byte chunks");
+  static_assert(kRowsOffset >= kQOffset + QTile::kBytes &&
+                    kRowsOffset >= kWarps * 16 * (kPitch + 2) * 4 + kRows * (kKeySlices + 2) * 4,
+                "the rows' ranges follow the q tile and the epilogue (Smem)");
 
   struct Smem {
     unsigned char* base;
@@ -176,12 +199,18 @@ struct DecodeKernel {
     __device__ __forceinline__ int* KeyRows(int i) const {
       return reinterpret_cast<int*>(base + kKeyRowsOffset) + i % kKeyRowSlots * kBlockN;
     }
+    // FP8 with descales per page: each key's (k, v) descales, in the slot of its key-row table.
+    __device__ __forceinline__ float2* Descales(int i) const {
+      return reinterpret_cast<float2*>(base + kDescalesOffset) + i % kKeyRowSlots * kBlockN;
+    }
+    // FP8: the largest |q| of the tile, as the 16-bit magnitude's bits (ConvertQ).
+    __device__ __forceinline__ unsigned* QMax() const { return reinterpret_cast<unsigned*>(base + kQMaxOffset); }
     // The stage's TMA copies complete on its barrier (kTmaStages).
     __device__ __forceinline__ uint32_t Full(int stage) const {
       return SmemAddress(base + kBarriersOffset) + stage * 8;
     }
-    // The epilogue, over the rings: each warp's 16 x dv partial output, then each warp's row maxima and sums, then per
-    // CTA row the warps' weights, 1 / sum and lse.
+    // The epilogue, over the rings and the q tile (tile_size.h RowsOffset): each warp's 16 x dv partial output, then
+    // each warp's row maxima and sums, then per CTA row the warps' weights, 1 / sum and lse.
     __device__ __forceinline__ float* PartialOut(int warp) const {
       return reinterpret_cast<float*>(base + kRingOffset) + warp * 16 * kPitch;
     }
@@ -219,6 +248,7 @@ struct DecodeKernel {
       sm.Positions()[r] = rb.Position(r) + static_cast<int>(mask.diag_offset);
       sm.Slopes()[r] = Variant::kHasAlibi && rb.Valid(r) ? args.alibi_slopes[rb.b * s.num_heads + rb.Head(r)] : 0.0f;
     }
+    if (kFp8 && tid == 0) *sm.QMax() = 0u;
 
     // The split's key tiles: its share of the tiles any row of the CTA sees.
     const KeySpan span = KeysOfRows(mask, rb.pos0, rb.positions);
@@ -234,11 +264,28 @@ struct DecodeKernel {
     // Where the keys' rows are (the row index is the same in k and v, whose rows differ in length).
     const KvRows key_rows{s.seqlen_kv, 0, 0, a.page_size, a.num_pages,
                           a.page_size > 0 ? s.seqlen_kv / a.page_size : 0, a.page_table};
-    const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kD;
-    const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kDv;
+    const int64_t k_stride = static_cast<int64_t>(s.num_kv_heads) * kKCols;
+    const int64_t v_stride = static_cast<int64_t>(s.num_kv_heads) * kVCols;
     const uint16_t* k = static_cast<const uint16_t*>(args.k);
     const uint16_t* v = static_cast<const uint16_t*>(args.v);
     const bool paged = key_rows.paged();
+    // FP8: the descales (cpp/core/kv_format.h). One (k, v) pair serves the CTA (per tensor or head, or a contiguous
+    // call's batch entry) but where a paged call's pages have their own: then the row look-ups write each key's pair
+    // beside its row. One pair's k descale folds into the logit scale where it is positive and finite (the softmax's
+    // log2 scale must be > 0), else it multiplies the logits as per-key ones do (0 and NaN reach them as in the
+    // dequantized product, and the mask then hides the keys a row does not see). One pair's v descale scales o where it
+    // is finite, else it multiplies each probability as per-key ones do, a zero probability staying 0 (so a NaN or inf
+    // reaches only the rows that see its keys, as in the dequantized product).
+    const bool descale_per_key = kFp8 && paged && a.kv_descales.blocks > 1;
+    float k_descale = 1.0f, v_descale = 1.0f;
+    if (kFp8 && !descale_per_key) {
+      const int64_t block = a.kv_descales.Block(paged, 0, rb.b);
+      k_descale = a.kv_descales.K(block, rb.kv_head);
+      v_descale = a.kv_descales.V(block, rb.kv_head);
+    }
+    constexpr float kFloatMax = 3.402823466e38f;
+    const bool scores_times_descale = descale_per_key || !(k_descale > 0.0f && k_descale <= kFloatMax);
+    const bool values_times_descale = descale_per_key || !(fabsf(v_descale) <= kFloatMax);
     // A build with TMA stages (the host encoded the maps: attention_cuda.cc): warp 0 copies each stage, which completes
     // on the stage's barrier; else every thread's cp.async copies, which it waits for by group. A contiguous call's
     // stage is one box of 64 rows, so it also holds the rows of the batch entry's K/V past its length up to the tile's
@@ -274,6 +321,12 @@ struct DecodeKernel {
         row = static_cast<int>(key_rows.RowInPage(entry, key));
       }
       sm.KeyRows(i)[key_in_tile] = row;
+      if (descale_per_key) {  // the page's pair (its id clamped as the row's); a key past the length: zeros
+        const int page = row / static_cast<int>(a.page_size);
+        sm.Descales(i)[key_in_tile] = row < 0 ? make_float2(0.0f, 0.0f)
+                                              : make_float2(a.kv_descales.K(page, rb.kv_head),
+                                                            a.kv_descales.V(page, rb.kv_head));
+      }
     };
     // The pages of keys [key_begin, key_end), a thread each.
     auto check_pages_of_keys = [&](int key_begin, int key_end) {
@@ -301,16 +354,16 @@ struct DecodeKernel {
             if (row < 0) row = static_cast<int>(a.num_pages * a.page_size);
             b = 0;
           }
-          LoadTileBoxes(SwizzledTile<kBlockN, kDP>{SmemAddress(sm.K(stage).data)}, &a.k_map, sm.Full(stage),
-                              rb.kv_head, row, b, box_rows, box_lane);
-          LoadTileBoxes(SwizzledTile<kBlockN, kDvP>{SmemAddress(sm.V(stage).data)}, &a.v_map,
-                              sm.Full(stage), rb.kv_head, row, b, box_rows, box_lane);
+          LoadTileBoxes(SwizzledTile<kBlockN, KTile::kCols>{SmemAddress(sm.K(stage).data)}, &a.k_map,
+                        sm.Full(stage), rb.kv_head, row, b, box_rows, box_lane);
+          LoadTileBoxes(SwizzledTile<kBlockN, VTile::kCols>{SmemAddress(sm.V(stage).data)}, &a.v_map,
+                        sm.Full(stage), rb.kv_head, row, b, box_rows, box_lane);
         }
       } else if (paged) {
         const int* table = sm.KeyRows(i);
         const auto row_of = [table](int r) { return table[r]; };
-        AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kD, kD, tid);
-        AsyncLoadKeys<kThreads>(sm.V(stage), v, row_of, v_stride, rb.kv_head * kDv, kDv, tid);
+        AsyncLoadKeys<kThreads>(sm.K(stage), k, row_of, k_stride, rb.kv_head * kKCols, kKCols, tid);
+        AsyncLoadKeys<kThreads>(sm.V(stage), v, row_of, v_stride, rb.kv_head * kVCols, kVCols, tid);
       } else {
         // Consecutive rows, each thread's source one pointer that moves a fixed number of rows a chunk. tid through an
         // empty asm, as in AsyncLoadKeys: the chunks' offsets are computed here, not kept live through the main loop.
@@ -318,8 +371,10 @@ struct DecodeKernel {
         asm volatile("" : "+r"(copy_tid));
         const int key0 = (tile_begin + i) * kBlockN;
         const int first_row = static_cast<int>(key_rows.Row(rb.b, key0)), end_row = first_row + len.kv_len - key0;
-        sm.K(stage).template AsyncLoad<kThreads>(k + rb.kv_head * kD, k_stride, first_row, end_row, kD, copy_tid);
-        sm.V(stage).template AsyncLoad<kThreads>(v + rb.kv_head * kDv, v_stride, first_row, end_row, kDv, copy_tid);
+        sm.K(stage).template AsyncLoad<kThreads>(k + rb.kv_head * kKCols, k_stride, first_row, end_row, kKCols,
+                                                 copy_tid);
+        sm.V(stage).template AsyncLoad<kThreads>(v + rb.kv_head * kVCols, v_stride, first_row, end_row, kVCols,
+                                                 copy_tid);
       }
     };
     // A tile's table is written kRowsLead tiles before the tile is multiplied: its copies, the first to read it, are
@@ -330,18 +385,28 @@ struct DecodeKernel {
     variant.scale = s.scale;
     variant.cap = s.softcap;
     variant.slope = 0.0f;
-    // As in the sm80 forward: the plain scaled dot product keeps raw q.k and folds the scale into the exp2 FMA.
+    // As in the sm80 forward: the plain scaled dot product keeps raw q.k and folds the scale into the exp2 FMA. (FP8:
+    // with q's power of two and k's descale, once q is converted.)
     constexpr bool kRawScores = !Variant::kHasSoftcap && !Variant::kHasAlibi;
-    const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
+    float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
 
     float o[1][kDvP / 8][4];
     OnlineSoftmax<kSliceN / 8> softmax;
     const int2* warp_ranges = sm.Ranges() + row_tile * 16;
+    // FP8: P is packed to f16 as p * kPScale, times v descale / v_unit where the descales multiply the probabilities
+    // (probabilities down to 2^-29 stay normal f16 numbers, the largest 2^15 < 65504), so o holds the output in units
+    // of v_unit / kPScale. v_unit is the CTA's finite v descale, 1 for a non-finite one, or with per-key descales the
+    // power of two just above the largest finite |descale| of the warp's keys in the last tile that had one (each
+    // tile's ratio to the previous, exact and clamped to float's range, folding into o's rescale), which keeps every
+    // packed value at most kPScale (for descales below 2^127).
+    constexpr float kPScale = 32768.0f;
+    float v_unit = 1.0f;
 
     auto pass = [&](auto careful) {
       constexpr bool kCareful = decltype(careful)::kValue;
       softmax.Reset();
       ZeroFragments(o);
+      v_unit = values_times_descale ? 1.0f : v_descale;
       if (paged) {
         for (int c = tid; c < kRowsLead * kBlockN; c += kThreads) {
           if (c / kBlockN < tiles) look_up_rows(c / kBlockN, c % kBlockN);
@@ -352,6 +417,14 @@ struct DecodeKernel {
       for (int i = 0; i < kStages - 1; ++i) {
         if (i < tiles) load(i);
         CpAsyncCommit();
+      }
+      if constexpr (kFp8 && !kCareful) {  // q to f16 while the first tiles land (the careful pass finds it so)
+        CpAsyncWait<kStages - 1>();         // q's copies: the oldest group
+        __syncthreads();
+        const float q_unit = __int_as_float((127 + ConvertQ(sm, tid)) << 23);  // 2^e
+        const float logit_unit = q_unit * (scores_times_descale ? 1.0f : k_descale);
+        variant.scale = s.scale * logit_unit;
+        if constexpr (kRawScores) log2_scale *= logit_unit;
       }
       for (int i = 0; i < tiles; ++i) {
         const int stage = i % kStages;
@@ -367,11 +440,11 @@ struct DecodeKernel {
         const int tile = tile_begin + i, n0 = tile * kBlockN, key0 = n0 + slice * kSliceN;
         const bool interior = tile >= full_begin && tile < full_end;
         if constexpr (kCareful) {
-          if (!interior && __syncthreads_or(ThreadSeesNonFinite<Element, kThreads>(sm.V(stage), tid))) {
-            PoisonColumnsOfNonFiniteValues<Element>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t,
-                                                          [](int, int) { return true; });
+          if (!interior && __syncthreads_or(ThreadSeesNonFinite<KvElement, kThreads>(sm.V(stage), tid))) {
+            PoisonColumnsOfNonFiniteValues<KvElement>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t,
+                                                      [](int, int) { return true; });
             __syncthreads();  // every warp has read the values before they are zeroed
-            ZeroNonFinite<Element, kThreads>(sm.V(stage), tid);
+            ZeroNonFinite<KvElement, kThreads>(sm.V(stage), tid);
             FenceSharedForAsyncProxy();  // the zeroes before a later TMA copy overwrites the stage
             __syncthreads();
           }
@@ -381,7 +454,19 @@ struct DecodeKernel {
 
         float sc[1][kSliceN / 8][4];
         ZeroFragments(sc);
-        WarpGemmABt<Element, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, k_slice, lane);
+        WarpGemmABt<Product, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, KOperand{k_slice}, lane);
+        // FP8 with per-key descales: this warp's keys' pairs (their column c of n8 block j: [8 j + c]).
+        const float2* key_descales = sm.Descales(i) + slice * kSliceN + 2 * t;
+        if (kFp8 && scores_times_descale) {
+#pragma unroll
+          for (int j = 0; j < kSliceN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float descale = descale_per_key ? key_descales[j * 8 + c].x : k_descale;
+              sc[0][j][c] *= descale;
+              sc[0][j][2 + c] *= descale;
+            }
+        }
         if (!kRawScores || !interior) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -402,6 +487,39 @@ struct DecodeKernel {
         }
         float rescale[2];
         softmax.Update(sc[0], log2_scale, rescale);
+        if constexpr (kFp8) {
+          if (descale_per_key) {
+            float largest = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kSliceN / 8; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const float descale = fabsf(key_descales[j * 8 + c].y);
+                if (descale <= kFloatMax) largest = fmaxf(largest, descale);
+              }
+            largest = QuadMax(largest);
+            if (largest > 0.0f) {
+              const float unit = PowerOfTwoAbove(largest);
+              const float ratio = fminf(v_unit / unit, kFloatMax);
+              rescale[0] *= ratio;
+              rescale[1] *= ratio;
+              v_unit = unit;
+            }
+          }
+          const float inv_unit = 1.0f / v_unit;  // (2^-127 at least: kPScale / v_unit could overflow)
+#pragma unroll
+          for (int j = 0; j < kSliceN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float descale = descale_per_key ? key_descales[j * 8 + c].y : v_descale;
+              const float factor = values_times_descale ? descale * inv_unit * kPScale : kPScale;
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const float p = sc[0][j][2 * r + c];
+                sc[0][j][2 * r + c] = p > 0.0f ? p * factor : p;
+              }
+            }
+        }
 #pragma unroll
         for (int j = 0; j < kDvP / 8; ++j) {
           o[0][j][0] *= rescale[0];
@@ -412,8 +530,8 @@ struct DecodeKernel {
 #pragma unroll
         for (int kk = 0; kk < kSliceN / 16; ++kk) {
           uint32_t p[1][4];
-          PackAFragment<Element>(sc[0], kk, p[0]);
-          WarpMmaRegA<Element, 1, kDvP>(o, p, v_slice, kk * 16, 0, kDvP, lane);
+          PackAFragment<Product>(sc[0], kk, p[0]);
+          WarpMmaRegA<Product, 1, kDvP>(o, p, VOperand{v_slice}, kk * 16, 0, kDvP, lane);
         }
       }
       CpAsyncWait<0>();
@@ -436,14 +554,61 @@ struct DecodeKernel {
     // The barrier also frees the rings for the epilogue.
     const bool poisoned = __syncthreads_or(page_outside_pool) || len.invalid;
     AllowNextGrid();  // the combine, launched as a dependent, may start; it waits for this grid's partials
-    Epilogue(a, sm, rb, poisoned, o, softmax, warp, g, t, tid);
+    Epilogue(a, sm, rb, poisoned, o, kFp8 ? v_unit / kPScale : 1.0f, softmax, warp, g, t, tid);
+  }
+
+  // FP8: q to f16 in place, for the f16 products: each 16-column chunk in the order the K fragments take
+  // (PermutedChunkWord, primitives/fp8_tile.h), times 2^-e, e putting the CTA's largest |q| in [2^14, 2^15) (a bf16 q
+  // may exceed f16's range, and a small one would lose bits to f16's subnormals; a power of two changes no other bit).
+  // e follows the largest finite |q| (inf and NaN stay so whatever e is, and reach the logits as they would); 0 where
+  // every q is 0 or non-finite. Every thread calls it once q has landed.
+  static __device__ __forceinline__ int ConvertQ(const Smem& sm, int tid) {
+    constexpr int kChunksPerRow = kDP / 16;
+    const auto chunk = [&](int c) {
+      return reinterpret_cast<uint4*>(sm.Q().At(c / kChunksPerRow, c % kChunksPerRow * 16));
+    };
+    // The magnitudes' bits of 16-bit floats order as their values, inf and NaN from kExponentBits up.
+    const auto finite = [](uint32_t magnitude) { return magnitude < Element::kExponentBits ? magnitude : 0u; };
+    unsigned largest = 0;
+    for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+      const uint4* x = chunk(c);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t words[4] = {x[h].x, x[h].y, x[h].z, x[h].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          largest = max(largest, max(finite(words[w] & 0x7FFFu), finite(words[w] >> 16 & 0x7FFFu)));
+        }
+      }
+    }
+    largest = __reduce_max_sync(0xffffffffu, largest);
+    if ((tid & 31) == 0) atomicMax(sm.QMax(), largest);
+    __syncthreads();
+    const float magnitude = Element::ToFloat(static_cast<uint16_t>(*sm.QMax()));
+    const int e = magnitude > 0.0f ? max((__float_as_int(magnitude) >> 23) - 127 - 14, -126) : 0;
+    const float down = __int_as_float((127 - e) << 23);
+    for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+      uint4* x = chunk(c);
+      const uint32_t in[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
+      uint32_t out[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const uint32_t w = in[PermutedChunkWord(u)];
+        out[u] = Float16::Pack(Element::ToFloat(static_cast<uint16_t>(w)) * down,
+                               Element::ToFloat(static_cast<uint16_t>(w >> 16)) * down);
+      }
+      x[0] = make_uint4(out[0], out[1], out[2], out[3]);
+      x[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    }
+    return e;
   }
 
   // Merges the warps' softmax states row by row and writes the CTA's rows: out and lse when the call has one split,
   // else the split's partial output and lse for combine.cuh. A poisoned entry (invalid lengths, pages outside the
-  // pool) gets NaN; a split's partial says so by a NaN lse, which the combine's merge carries to out and lse.
+  // pool) gets NaN; a split's partial says so by a NaN lse, which the combine's merge carries to out and lse. o's
+  // values are in units of o_unit (FP8: its v descales' and P's scale), and its columns as FragmentColumn says.
   static __device__ __forceinline__ void Epilogue(const DecodeArgs& a, const Smem& sm, const RowBlock& rb,
-                                                  bool poisoned, const float (&o)[1][kDvP / 8][4],
+                                                  bool poisoned, const float (&o)[1][kDvP / 8][4], float o_unit,
                                                   const OnlineSoftmax<kSliceN / 8>& softmax, int warp, int g, int t,
                                                   int tid) {
     const ShapeArgs& s = a.args.shape;
@@ -451,7 +616,9 @@ struct DecodeKernel {
 #pragma unroll
     for (int j = 0; j < kDvP / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) part[(g + 8 * (e >> 1)) * kPitch + j * 8 + 2 * t + (e & 1)] = o[0][j][e];
+      for (int e = 0; e < 4; ++e) {
+        part[(g + 8 * (e >> 1)) * kPitch + FragmentColumn<KvElement>(j, 2 * t + (e & 1))] = o[0][j][e] * o_unit;
+      }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = QuadSum(softmax.sum[r]);

@@ -1,6 +1,7 @@
-// The 16-bit element types the kernels read and write, as tags: storage is uint16_t, arithmetic is float32, and the
-// conversions are single PTX instructions, so the kernels need none of the CUDA half/bfloat16 headers. A logit bias
-// may also be float32 (Float32, a bias element type only).
+// The element types the kernels read and write, as tags: 16-bit storage (uint16_t) for q, k, v and out, float32
+// arithmetic, and conversions that are single PTX instructions, so the kernels need none of the CUDA half/bfloat16
+// headers. A logit bias may also be float32 (Float32, a bias element type only); an FP8 KV cache's k and v are one byte
+// (E4M3, E5M2: the decode kernels read them as f16 pairs, primitives/fp8_tile.h).
 #pragma once
 
 #include "cpp/core/host_device.h"
@@ -10,7 +11,7 @@ namespace te_jax::cuda {
 struct BFloat16 {
   static constexpr int kBytes = 2;
   static constexpr bool kIsBf16 = true;
-  static constexpr uint16_t kExponentBits = 0x7F80;  // all set: inf or NaN
+  static constexpr uint16_t kExponentBits = 0x7F80;  // all set: inf or NaN (every type's kExponentBits)
   // Two floats -> one register holding {lo, hi} (lo in the low half), rounded to nearest even.
   static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
     uint32_t r;
@@ -40,15 +41,59 @@ struct Float32 {
   static constexpr int kBytes = 4;
 };
 
+// The FP8 formats of a KV cache (cpp/core/kv_format.h). Every e4m3 and e5m2 value is exact in f16, and one cvt turns two
+// of them into an f16x2 register (sm_89 on), so the products read FP8 tiles as f16 operands with no loss.
+// ToHalf2(x, lo, hi): the four bytes of x (the first in the low byte) -> {byte 0, byte 1} in lo, {byte 2, byte 3} in
+// hi, each f16x2 with the lower-addressed value in its low half.
+struct E4M3 {
+  static constexpr int kBytes = 1;
+  static constexpr uint16_t kExponentBits = 0x7F;  // e4m3fn has no inf: S.1111.111 is its NaN
+  static __device__ __forceinline__ void ToHalf2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+  }
+};
+
+struct E5M2 {
+  static constexpr int kBytes = 1;
+  static constexpr uint16_t kExponentBits = 0x7C;
+  static __device__ __forceinline__ void ToHalf2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e5m2x2 %0, l;\ncvt.rn.f16x2.e5m2x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+  }
+};
+
 // A compile-time bool as a type, for generic lambdas instantiated both ways (NVRTC has no <type_traits>).
 template <bool kB>
 struct BoolConstant {
   static constexpr bool kValue = kB;
 };
 
+// Whether one element (16 or 8 bits, in the low bits of x) is inf or NaN.
 template <typename Element>
-__device__ __forceinline__ bool IsNonFinite(uint16_t x) {
+__device__ __forceinline__ bool IsNonFinite(uint32_t x) {
   return (x & Element::kExponentBits) == Element::kExponentBits;
+}
+
+// A 32-bit word of two 16-bit or four 8-bit elements: whether any of them is inf or NaN, and the word with those set
+// to 0 (the non-finite scans of kernels/common/nonfinite_tile.h).
+template <typename Element>
+__device__ __forceinline__ bool WordHasNonFinite(uint32_t w) {
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < 4 / Element::kBytes; ++i) any |= IsNonFinite<Element>(w >> (8 * Element::kBytes * i));
+  return any;
+}
+
+template <typename Element>
+__device__ __forceinline__ uint32_t WordWithoutNonFinite(uint32_t w) {
+  constexpr uint32_t kMask = Element::kBytes == 1 ? 0xFFu : 0xFFFFu;
+#pragma unroll
+  for (int i = 0; i < 4 / Element::kBytes; ++i) {
+    const int shift = 8 * Element::kBytes * i;
+    if (IsNonFinite<Element>(w >> shift)) w &= ~(kMask << shift);
+  }
+  return w;
 }
 
 // 0x7FFF7FFF: a quiet NaN in both bfloat16 and float16, for outputs of calls with invalid run-time lengths.

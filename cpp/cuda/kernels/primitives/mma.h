@@ -21,6 +21,15 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t (&r)[4])
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// Two 8 x 8 matrices (the addresses of lanes 0-15), plain or transposed: the FP8 tiles' loads (fp8_tile.h).
+__device__ __forceinline__ void LdMatrixX2(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+__device__ __forceinline__ void LdMatrixX2Trans(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 template <typename Element>
 __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (Element::kIsBf16) {

@@ -70,6 +70,15 @@ struct PaddedTile {
   __device__ __forceinline__ void LoadBKN(int k, int n, int lane, uint32_t (&b)[4]) const {
     LdMatrixX4Trans(SmemAddress(data) + Offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8) + Offset(k, n), b);
   }
+
+  // The 8 x 8 matrices at rows row..row+7 and row+8..row+15 of the 8 columns from col, plain or transposed (the FP8
+  // tiles' fragments, fp8_tile.h).
+  __device__ __forceinline__ void LoadRows16(int row, int col, int lane, uint32_t (&r)[2]) const {
+    LdMatrixX2(SmemAddress(data) + Offset(lane & 15, 0) + Offset(row, col), r);
+  }
+  __device__ __forceinline__ void LoadRows16Trans(int row, int col, int lane, uint32_t (&r)[2]) const {
+    LdMatrixX2Trans(SmemAddress(data) + Offset(lane & 15, 0) + Offset(row, col), r);
+  }
 };
 
 }  // namespace te_jax::cuda

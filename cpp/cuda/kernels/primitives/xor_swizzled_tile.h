@@ -66,13 +66,21 @@ struct XorSwizzledTile {
     LdMatrixX4Trans(Fragment(LaneAddress((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4), k, n), b);
   }
 
+  __device__ __forceinline__ void LoadRows16(int row, int col, int lane, uint32_t (&r)[2]) const {
+    LdMatrixX2(Fragment(LaneAddress(lane & 15, 0), row, col), r);
+  }
+
+  __device__ __forceinline__ void LoadRows16Trans(int row, int col, int lane, uint32_t (&r)[2]) const {
+    LdMatrixX2Trans(Fragment(LaneAddress(lane & 15, 0), row, col), r);
+  }
+
  private:
   // The lane's 16-byte row of an 8 x 8 matrix at (0, 0): row lane_row, chunk lane_chunk (0 or 1) XOR the row's key.
   __device__ __forceinline__ uint32_t LaneAddress(int lane_row, int lane_chunk) const {
     return SmemAddress(data) + static_cast<uint32_t>(lane_row * 128 + (((lane_chunk ^ lane_row) & 7) << 4));
   }
 
-  // The lane's row of the matrices at (row0, col0), row0 a multiple of 8 (the key stays the lane's), col0 of 16. The
+  // The lane's row of the matrices at (row0, col0), row0 a multiple of 8 (the key stays the lane's), col0 of 8. The
   // column's chunk within its block XORs into the address's bits 4-6, which in the lane's address hold only its chunk
   // when the tile starts on a 128-byte line (the kernels static_assert their tiles' offsets and align their shared
   // memory): one LOP3 on one per-lane register, the rest an ldmatrix immediate.
