@@ -12,7 +12,9 @@ one (`--sections decode,paged`; all by default):
               whose rows TMA copies, in full shape (dbias written directly) and broadcast (the float accumulator), with
               -inf rows;
   packed      packed rows (segment ids) of uneven documents and padding, forward + backward: ids that rise (the sm90
-              document table and kernels) and ids that do not (the token tables), causal and not.
+              document table and kernels) and ids that do not (the token tables), causal and not;
+  fp8         paged and contiguous decodes over an FP8 KV cache (e4m3 descales per page, e5m2 per head) with a page id
+              outside the pool and lengths ending mid-page (needs TE_JAX_CUDA_FP8_KV=1: te_jax/_cuda.py).
 Exit status 1 on unexpected results."""
 import argparse
 import sys
@@ -172,8 +174,34 @@ def packed():
   return ok
 
 
+def fp8():
+  """Decodes over an FP8 KV cache: paged (one- and four-row tiles, page descales, a page id outside the pool) and
+  contiguous (per-head descales, lengths ending inside a stage)."""
+  ok = True
+  for sq, page_size, max_pages, fmt, granularity in ((1, 16, 64, jnp.float8_e4m3fn, "page"),
+                                                     (16, 64, 16, jnp.float8_e5m2, "head")):
+    rng = np.random.default_rng(7)
+    pages = 3 * max_pages
+    q = jnp.asarray(rng.standard_normal((3, sq, 8, 128)), jnp.bfloat16)
+    (k8, kd), (v8, vd) = (te_jax.quantize_kv_pages(jnp.asarray(rng.standard_normal((pages, page_size, 2, 128)),
+                                                               jnp.float32), dtype=fmt, granularity=granularity)
+                          for _ in range(2))
+    table = rng.permutation(pages).reshape(3, max_pages).astype(np.int32)
+    table[2, 1] = pages + 7
+    lengths = jnp.asarray([max_pages * page_size, 37, 100], jnp.int32)
+    out = np.asarray(jax.jit(lambda q: te_jax.paged_attention(q, k8, v8, jnp.asarray(table), lengths, k_descale=kd,
+                                                              v_descale=vd))(q), np.float32)
+    ok &= bool(np.isfinite(out[:2]).all() and np.isnan(out[2]).all())
+  q = jnp.asarray(np.random.default_rng(8).standard_normal((2, 1, 8, 128)), jnp.bfloat16)
+  (k8, kd), (v8, vd) = (te_jax.quantize_fp8(jnp.asarray(np.random.default_rng(9 + i).standard_normal((2, 1000, 2, 128)),
+                                                        jnp.float32), per_head=True) for i in range(2))
+  out = te_jax.fused_attn(q, k8, v8, k_descale=kd, v_descale=vd, mask_type="padding_causal_bottom_right",
+                          q_seqlens=jnp.ones(2, jnp.int32), kv_seqlens=jnp.asarray([1000, 333], jnp.int32))
+  return ok and bool(jnp.isfinite(out.astype(jnp.float32)).all())
+
+
 SECTIONS = {"variants": variants, "nonfinite": nonfinite, "persistent": persistent, "decode": contiguous_decode,
-            "paged": paged, "bias": bias, "packed": packed}
+            "paged": paged, "bias": bias, "packed": packed, "fp8": fp8}
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--sections", default=",".join(SECTIONS),

@@ -35,7 +35,16 @@ TOL = {"bfloat16": dict(out=1e-2, lse=1e-3), "float16": dict(out=2e-3, lse=1e-3)
 
 @pytest.fixture(scope="module", autouse=True)
 def _fp8_reaches_the_kernels():
-  """Skips (naming why) where the lowering refuses FP8 KV calls on this GPU (cpp/cuda/kernel_config.cc Fp8Refusal)."""
+  """Opts into the FP8 decode kernels (te_jax/_cuda.py FP8_KV_OPT_IN: these tests are what lets them out of it) and
+  skips (naming why) where the lowering refuses FP8 KV calls on this GPU (cpp/cuda/kernel_config.cc Fp8Refusal)."""
+  from te_jax import _cuda
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv(_cuda.FP8_KV_OPT_IN, "1")
+    _check_fp8_reaches_the_kernels()
+    yield
+
+
+def _check_fp8_reaches_the_kernels():
   q = jnp.zeros((1, 1, 8, 128), jnp.bfloat16)
   pages = jnp.zeros((2, 16, 1, 128), jnp.float8_e4m3fn)
   try:
