@@ -324,3 +324,15 @@ def assert_same_bits_with_pools_of(threads, module: str, cases_name: str, run_he
       other = {name: saved[f"{i}_{name}"].view(x.dtype) for name, x in here["ffi"][i].items()}
       for path, results in here.items():
         assert_bitwise_equal(results[i], other, what=f"{case.id()}: {path} here vs ffi with {n} threads")
+
+
+def run_program_in_isa(isa: str, program: str) -> None:
+  """Runs `program` (python -c, given isa as sys.argv[1]) in a process whose CPU kernels are capped at `isa`
+  (TE_JAX_CPU_ISA), asserting it succeeds; skips an ISA this CPU does not have."""
+  order = ("baseline", "avx2", "avx512")
+  if order.index(isa) > order.index(te_jax.cpu_isa()):
+    import pytest
+    pytest.skip(f"this CPU has no {isa}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TE_JAX_CPU_ISA=isa)
+  proc = subprocess.run([sys.executable, "-c", program, isa], env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,14 +4,11 @@ call gives the float32 call on the same values, its out rounded to float16, bit 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-import te_jax
+from helpers import run_program_in_isa
 
 _RUN = textwrap.dedent("""
     import sys
@@ -41,9 +38,4 @@ _RUN = textwrap.dedent("""
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_float16_call_is_the_float32_call_rounded(isa):
-  order = ("baseline", "avx2", "avx512")
-  if order.index(isa) > order.index(te_jax.cpu_isa()):
-    pytest.skip(f"this CPU has no {isa}")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TE_JAX_CPU_ISA=isa)
-  proc = subprocess.run([sys.executable, "-c", _RUN, isa], env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run_program_in_isa(isa, _RUN)

@@ -13,16 +13,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-try:
-  _GPUS = jax.devices("gpu")
-except RuntimeError:
-  _GPUS = []
-if not _GPUS:
-  pytest.skip("no GPU: the CUDA backend tests need one", allow_module_level=True)
-try:
-  import te_jax._cuda  # noqa: F401,E402  (registers the cuda backend)
-except ImportError as e:
-  pytest.skip(f"te_jax was built without its CUDA backend: {e}", allow_module_level=True)
+from test_cuda_attention import _rel  # noqa: E402  (skips this module where that one skips: no GPU or CUDA backend)
 
 import te_jax  # noqa: E402
 from te_jax.reference import attention_reference  # noqa: E402
@@ -55,11 +46,6 @@ def _check_fp8_reaches_the_kernels():
     if "this FP8 KV cache call has no cuda kernel" in str(e):
       pytest.skip(f"this GPU's decode kernels do not read an FP8 KV cache: {e}")
     raise
-
-
-def _rel(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
 def _pools(rng, *, b, h, hkv, d, page_size, max_pages, fmt, granularity, dv=None):

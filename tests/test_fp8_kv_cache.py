@@ -3,9 +3,6 @@ and one float32 [2, blocks, heads] descale operand on both custom-call paths, th
 row as they read it. The results equal those of the dequantized cache (the float64 reference comparisons are in
 tests/test_fp8.py), under jit, vmap (descales per head, per page and per folded batch entry) and grad (q's gradient)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,7 +13,7 @@ import pytest
 import te_jax
 from te_jax import quantize_fp8
 
-from helpers import PATHS
+from helpers import PATHS, run_program_in_isa
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -193,9 +190,4 @@ _EVERY_ISA = textwrap.dedent("""
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_fp8_rows_are_read_exactly_in_every_isa(isa):
-  order = ("baseline", "avx2", "avx512")
-  if order.index(isa) > order.index(te_jax.cpu_isa()):
-    pytest.skip(f"this CPU has no {isa}")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TE_JAX_CPU_ISA=isa)
-  proc = subprocess.run([sys.executable, "-c", _EVERY_ISA, isa], env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run_program_in_isa(isa, _EVERY_ISA)
