@@ -260,11 +260,11 @@ _POOLS = (1, 2)  # k and v: the page pools of a paged call
 
 
 def _stack_pools(args, dims, size):
-  """vmap of a paged call (`args` without the kv_descale and dropout operands): k and v are page pools, not batch-major, and the page
-  table (second from the end, before the bias) indexes them. Pools every example shares stay one pool (the folded page
-  table indexes it). Per-example pools are stacked, example-major, into one pool of N * num_pages pages, and example
-  n's page ids move into its part: an id outside its own pool becomes -1, still outside the pool, so it stays an error
-  instead of reading another example's pages."""
+  """vmap of a paged call (`args` without the kv_descale and dropout operands): k and v are page pools, not batch-major,
+  and the page table (second from the end, before the bias) indexes them. Pools every example shares stay one pool (the
+  folded page table indexes it). Per-example pools are stacked, example-major, into one pool of N * num_pages pages, and
+  example n's page ids move into its part: an id outside its own pool becomes -1, still outside the pool, so it stays an
+  error instead of reading another example's pages."""
   if dims[1] is None and dims[2] is None:
     return args, dims
   stacked = lambda x, d: jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
@@ -311,13 +311,13 @@ def _fold_kv_descale(kv_descale, dim, size: int, paged: bool, stacked: bool, blo
 
 
 def batch_rule(prim, args, dims, *, returns_dbias: bool, **params):
-  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last four
-  operands being the page table, kv_descale (_fold_kv_descale), the bias and the dropout operand and, with
-  returns_dbias, the last result the bias's gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero gradient) stay as they
-  are: unbatched, one element. The dropout operand stays one per call: example n of batch entry b becomes batch entry
-  b * N + n of the folded call, so it gets that entry's part of the one key's mask. A paged call's pools are the
-  exception to batch-major k and v (_stack_pools); its page table folds like q_seqlens. The mods' captures stay one
-  per call too (a mapped capture is an error), and the mods see b // flex_batch_fold, each example's own b."""
+  """vmap rule for any te_jax primitive whose operands and results all have the batch axis first, the last four operands
+  being the page table, kv_descale (_fold_kv_descale), the bias and the dropout operand and, with returns_dbias, the
+  last result the bias's gradient. Placeholders (placeholder_operands; without a bias its placeholder and its zero
+  gradient) stay as they are: unbatched, one element. The dropout operand stays one per call: example n of batch entry b
+  becomes batch entry b * N + n of the folded call, so it gets that entry's part of the one key's mask. A paged call's
+  pools are the exception to batch-major k and v (_stack_pools); its page table folds like q_seqlens. The mods' captures
+  stay one per call too (a mapped capture is an error), and the mods see b // flex_batch_fold, each example's own b."""
   config = params["config"]
   (*args, dropout), captures = split_captures(args, config)
   (*dims, dropout_dim), capture_dims = split_captures(dims, config)

@@ -17,9 +17,9 @@ from te_jax.context_parallel.layout import (ContextParallel, check_axis_size, po
 def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config: AttentionConfig,
                   cp: ContextParallel):
   """Local shards [B, S/N, ...] (global q_seqlens/kv_seqlens, alibi) -> local out, lse. `sinks` is a placeholder (the
-  sinks join after the blocks' merge, te_jax/attention.py). `tokens`: the local segment ids and positions
-  (placeholders when the call has none), then the page table, kv_descale and bias placeholders, the dropout operand (the key,
-  with this shard's batch and head offsets; each block adds its sequence offsets) and the mods' captures (whole)."""
+  sinks join after the blocks' merge, te_jax/attention.py). `tokens`: the local segment ids and positions (placeholders
+  when the call has none), then the page table, kv_descale and bias placeholders, the dropout operand (the key, with
+  this shard's batch and head offsets; each block adds its sequence offsets) and the mods' captures (whole)."""
   del sinks
   tokens, captures = _primitives.split_captures(tokens, config)
   dropout = tokens[-1]
@@ -47,9 +47,9 @@ def local_forward(q, k, v, q_seqlens, kv_seqlens, alibi, sinks, *tokens, config:
 def local_backward(q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi, sinks, *placeholders,
                    config: AttentionConfig, cp: ContextParallel):
   """Local shards -> local dq, dk, dv, the bias placeholder's zero gradient and the capture gradients of this shard's
-  batch entries and heads, summed over the sequence's shards (each block uses the final out and lse, so its softmax is exact, and the same dropout operand as its
-  forward, so its keep-mask is the forward's). `placeholders`: the tokens, page table, kv_descale, bias and dropout operands and the
-  captures (see local_forward)."""
+  batch entries and heads, summed over the sequence's shards (each block uses the final out and lse, so its softmax is
+  exact, and the same dropout operand as its forward, so its keep-mask is the forward's). `placeholders`: the tokens,
+  page table, kv_descale, bias and dropout operands and the captures (see local_forward)."""
   del sinks
   placeholders, captures = _primitives.split_captures(placeholders, config)
   no_dbias = jnp.zeros_like(placeholders[-2])

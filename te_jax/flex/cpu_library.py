@@ -5,8 +5,8 @@ disk and compiles nothing; writers compile into a private temporary file and ren
 concurrent compiles of one key are safe. The CPU kernels dlopen the library by its path (cpp/cpu/flex_tiles.h).
 
 The compiler is the one CMake built the extension with (cpu_compiler.txt, installed beside it) if it still exists, else
-$CXX, else c++ or g++ on PATH; its --version text, part of the key, is kept in the cache folder too. The headers the source includes are installed in the package's flex_include folder, or
-read from the source checkout."""
+$CXX, else c++ or g++ on PATH; its --version text, part of the key, is kept in the cache folder too. The headers the
+source includes are installed in the package's flex_include folder, or read from the source checkout."""
 
 from __future__ import annotations
 
