@@ -191,3 +191,28 @@ _EVERY_ISA = textwrap.dedent("""
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_fp8_rows_are_read_exactly_in_every_isa(isa):
   run_program_in_isa(isa, _EVERY_ISA)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp8_cache_composes_with_every_option(path):
+  """Only the rows' reading changes: with segment ids, a bias, dropout, sinks, soft-cap, ALiBi, a score_mod and a
+  mask_mod, the FP8 cache gives the dequantized cache's bits."""
+  rng = np.random.default_rng(90)
+  b, s, h, hkv, d = 2, 48, 4, 2, 32
+  q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
+  (k8, kd), (v8, vd) = (quantize_fp8(jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32), per_head=True)
+                        for _ in range(2))
+  k32, v32 = (x8.astype(jnp.float32) * dd.reshape(1, 1, -1, 1) for x8, dd in ((k8, kd), (v8, vd)))
+  ids = jnp.asarray(np.repeat([[1, 1, 2], [1, 2, 2]], 16, axis=1), jnp.int32)
+  table = jnp.asarray(rng.standard_normal((h, 2 * s)), jnp.float32)
+  kw = dict(mask_type="causal", q_segment_ids=ids, kv_segment_ids=ids, softcap=5.0,
+            bias=jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.float32), dropout_rate=0.25,
+            dropout_rng=jax.random.key(3), sink_logits=jnp.asarray(rng.standard_normal(h), jnp.float32),
+            alibi_slopes=jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32),
+            score_mod=lambda x, bb, hh, i, j: x + table[hh, i - j + s], mask_mod=lambda bb, hh, i, j: (i - j) % 5 != 3)
+  with te_jax.custom_call_path(path):
+    got = jax.jit(lambda q: te_jax.fused_attn(q, k8, v8, k_descale=kd, v_descale=vd, return_lse=True, **kw))(q)
+    want = jax.jit(lambda q: te_jax.fused_attn(q, k32, v32, return_lse=True, **kw))(q)
+  assert np.isfinite(np.asarray(got[0])).all() and float(np.abs(np.asarray(got[0])).max()) > 0.1
+  for name, x, y in zip(("out", "lse"), got, want):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
