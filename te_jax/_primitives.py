@@ -165,14 +165,13 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
                               kv_dtype=k_aval.dtype, kv_descale_shape=kv_descale_aval.shape)
   flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals], direction)
   params.update(flex)
-  # k and v FP8 as they are (an FP8 KV cache); FP8 attention proper, and an FP8 KV cache call's backward, pass the
-  # dequantized values in float32 with config.fp8.
+  # k and v FP8 as they are (an FP8 KV cache); FP8 attention proper passes the dequantized values in float32 with
+  # config.fp8 (an FP8 KV cache's backward too, off a GPU: te_jax/fp8.py kv_cache_compute_dtype).
   kv_cache = params["kv_format"] != 0
   if config.fp8 and not kv_cache and not backend.serves_fp8:
-    raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=; or the gradient of an FP8 KV cache call, "
-                     f"over its dequantized values) has no {platform} kernels in te_jax yet: only its CPU backend "
-                     "serves it, the reference for those kernels; te_jax never runs an FP8 call at another precision "
-                     "silently")
+    raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=) has no {platform} kernels in te_jax yet: "
+                     "only its CPU backend serves it, the reference for those kernels; te_jax never runs an FP8 call "
+                     "at another precision silently")
   # The core's own validation, so a configuration this backend refuses is a ValueError at jit time on either path.
   backend.extension.validate(params, backend.code, direction)
   if kv_cache and not backend.serves_fp8:

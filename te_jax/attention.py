@@ -3,10 +3,12 @@ over the two partitioned primitives (te_jax/sharding.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from te_jax import _primitives
 from te_jax import context_parallel as _context_parallel
@@ -17,7 +19,7 @@ from te_jax.arguments import (alibi_operand, as_array, bias_operand, check_bool,
 from te_jax.attention_config import AttentionConfig
 from te_jax.block_mask import block_mask_operand
 from te_jax.engine import requested_engine
-from te_jax.fp8 import dequantize_kv_operand, fp8_operands, refuse_kv_cache_gradients
+from te_jax.fp8 import dequantize_kv_operand, fp8_operands, kv_cache_compute_dtype, refuse_kv_cache_gradients
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_capture_gradient, refuse_slope_gradient
@@ -205,15 +207,25 @@ def _attention_bwd(config, cp, residuals, cotangents):
   q, k, v, out, lse, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures, kv_descale = residuals
   dout, dlse = instantiate_zeros(cotangents)
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
-  q_in = q
-  if kv_descale is not None:  # an FP8 KV cache: the backward over its float32 dequantized values
-    k, v = (dequantize_kv_operand(x, kv_descale, i) for i, x in enumerate((k, v)))
-    q, out, dout = (x.astype(jnp.float32) for x in (q, out, dout))
-  dq, dk, dv, dbias, *grads = _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens,
-                                                 alibi, _primitives.no_sinks(), tokens, _primitives.no_page_table(),
-                                                 _primitives.no_kv_descale(), bias, dropout, captures)
-  if kv_descale is not None:
-    dq, dk, dv = dq.astype(q_in.dtype), None, None
+
+  def backward(config, q, k, v, out, dout):
+    return _sharding.backward(config, cp, q, k, v, out, lse, dout, dlse, q_seqlens, kv_seqlens, alibi,
+                              _primitives.no_sinks(), tokens, _primitives.no_page_table(), _primitives.no_kv_descale(),
+                              bias, dropout, captures)
+
+  if kv_descale is None:
+    dq, dk, dv, dbias, *grads = backward(config, q, k, v, out, dout)
+  else:  # an FP8 KV cache: the backward over its dequantized values (kv_cache_compute_dtype), q's gradient only
+    def over(platform):
+      def run(q, k8, v8, out, dout):
+        dtype = kv_cache_compute_dtype(q.dtype, platform)
+        k, v = (dequantize_kv_operand(x, kv_descale, i, dtype) for i, x in enumerate((k8, v8)))
+        dq, _, _, dbias, *grads = backward(dataclasses.replace(config, fp8=np.dtype(dtype) == np.float32),
+                                           *(x.astype(dtype) for x in (q, k, v, out, dout)))
+        return (dq.astype(q.dtype), dbias, *grads)
+      return run
+    dq, dbias, *grads = jax.lax.platform_dependent(q, k, v, out, dout, cuda=over("cuda"), default=over(None))
+    dk = dv = None
   # The score_mod's floating-point captures get their gradients (float32 sums, in their dtype); the others none.
   capture_grads = [None] * len(captures)
   for i, grad in zip(config.capture_gradients, grads):

@@ -95,6 +95,13 @@ def refuse_kv_cache_gradients(k, v, kv_descale):
                      "would be a silent zero): pass them through jax.lax.stop_gradient")
 
 
+def kv_cache_compute_dtype(q_dtype, platform: str | None):
+  """The dtype an FP8 KV cache is dequantized to where the kernels do not read it as it is (a backward, a gathered
+  paged call): float32, the reference (AttentionConfig.fp8), or on CUDA, whose kernels compute in bfloat16/float16,
+  q's dtype (a call in that dtype)."""
+  return q_dtype if platform == "cuda" else jnp.float32
+
+
 def dequantize_kv_operand(x8, kv_descale, which: int, dtype=jnp.float32):
   """k (which 0) or v (1) of an FP8 KV cache in dtype from the kv_descale operand (blocks 1 or pages, along axis 0 of
   a pool; heads along axis 2)."""

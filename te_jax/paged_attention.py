@@ -24,7 +24,7 @@ from te_jax.arguments import (alibi_operand, as_array, check_bool, check_qkv, ch
 from te_jax.attention import _attention
 from te_jax.attention_config import AttentionConfig
 from te_jax.engine import requested_engine
-from te_jax.fp8 import dequantize_kv_operand, fp8_pools, is_fp8, refuse_kv_cache_gradients
+from te_jax.fp8 import dequantize_kv_operand, fp8_pools, is_fp8, kv_cache_compute_dtype, refuse_kv_cache_gradients
 from te_jax.mask_type import MaskType
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_slope_gradient
 
@@ -98,12 +98,12 @@ _CUDA_IN_PLACE_MAX_SEQLEN_Q = 16
 # the gather formulation (one gather and one fused_attn forward more than a saved-residual VJP would cost) and takes
 # its VJP with the lengths clamped into range and a cotangent made NaN on a poisoned entry. kv_descale is None, or the
 # kernels' operand of FP8 pools (te_jax/fp8.py), which the in-place kernels read as they are and the gathered
-# formulation dequantizes (to float32, or on CUDA, which computes in bfloat16/float16, to q's dtype: _gathered_dtype);
-# the pools and descales get no gradient (refuse_kv_cache_gradients), q's flows.
+# formulation dequantizes (te_jax/fp8.py kv_cache_compute_dtype); the pools and descales get no gradient
+# (refuse_kv_cache_gradients), q's flows.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(config, return_lse, q, k_pages, v_pages, pages, lengths, alibi, kv_descale):
   in_place, gathered = partial(_attend_in_place, config, return_lse), partial(_attend_gathered, config, return_lse)
-  gathered_cuda = partial(_attend_gathered, config, return_lse, dtype=_gathered_dtype(q, "cuda"))
+  gathered_cuda = partial(_attend_gathered, config, return_lse, dtype=kv_cache_compute_dtype(q.dtype, "cuda"))
   cuda = in_place if q.shape[1] <= _CUDA_IN_PLACE_MAX_SEQLEN_Q else _with_poisoned_lengths(gathered_cuda)
   return jax.lax.platform_dependent(q, k_pages, v_pages, pages, lengths, alibi, kv_descale,
                                     cpu=_with_poisoned_lengths(_poisoned_here(in_place)), cuda=cuda,
@@ -160,7 +160,7 @@ def _attend_bwd(config, return_lse, residuals, cotangent):
   # are FP8 pools and their descales.
   if kv_descale is not None:
     over = lambda platform: lambda q: _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, clamped, alibi,
-                                                       kv_descale, dtype=_gathered_dtype(q, platform))
+                                                       kv_descale, dtype=kv_cache_compute_dtype(q.dtype, platform))
     _, vjp = jax.vjp(lambda q: jax.lax.platform_dependent(q, cuda=over("cuda"), default=over(None)), q)
     return (*vjp(cotangent), None, None, None, None, None, None)
   _, vjp = jax.vjp(attend, q, k_pages, v_pages)
@@ -181,16 +181,10 @@ def _attend_in_place(config, return_lse, q, k_pages, v_pages, pages, kv_lengths,
   return (out, lse) if return_lse else out
 
 
-def _gathered_dtype(q, platform: str | None):
-  """The dtype FP8 pools are dequantized to for the gathered formulation: float32 (the reference, AttentionConfig.fp8),
-  or on CUDA, whose kernels compute in bfloat16/float16, q's dtype (a call in that dtype)."""
-  return q.dtype if platform == "cuda" else jnp.float32
-
-
 def _attend_gathered(config, return_lse, q, k_pages, v_pages, pages, kv_lengths, alibi, kv_descale, dtype=jnp.float32):
   """Each sequence's pages gathered into contiguous K/V (one XLA gather, of the page ids clamped into the pool as the
   kernels clamp them), then fused_attn's attention on them, with the paged call's configuration (its arguments are
-  checked). FP8 pools are dequantized to `dtype` (_gathered_dtype): in float32 the call stays an FP8 one
+  checked). FP8 pools are dequantized to `dtype` (kv_cache_compute_dtype): in float32 the call stays an FP8 one
   (AttentionConfig.fp8), in q's dtype it is a call in that dtype."""
   if kv_descale is not None:
     k_pages, v_pages = (dequantize_kv_operand(x, kv_descale, i, dtype) for i, x in enumerate((k_pages, v_pages)))

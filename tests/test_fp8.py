@@ -407,12 +407,14 @@ def test_fp8_kv_cache_on_cuda_needs_the_opt_in_until_its_kernels_have_run_on_a_g
     cuda_lowering(fn, normal(62, (3, 1, 8, 32), jnp.bfloat16))
 
 
-def test_fp8_kv_cache_gradient_on_cuda_is_refused(cuda_lowering):
-  """The backward attends over the dequantized cache in float32, the CPU's reference: refused on a GPU."""
+def test_fp8_kv_cache_gradient_on_cuda_is_over_the_cache_in_q_dtype(cuda_lowering):
+  """fused_attn's backward over an FP8 cache: the cache dequantized to q's dtype on a GPU (float32 on the CPU), one
+  backward custom call in that dtype."""
   k8, kd = quantize_fp8(normal(76, (2, 64, 2, 32)), per_head=True)
   fn = jax.grad(lambda q: te_jax.fused_attn(q, k8, k8, k_descale=kd, v_descale=kd).astype(jnp.float32).sum())
-  with pytest.raises(ValueError, match="or the gradient of an FP8 KV cache call.* has no cuda kernels in te_jax yet"):
-    cuda_lowering(fn, normal(77, (2, 1, 8, 32), jnp.bfloat16))
+  text = cuda_lowering(fn, normal(77, (2, 1, 8, 32), jnp.bfloat16))
+  backward = [line for line in text.splitlines() if "custom_call @te_jax_attention_backward_cuda" in line]
+  assert len(backward) == 1 and "tensor<2x64x2x32xbf16>" in backward[0], backward
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head", "page", None])
