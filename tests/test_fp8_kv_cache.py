@@ -177,14 +177,15 @@ _EVERY_ISA = textwrap.dedent("""
     import sys
     import numpy as np, jax, jax.numpy as jnp, te_jax
     assert te_jax.cpu_isa() == sys.argv[1], te_jax.cpu_isa()
+    # Every byte (a row of 256 lanes: the vector paths) and a row of 40 (their tails), one key each; a descale whose
+    # product with e4m3's 2^8 is folded into one factor, and one too large for that (two products).
     for fmt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-      # Every byte (a row of 256 lanes: the vector paths) and a row of 40 (their tails), one key each.
-      for dv in (256, 40):
+      for dv, descale in ((256, 0.375), (40, 0.375), (256, 2.0**110)):
         v8 = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8)[-dv:], fmt).reshape(1, 1, 1, dv)
         out = te_jax.fused_attn(jnp.ones((1, 1, 1, 16), jnp.float32), jnp.zeros((1, 1, 1, 16), fmt), v8,
-                                k_descale=jnp.float32(1), v_descale=jnp.float32(0.375))
-        want = np.asarray(v8.astype(jnp.float32), np.float32).reshape(dv) * np.float32(0.375)
-        np.testing.assert_array_equal(np.asarray(out).reshape(dv), want, err_msg=str((fmt, dv)))
+                                k_descale=jnp.float32(1), v_descale=jnp.float32(descale))
+        want = np.asarray(v8.astype(jnp.float32), np.float32).reshape(dv) * np.float32(descale)
+        np.testing.assert_array_equal(np.asarray(out).reshape(dv), want, err_msg=str((fmt, dv, descale)))
 """)
 
 
