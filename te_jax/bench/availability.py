@@ -22,8 +22,12 @@ class Availability:
 
 
 def probe_case(backend: Backend, platform: str) -> Case:
+  """A small square case; a decode-shaped one (one query) for a backend that serves decode alone (an FP8 KV cache on a
+  GPU)."""
   dtype = backend.caps.platforms[platform][0]
-  return Case(batch=1, seq_q=128, seq_kv=128, heads=2, kv_heads=2, head_dim=64, dtype=dtype)
+  square = Case(batch=1, seq_q=128, seq_kv=128, heads=2, kv_heads=2, head_dim=64, dtype=dtype)
+  decode = dataclasses.replace(square, seq_q=1)
+  return square if backend.why_not(square, "fwd", platform) is None else decode
 
 
 def short_error(e: BaseException, limit: int = 300) -> str:
