@@ -237,10 +237,12 @@ NB_MODULE(_te_jax_cuda, m) {
       nb::arg("params"), nb::arg("direction"), nb::arg("arch") = nb::none());
   m.def("render_source", [](const nb::dict& config) { return cuda::RenderSource(bindings::ConfigFromDict(config)); });
   // How a decode call of these params is laid out on a GPU of `multiprocessors` SMs with `smem_per_multiprocessor`
-  // bytes of shared memory each (no GPU needed): the entry point it takes, its splits and its CTAs per split.
+  // bytes of shared memory each (no GPU needed): the entry point it takes, its splits and its CTAs per split. With
+  // `registers` (per entry point, as the loaded module reports them), an SM's CTAs are bounded by its 64K registers too.
   m.def(
       "call_decode_geometry",
-      [](const nb::dict& fields, const std::string& arch, int multiprocessors, int smem_per_multiprocessor) {
+      [](const nb::dict& fields, const std::string& arch, int multiprocessors, int smem_per_multiprocessor,
+         const std::vector<int>& registers) {
         const cuda::KernelConfig config = bindings::CallConfig(fields, "forward", arch);
         if (!config.decode) {
           bindings::ThrowIfError(Status::InvalidArgument("these params do not take the decode kernels"));
@@ -248,9 +250,15 @@ NB_MODULE(_te_jax_cuda, m) {
         const cuda::KernelModule module = cuda::ModuleFor(config);
         std::vector<int> smem_bytes;
         for (const cuda::ModuleEntry& e : module.entries) smem_bytes.push_back(e.smem_bytes);
+        if (!registers.empty() && registers.size() != smem_bytes.size()) {
+          bindings::ThrowIfError(Status::InvalidArgument("registers: one count per entry point, " +
+                                                         std::to_string(smem_bytes.size()) + " of them"));
+        }
         const cuda::DecodeGeometry g = cuda::DecodeGeometryOnGpu(bindings::ParamsFromDict(fields), smem_bytes.data(),
                                                                  static_cast<int>(module.entries.size()),
-                                                                 multiprocessors, smem_per_multiprocessor);
+                                                                 multiprocessors, smem_per_multiprocessor,
+                                                                 registers.empty() ? nullptr : registers.data(),
+                                                                 registers.empty() ? 0 : 65536);
         nb::dict out;
         out["entry"] = module.entries[g.kernel].name;
         out["splits"] = g.splits;
@@ -258,5 +266,6 @@ NB_MODULE(_te_jax_cuda, m) {
         out["ctas_per_split"] = g.ctas_per_split;
         return out;
       },
-      nb::arg("params"), nb::arg("arch"), nb::arg("multiprocessors"), nb::arg("smem_per_multiprocessor"));
+      nb::arg("params"), nb::arg("arch"), nb::arg("multiprocessors"), nb::arg("smem_per_multiprocessor"),
+      nb::arg("registers") = std::vector<int>{});
 }

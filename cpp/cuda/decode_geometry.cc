@@ -8,10 +8,31 @@
 namespace te_jax::cuda {
 namespace {
 
-// A bound on SMs x decode CTAs per SM of any GPU (H200: 132 x 2), for the workspace.
+// A bound on SMs x decode CTAs per SM of any GPU (H200: 132 x 3), and on a call's CTAs over all its splits (two such
+// waves), which sizes the workspace from the params alone.
 constexpr int64_t kMaxSlots = 1024;
+constexpr int64_t kMaxSplitCtas = 2 * kMaxSlots;
+// What a CTA costs beyond its key tiles (filling the ring, the partial's write and the combine), in tiles' time.
+constexpr int64_t kSplitOverheadTiles = 2;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The most splits a call of `ctas_per_split` CTAs over `tiles` key tiles may take on any GPU.
+int64_t MaxSplits(int64_t ctas_per_split, int64_t tiles) {
+  return std::clamp<int64_t>(kMaxSplitCtas / std::max<int64_t>(ctas_per_split, 1), 1, tiles);
+}
+
+// The splits that finish soonest when `wave` CTAs run at once: the waves a split count takes times the tiles each CTA
+// walks (plus its overhead), the fewest splits among equals. Filling one wave is not enough: 512 CTAs on 396 slots
+// (an FP8 cache's b 64 x 4k on an H100) run as 1.3 waves, two at full time; three splits run four waves of a third.
+int64_t SplitsFillingWaves(int64_t ctas_per_split, int64_t tiles, int64_t wave) {
+  int64_t best = 1, best_time = INT64_MAX;
+  for (int64_t s = 1; s <= MaxSplits(ctas_per_split, tiles); ++s) {
+    const int64_t time = CeilDiv(ctas_per_split * s, wave) * (CeilDiv(tiles, s) + kSplitOverheadTiles);
+    if (time < best_time) best = s, best_time = time;
+  }
+  return best;
+}
 
 }  // namespace
 
@@ -46,7 +67,7 @@ DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots) {
   }
   const int64_t tiles = std::max<int64_t>(1, CeilDiv(p.seqlen_kv, decode::kBlockN));
   const int64_t splits =
-      g.ctas_per_split == 0 ? 1 : std::clamp<int64_t>(std::min(wave, kMaxSlots) / g.ctas_per_split, 1, tiles);
+      g.ctas_per_split == 0 ? 1 : SplitsFillingWaves(g.ctas_per_split, tiles, std::clamp<int64_t>(wave, 1, kMaxSlots));
   g.tiles_per_split = static_cast<int>(CeilDiv(tiles, splits));
   g.splits = static_cast<int>(CeilDiv(tiles, g.tiles_per_split));  // no split without tiles
   return g;
@@ -54,10 +75,10 @@ DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots) {
 
 int64_t DecodeWorkspaceBytes(const AttentionParams& p) {
   if (!UsesDecodeKernels(p)) return 0;
-  // Both rings' splits are at most kMaxSlots / ctas_per_split.
   const DecodeGeometry g = DecodeGeometryFor(p, {kMaxSlots, kMaxSlots});
-  if (g.splits == 1) return 0;
-  return g.splits * p.batch * p.seqlen_q * p.num_heads * (p.head_dim_v + 1) * static_cast<int64_t>(sizeof(float));
+  const int64_t splits = MaxSplits(g.ctas_per_split, std::max<int64_t>(1, CeilDiv(p.seqlen_kv, decode::kBlockN)));
+  if (splits == 1) return 0;
+  return splits * p.batch * p.seqlen_q * p.num_heads * (p.head_dim_v + 1) * static_cast<int64_t>(sizeof(float));
 }
 
 DecodeGeometry DecodeGeometryOnGpu(const AttentionParams& p, const int* smem_bytes, int count, int multiprocessors,

@@ -34,8 +34,8 @@ struct DecodeSlots {
   int64_t shallow = 0;
 };
 
-// A one-row-tile call whose CTAs fit in one wave of the shallow ring's slots takes the shallow ring; splits fill the
-// slots of the kernel taken once.
+// A one-row-tile call whose CTAs fit in one wave of the shallow ring's slots takes the shallow ring; the keys are split
+// so the CTAs fill whole waves of the kernel taken's slots.
 DecodeGeometry DecodeGeometryFor(const AttentionParams& p, DecodeSlots slots);
 
 // The split partials' workspace (float out and lse per split), for the most slots any GPU has (so it follows from the
