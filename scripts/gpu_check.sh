@@ -110,26 +110,29 @@ for s in $SECTIONS; do
   fp8)
     # The FP8 KV cache's decode kernels, not yet run on a GPU until this section passes (te_jax/_cuda.py: remove the
     # opt-in then): their tests beside the bf16 decode's, the sanitizers on scripts/cuda_sanitize_case.py's fp8
-    # section, then one query over b 8 x 32k and b 64 x 4k (h 32 / kv 8, d 128, no mask) in both caches.
+    # section, then FP8_SHAPES (batch_keys_queries; default one query over b 8 x 32k, b 64 x 4k and b 8 x 128k, 16
+    # over b 8 x 8k; h 32 / kv 8, d 128, no mask) in both caches. FP8_STEPS picks among those three (default: tests
+    # sanitize bench), to split them over calls.
     export TE_JAX_CUDA_FP8_KV=1
+    steps=" ${FP8_STEPS:-tests sanitize bench} "
     t0=$(date +%s)
-    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rA -n ${TEST_WORKERS:-4} \
-      "$REPO"/tests/test_cuda_fp8_decode.py "$REPO"/tests/test_cuda_decode.py 2>&1 | tee "$OUT/fp8_tests.log" \
+    [[ $steps == *" tests "* ]] && timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rA \
+      -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_fp8_decode.py "$REPO"/tests/test_cuda_decode.py 2>&1 | tee "$OUT/fp8_tests.log" \
       | grep -E "passed|failed|FAILED|^E  " | tail -40
-    echo "fp8 tests: $(( $(date +%s) - t0 )) s"
+    [[ $steps == *" tests "* ]] && echo "fp8 tests: $(( $(date +%s) - t0 )) s"
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for tool in memcheck racecheck; do
+    for tool in $([[ $steps == *" sanitize "* ]] && echo memcheck racecheck); do
       timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
         "$REPO/scripts/cuda_sanitize_case.py" --sections fp8 > "$OUT/sanitize_${tool}_fp8.log" 2>&1
       echo "sanitizer $tool fp8 rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' \
         "$OUT/sanitize_${tool}_fp8.log" | head -3 | tr '\n' ' ')"
     done
-    for shape in "8 32768" "64 4096"; do
-      set -- $shape
-      timeout ${BENCH_TIMEOUT:-120} python3 -m te_jax.bench --mode fwd --batch $1 --heads 32 --kv-heads 8 \
-        --head-dim 128 --seq 1 --seq-kv $2 --causal no --keep-going \
+    for shape in $([[ $steps == *" bench "* ]] && echo ${FP8_SHAPES:-8_32768_1 64_4096_1 8_131072_1 8_8192_16}); do
+      IFS=_ read -r batch keys queries <<< "$shape"
+      timeout ${BENCH_TIMEOUT:-120} python3 -m te_jax.bench --mode fwd --batch $batch --heads 32 --kv-heads 8 \
+        --head-dim 128 --seq $queries --seq-kv $keys --causal no --keep-going \
         --backends te_jax-te,te_jax-paged64,te_jax-fp8-cache,te_jax-fp8-paged64,jax-cudnn,kv-read \
-        --json "$OUT/fp8_b$1.json" 2>&1 | tee "$OUT/fp8_b$1.log" | grep -v Warning | tail -12
+        --json "$OUT/fp8_$shape.json" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -v Warning | grep "│\|unavailable" | tail -12
     done
     unset TE_JAX_CUDA_FP8_KV ;;
   bias)
