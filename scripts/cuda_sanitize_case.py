@@ -14,7 +14,7 @@ one (`--sections decode,paged`; all by default):
   packed      packed rows (segment ids) of uneven documents and padding, forward + backward: ids that rise (the sm90
               document table and kernels) and ids that do not (the token tables), causal and not;
   fp8         paged and contiguous decodes over an FP8 KV cache (e4m3 descales per page, e5m2 per head) with a page id
-              outside the pool and lengths ending mid-page (needs TE_JAX_CUDA_FP8_KV=1: te_jax/_cuda.py).
+              outside the pool and lengths ending mid-page.
 Exit status 1 on unexpected results."""
 import argparse
 import sys

@@ -7,7 +7,7 @@
 #   bias        the additive bias's tests
 #   features    the harness's features preset: sinks, bias and dropout against plain attention
 #   flex        score_mod / mask_mod: their GPU tests, then the harness's mod rows against the built-in and cuDNN
-#   fp8         the FP8 KV cache's decode kernels (opted into: TE_JAX_CUDA_FP8_KV=1): their tests and the decode tests,
+#   fp8         the FP8 KV cache's decode kernels: their tests and the decode tests,
 #               memcheck and racecheck, then FP8 rows beside bf16's, cuDNN's and the K/V read alone
 #   train       examples/train_lm.py, a short run per attention
 #   stress      the kernel tests with a random sleep before every pipeline wait
@@ -108,12 +108,10 @@ for s in $SECTIONS; do
       --backends te_jax-te,te_jax-mask-mod,te_jax-block-mask,te_jax-score-mod,jax-cudnn --baseline te_jax-te \
       --keep-going --json "$OUT/flex.json" 2>&1 | tee "$OUT/flex.log" | grep -v Warning | tail -40 ;;
   fp8)
-    # The FP8 KV cache's decode kernels, not yet run on a GPU until this section passes (te_jax/_cuda.py: remove the
-    # opt-in then): their tests beside the bf16 decode's, the sanitizers on scripts/cuda_sanitize_case.py's fp8
+    # The FP8 KV cache's decode kernels: their tests beside the bf16 decode's, the sanitizers on scripts/cuda_sanitize_case.py's fp8
     # section, then FP8_SHAPES (batch_keys_queries; default one query over b 8 x 32k, b 64 x 4k and b 8 x 128k, 16
     # over b 8 x 8k; h 32 / kv 8, d 128, no mask) in both caches. FP8_STEPS picks among those three (default: tests
     # sanitize bench), to split them over calls.
-    export TE_JAX_CUDA_FP8_KV=1
     steps=" ${FP8_STEPS:-tests sanitize bench} "
     t0=$(date +%s)
     [[ $steps == *" tests "* ]] && timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rA \
@@ -134,7 +132,7 @@ for s in $SECTIONS; do
         --backends te_jax-te,te_jax-paged64,te_jax-fp8-cache,te_jax-fp8-paged64,jax-cudnn,kv-read \
         --json "$OUT/fp8_$shape.json" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -v Warning | grep "│\|unavailable" | tail -12
     done
-    unset TE_JAX_CUDA_FP8_KV ;;
+    ;;
   bias)
     # The additive bias: its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
     t0=$(date +%s)

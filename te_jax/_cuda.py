@@ -116,18 +116,9 @@ def choose_engine(params: dict, direction: str, config) -> Choice:
   return _tuner().choose(params, direction)
 
 
-# The FP8 KV cache's decode kernels compile and their fragment layouts were checked by emulation on the CPU, but they
-# have not yet run on a GPU: a call reaches them only where this variable is 1, until a GPU session's tests and
-# sanitizers pass (scripts/gpu_check.sh fp8).
-FP8_KV_OPT_IN = "TE_JAX_CUDA_FP8_KV"
-
-
 def fp8_kv_refusal(params: dict, direction: str, arch: str | None = None) -> str | None:
   """Why te_jax's CUDA kernels on this GPU (or `arch`) do not read this FP8 KV cache call, or None where its decode
   kernels do."""
-  if os.environ.get(FP8_KV_OPT_IN) != "1":
-    return (f"its FP8 decode kernels have not yet run on a GPU ({FP8_KV_OPT_IN}=1 lets calls they serve use them, "
-            "unverified)")
   return ext.fp8_kv_refusal(params, direction, arch)
 
 

@@ -26,13 +26,8 @@ TOL = {"bfloat16": dict(out=1e-2, lse=1e-3), "float16": dict(out=2e-3, lse=1e-3)
 
 @pytest.fixture(scope="module", autouse=True)
 def _fp8_reaches_the_kernels():
-  """Opts into the FP8 decode kernels (te_jax/_cuda.py FP8_KV_OPT_IN: these tests are what lets them out of it) and
-  skips (naming why) where the lowering refuses FP8 KV calls on this GPU (cpp/cuda/kernel_config.cc Fp8Refusal)."""
-  from te_jax import _cuda
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setenv(_cuda.FP8_KV_OPT_IN, "1")
-    _check_fp8_reaches_the_kernels()
-    yield
+  """Skips (naming why) where the lowering refuses FP8 KV calls on this GPU (cpp/cuda/kernel_config.cc Fp8Refusal)."""
+  _check_fp8_reaches_the_kernels()
 
 
 def _check_fp8_reaches_the_kernels():

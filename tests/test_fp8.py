@@ -323,7 +323,7 @@ def test_fp8_paged_attention_gradient_of_q_and_refusals():
 @pytest.fixture()
 def cuda_lowering(monkeypatch):
   """Lowering for cuda on this machine: the CUDA backend without its GPU-time hook (compiling for the device), its FP8
-  KV cache decision taken for the arch `arch(name)` sets (sm_90a by default), the unverified kernels opted into."""
+  KV cache decision taken for the arch `arch(name)` sets (sm_90a by default)."""
   pytest.importorskip("te_jax._te_jax_cuda", reason="te_jax was built without its CUDA backend")
   import dataclasses
   from te_jax import _backends, _cuda
@@ -331,7 +331,6 @@ def cuda_lowering(monkeypatch):
   backend = dataclasses.replace(_backends.backend_for("cuda"), prepare=None,
                                 fp8_kv_refusal=lambda params, direction: _cuda.fp8_kv_refusal(params, direction, arch[0]))
   monkeypatch.setitem(_backends._BACKENDS, "cuda", backend)
-  monkeypatch.setenv(_cuda.FP8_KV_OPT_IN, "1")
   def lower(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   lower.arch = lambda name: arch.__setitem__(0, name)
@@ -396,15 +395,6 @@ def test_fp8_kv_cache_calls_the_cuda_kernels_do_not_serve_raise_why_and_what_to_
   with pytest.raises(ValueError, match=f"this FP8 KV cache call has no cuda kernel: .*{message}.*Dequantize the cache "
                                        r"to q's dtype first \(te_jax.dequantize_fp8"):
     cuda_lowering(fn, q)
-
-
-def test_fp8_kv_cache_on_cuda_needs_the_opt_in_until_its_kernels_have_run_on_a_gpu(cuda_lowering, monkeypatch):
-  from te_jax import _cuda
-  monkeypatch.delenv(_cuda.FP8_KV_OPT_IN)
-  k8, kd, v8, vd, table, lengths = _paged_case("head")
-  fn = lambda q: te_jax.paged_attention(q, k8, v8, table, lengths, k_descale=kd, v_descale=vd)
-  with pytest.raises(ValueError, match=f"its FP8 decode kernels have not yet run on a GPU \\({_cuda.FP8_KV_OPT_IN}=1"):
-    cuda_lowering(fn, normal(62, (3, 1, 8, 32), jnp.bfloat16))
 
 
 def test_fp8_kv_cache_gradient_on_cuda_is_over_the_cache_in_q_dtype(cuda_lowering):
