@@ -216,13 +216,15 @@ TE_JAX_HOST_DEVICE FlexIndex ClampIndex(T i, FlexIndex last) {
   return i < T(0) ? FlexIndex(0) : (i > T(last) ? last : FlexIndex(i));
 }
 
-// A capture gradient's term: the CPU gives each worker its own arrays; the GPU's threads share one, so they add
-// atomically.
-TE_JAX_HOST_DEVICE void AddGradient(float* at, float value) {
+// A capture gradient's term: `value` added to element `offset` of capture `capture`'s gradient. The CPU gives each
+// worker its own arrays; the GPU's threads share one, so they add atomically (the kernels pass DCaptures a run that adds
+// up a thread's consecutive terms of one element first: kernels/common/kernel_mods.h GradientRun).
+template <typename Index>
+TE_JAX_HOST_DEVICE void AddGradient(float* const* grads, int capture, Index offset, float value) {
 #if defined(__CUDA_ARCH__)
-  atomicAdd(at, value);
+  atomicAdd(grads[capture] + offset, value);
 #else
-  *at += value;
+  grads[capture][offset] += value;
 #endif
 }
 

@@ -56,14 +56,14 @@ def _method(traced: Traced, what: str, output: int, signature: str, arguments: l
 
 
 def _gradient_method(gradient: Traced, signature: str, arguments: list) -> list[str]:
-  """The method adding each floating-point capture's cotangent to its float32 gradient (grads[i] for capture i, null
-  for the others)."""
+  """The method adding each floating-point capture's cotangent to its float32 gradient (through AddGradient(grads,
+  i, ...): grads the float* const* arrays, or the kernels' run of additions)."""
   emitter = Emitter("score_mod's gradient", cotangents.rules(RULES))
   outputs = emitter.run(gradient.jaxpr, _constants(gradient), arguments)
   differentiable = [i for i, c in enumerate(gradient.captures) if dtypes.is_float(c.dtype)]
   additions = [line for i, out in zip(differentiable, outputs) for line in cotangents.additions(emitter, out, i)]
-  return [f"TE_JAX_HOST_DEVICE {signature} const {{", *(f"  {line}" for line in emitter.body(additions)),
-          *(f"  {line}" for line in additions), "}"]
+  return [f"template <typename Grads> TE_JAX_HOST_DEVICE {signature} const {{",
+          *(f"  {line}" for line in emitter.body(additions)), *(f"  {line}" for line in additions), "}"]
 
 
 def _indices(names: tuple[str, ...]) -> list[Dense]:
@@ -79,11 +79,11 @@ def score_mod_source(traced: Traced, gradient: Traced | None = None) -> str:
              *_method(traced, "score_mod", 1, f"float DScore({parameters})", arguments)]
   methods += ["// grads[i] += ct * d Score / d capture i for the floating-point captures, from jax.vjp of the",
               "// score_mod (ct: the loss's derivative in the modified score); nothing without such captures."]
-  signature = f"void DCaptures(float ct, {parameters}, float* const* grads)"
+  signature = f"void DCaptures(float ct, {parameters}, Grads&& grads)"
   if gradient is not None:
     methods += _gradient_method(gradient, signature, [Dense.scalar(np.float32, "ct"), *arguments])
   else:
-    methods.append(f"TE_JAX_HOST_DEVICE {signature} const {{}}")
+    methods.append(f"template <typename Grads> TE_JAX_HOST_DEVICE {signature} const {{}}")
   return _struct("ScoreMod", "a score_mod", traced.captures, methods)
 
 

@@ -126,7 +126,7 @@ def rules(base: dict) -> dict:
 
 def additions(em, cotangent, capture: int) -> list[str]:
   """The C++ statements adding a cotangent's elements to the float32 gradient of capture `capture` (row-major, of the
-  capture's shape): `AddGradient(grads[capture] + offset, value);`, under `if (keep)` where a scatter drops updates."""
+  capture's shape): `AddGradient(grads, capture, offset, value);`, under `if (keep)` where a scatter drops updates."""
   if isinstance(cotangent, Dense):  # a capture the output does not depend on: a literal zero array
     return []
   if not isinstance(cotangent, Scattered):
@@ -138,6 +138,6 @@ def additions(em, cotangent, capture: int) -> list[str]:
       value = window.values.exprs[element]
       terms = [f"({start} + {offset}) * {stride}" if offset else f"{start} * {stride}"
                for start, offset, stride in zip(window.starts, element, strides)]
-      add = f"AddGradient(grads[{capture}] + {' + '.join(terms) or '0'}, float({value}));"
+      add = f"AddGradient(grads, {capture}, {' + '.join(terms) or '0'}, float({value}));"
       lines.append(f"if ({window.keep}) {add}" if window.keep else add)
   return lines

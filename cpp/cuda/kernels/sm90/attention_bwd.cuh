@@ -735,6 +735,7 @@ struct BackwardKernel {
       if (leader) BulkWaitComplete();  // the block's shared memory lives until the copy engine is done with it
     }
     if constexpr (kGradientScratch) {
+      variant.mods.FlushGradientRun();
       ConsumersSync();
       variant.mods.template EndScratchGradients<256>(sm.GradientScratch(), 128 * wg + 32 * warp_in_wg + lane);
     }
