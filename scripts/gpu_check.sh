@@ -186,10 +186,10 @@ print(f"fresh process, kernels in the cache: import {t_import * 1e3:.0f} ms; low
 PY
     ;;
   decode)
-    # Decode against cuDNN and XLA, beside the K/V read alone (kv-read: the bandwidth ceiling of these memory-bound
-    # shapes), then the forward's crossover in query positions at 8k keys.
-    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode \
-      --backends te_jax-te,te_jax-paged64,jax-cudnn,jax-xla,kv-read --keep-going --json "$OUT/decode.json" 2>&1 \
+    # Decode (bf16 and FP8 caches, contiguous and paged) against cuDNN and XLA, beside the K/V read alone (kv-read: the
+    # bandwidth ceiling of these memory-bound shapes), then the forward's crossover in query positions at 8k keys.
+    timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset decode --keep-going --json "$OUT/decode.json" \
+      --backends te_jax-te,te_jax-paged64,te_jax-fp8-cache,te_jax-fp8-paged64,jax-cudnn,jax-xla,kv-read 2>&1 \
       | tee "$OUT/decode.log" | grep -v Warning | tail -30
     timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --backends te_jax-te,jax-cudnn --mode fwd --batch 8 --heads 32 \
       --kv-heads 8 --head-dim 128 --seq 1,4,16,17,32,64 --seq-kv 8192 --causal no --keep-going \
