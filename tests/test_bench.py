@@ -14,7 +14,7 @@ import pytest
 
 from te_jax.bench import registry, table
 from te_jax.bench.accuracy import measure_errors
-from te_jax.bench.availability import Availability, probe
+from te_jax.bench.availability import Availability, probe, probe_case
 from te_jax.bench.backends_jax import JaxBackend
 from te_jax.bench.cases import Case, parse_dtype, parse_mode
 from te_jax.bench.flops import attention_flops, visible_pairs
@@ -191,6 +191,15 @@ def test_pallas_backward_needs_equal_lengths():
   c = case(seq_q=128, seq_kv=256, dtype="bfloat16")
   assert pallas.why_not(c, "fwd", "gpu") is None
   assert "Sq == Skv" in pallas.why_not(c, "fwd+bwd", "gpu")
+
+
+def test_a_decode_only_backend_is_probed_on_one_query():
+  # The GPU reads an FP8 KV cache in its decode kernels alone: the availability probe takes a one-query case there
+  # (a 128-query probe would call the backend unavailable), and the square case wherever the backend serves it.
+  fp8 = registry.get("te_jax-fp8-cache")
+  assert probe_case(fp8, "gpu").seq_q == 1 and fp8.why_not(probe_case(fp8, "gpu"), "fwd", "gpu") is None
+  assert probe_case(fp8, "cpu").seq_q == 128
+  assert probe_case(registry.get("te_jax-ffi"), "gpu").seq_q == 128
 
 
 # ---------------------------------------------------------------- availability is proven by running
