@@ -147,8 +147,6 @@ struct DecodeKernel {
   static constexpr int kKeySlices = kWarps / kRowTiles;
   static constexpr int kSliceN = kBlockN / kKeySlices;  // keys per warp per stage
   static constexpr bool kFp8 = KvElement::kBytes == 1;
-  // Each stage converted once into f16 tiles that every warp reads (tile_size.h ConvertsStages).
-  static constexpr bool kConvertOnce = ConvertsStages(kRowTiles, KvElement::kBytes);
   using Product = typename ProductElement<Element, KvElement>::Type;  // the mma inputs' type: f16 with FP8 K/V
   static constexpr int kDP = PadKvDim(kD, KvElement::kBytes);
   static constexpr int kDvP = PadKvDim(kDv, KvElement::kBytes);
@@ -160,18 +158,12 @@ struct DecodeKernel {
   using VTile = typename StageTileOf<kBlockN, StageCols(kDv, KvElement::kBytes)>::Type;
   using KOperand = typename KvOperand<KvElement, KTile>::Type;  // what the products read of a stage
   using VOperand = typename KvOperand<KvElement, VTile>::Type;
-  // The converted tiles, f16 values in their plain column order (kConvertOnce).
-  using K16Tile = typename StageTileOf<kBlockN, kDP>::Type;
-  using V16Tile = typename StageTileOf<kBlockN, kDvP>::Type;
-  // How the products' B operands order o's columns (FragmentColumn): FP8's even and odd dims unless converted once.
-  using OperandElement = typename OperandElementOf<KvElement, kConvertOnce>::Type;
   static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
   // TMA for the stages of this build's calls, contiguous and paged: stage tiles in XorSwizzledTile's layout.
   static constexpr bool kTmaStages = kArchHasTma && SwizzledStage(KTile::kCols) && SwizzledStage(VTile::kCols);
   // From a 1024-byte-aligned base (tile_size.h SmemBytes), the ring first, so its tiles start on the swizzle's atoms.
   static constexpr int kRingOffset = 0;
   static constexpr int kQOffset = kRingOffset + kStages * kStageBytes;
-  static constexpr int kConvertedOffset = ConvertedOffset(kQOffset + QTile::kBytes);
   static constexpr int kRowsOffset = RowsOffset(kD, kDv, kRowTiles, kStages, KvElement::kBytes);
   static constexpr int kKeyRowsOffset = kRowsOffset + kRows * 16;
   static constexpr int kKeyRowSlots = KeyRowSlots(kStages);
@@ -189,9 +181,6 @@ struct DecodeKernel {
   static_assert(kRowsOffset >= kQOffset + QTile::kBytes &&
                     kRowsOffset >= kWarps * 16 * (kPitch + 2) * 4 + kRows * (kKeySlices + 2) * 4,
                 "the rows' ranges follow the q tile and the epilogue (Smem)");
-  static_assert(!kConvertOnce || (kRowsOffset >= kConvertedOffset + K16Tile::kBytes + V16Tile::kBytes &&
-                                  kConvertedOffset % 1024 == 0),
-                "the converted tiles follow the q tile, on swizzle atoms");
 
   struct Smem {
     unsigned char* base;
@@ -201,10 +190,6 @@ struct DecodeKernel {
     }
     __device__ __forceinline__ VTile V(int stage) const {
       return {reinterpret_cast<uint16_t*>(base + kRingOffset + stage * kStageBytes + KTile::kBytes)};
-    }
-    __device__ __forceinline__ K16Tile K16() const { return {reinterpret_cast<uint16_t*>(base + kConvertedOffset)}; }
-    __device__ __forceinline__ V16Tile V16() const {
-      return {reinterpret_cast<uint16_t*>(base + kConvertedOffset + K16Tile::kBytes)};
     }
     // Per row: its visible keys, its position on the mask's diagonal, its ALiBi slope.
     __device__ __forceinline__ int2* Ranges() const { return reinterpret_cast<int2*>(base + kRowsOffset); }
@@ -454,44 +439,22 @@ struct DecodeKernel {
         if (paged && tid < kBlockN && i + kRowsLead < tiles) look_up_rows(i + kRowsLead, tid);
         const int tile = tile_begin + i, n0 = tile * kBlockN, key0 = n0 + slice * kSliceN;
         const bool interior = tile >= full_begin && tile < full_end;
-        if constexpr (kConvertOnce) {
-          ConvertTile(sm.K(stage), sm.K16(), tid);
-          ConvertTile(sm.V(stage), sm.V16(), tid);
-          __syncthreads();  // the converted tiles are whole
-        }
-        // The careful pass scans the values the products read (of Element ScanElement) for inf and NaN.
-        auto guard_values = [&](auto scan_element, const auto& values) {
-          using ScanElement = decltype(scan_element);
-          if (!interior && __syncthreads_or(ThreadSeesNonFinite<ScanElement, kThreads>(values, tid))) {
-            PoisonColumnsOfNonFiniteValues<ScanElement>(o, warp_ranges, values, n0, key0, key0 + kSliceN, g, t,
-                                                        [](int, int) { return true; });
+        if constexpr (kCareful) {
+          if (!interior && __syncthreads_or(ThreadSeesNonFinite<KvElement, kThreads>(sm.V(stage), tid))) {
+            PoisonColumnsOfNonFiniteValues<KvElement>(o, warp_ranges, sm.V(stage), n0, key0, key0 + kSliceN, g, t,
+                                                      [](int, int) { return true; });
             __syncthreads();  // every warp has read the values before they are zeroed
-            ZeroNonFinite<ScanElement, kThreads>(values, tid);
+            ZeroNonFinite<KvElement, kThreads>(sm.V(stage), tid);
             FenceSharedForAsyncProxy();  // the zeroes before a later TMA copy overwrites the stage
             __syncthreads();
           }
-        };
-        if constexpr (kCareful && kConvertOnce) guard_values(Float16{}, sm.V16());
-        if constexpr (kCareful && !kConvertOnce) guard_values(KvElement{}, sm.V(stage));
-        // The warp's keys of what the products read: the converted tiles, or the stage's (through Fp8Tile with FP8).
-        const auto k_slice = [&] {
-          if constexpr (kConvertOnce) {
-            return K16Tile{sm.K16().data + slice * kSliceN * K16Tile::kPitch};
-          } else {
-            return KOperand{KTile{sm.K(stage).data + slice * kSliceN * KTile::kPitch}};
-          }
-        }();
-        const auto v_slice = [&] {
-          if constexpr (kConvertOnce) {
-            return V16Tile{sm.V16().data + slice * kSliceN * V16Tile::kPitch};
-          } else {
-            return VOperand{VTile{sm.V(stage).data + slice * kSliceN * VTile::kPitch}};
-          }
-        }();
+        }
+        const KTile k_slice{sm.K(stage).data + slice * kSliceN * KTile::kPitch};
+        const VTile v_slice{sm.V(stage).data + slice * kSliceN * VTile::kPitch};
 
         float sc[1][kSliceN / 8][4];
         ZeroFragments(sc);
-        WarpGemmABt<Product, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, k_slice, lane);
+        WarpGemmABt<Product, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, KOperand{k_slice}, lane);
         // FP8 with per-key descales: this warp's keys' pairs (their column c of n8 block j: [8 j + c]).
         const float2* key_descales = sm.Descales(i) + slice * kSliceN + 2 * t;
         if (kFp8 && scores_times_descale) {
@@ -568,7 +531,7 @@ struct DecodeKernel {
         for (int kk = 0; kk < kSliceN / 16; ++kk) {
           uint32_t p[1][4];
           PackAFragment<Product>(sc[0], kk, p[0]);
-          WarpMmaRegA<Product, 1, kDvP>(o, p, v_slice, kk * 16, 0, kDvP, lane);
+          WarpMmaRegA<Product, 1, kDvP>(o, p, VOperand{v_slice}, kk * 16, 0, kDvP, lane);
         }
       }
       CpAsyncWait<0>();
@@ -595,7 +558,7 @@ struct DecodeKernel {
   }
 
   // FP8: q to f16 in place, for the f16 products: each 16-column chunk in the order the K fragments take
-  // (PermutedChunkWord, primitives/fp8_tile.h; the plain order for converted K tiles), times 2^-e, e putting the CTA's largest |q| in [2^14, 2^15) (a bf16 q
+  // (PermutedChunkWord, primitives/fp8_tile.h), times 2^-e, e putting the CTA's largest |q| in [2^14, 2^15) (a bf16 q
   // may exceed f16's range, and a small one would lose bits to f16's subnormals; a power of two changes no other bit).
   // e follows the largest finite |q| (inf and NaN stay so whatever e is, and reach the logits as they would); 0 where
   // every q is 0 or non-finite. Every thread calls it once q has landed.
@@ -630,7 +593,7 @@ struct DecodeKernel {
       uint32_t out[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const uint32_t w = in[kConvertOnce ? u : PermutedChunkWord(u)];
+        const uint32_t w = in[PermutedChunkWord(u)];
         out[u] = Float16::Pack(Element::ToFloat(static_cast<uint16_t>(w)) * down,
                                Element::ToFloat(static_cast<uint16_t>(w >> 16)) * down);
       }
@@ -638,29 +601,6 @@ struct DecodeKernel {
       x[1] = make_uint4(out[4], out[5], out[6], out[7]);
     }
     return e;
-  }
-
-  // kConvertOnce: an FP8 stage tile's values as f16 (exact) into a converted tile of twice its 16-bit columns, each
-  // thread its share of the 16-byte chunks (16 values); a barrier must follow before the tile is read.
-  template <typename From, typename To>
-  static __device__ __forceinline__ void ConvertTile(const From& from, const To& to, int tid) {
-    static_assert(To::kCols == 2 * From::kCols && To::kRows == From::kRows, "a converted tile holds the stage's values");
-    constexpr int kChunksPerRow = From::kCols / 8;
-    constexpr int kChunks = From::kRows * kChunksPerRow;
-#pragma unroll
-    for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      if (kChunks % kThreads != 0 && c >= kChunks) break;
-      const int r = c / kChunksPerRow, col = c % kChunksPerRow * 8;
-      const uint4 x = *reinterpret_cast<const uint4*>(from.At(r, col));
-      uint32_t h[8];
-      KvElement::ToHalf2(x.x, h[0], h[1]);
-      KvElement::ToHalf2(x.y, h[2], h[3]);
-      KvElement::ToHalf2(x.z, h[4], h[5]);
-      KvElement::ToHalf2(x.w, h[6], h[7]);
-      *reinterpret_cast<uint4*>(to.At(r, 2 * col)) = make_uint4(h[0], h[1], h[2], h[3]);
-      *reinterpret_cast<uint4*>(to.At(r, 2 * col + 8)) = make_uint4(h[4], h[5], h[6], h[7]);
-    }
   }
 
   // Merges the warps' softmax states row by row and writes the CTA's rows: out and lse when the call has one split,
@@ -677,7 +617,7 @@ struct DecodeKernel {
     for (int j = 0; j < kDvP / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        part[(g + 8 * (e >> 1)) * kPitch + FragmentColumn<OperandElement>(j, 2 * t + (e & 1))] = o[0][j][e] * o_unit;
+        part[(g + 8 * (e >> 1)) * kPitch + FragmentColumn<KvElement>(j, 2 * t + (e & 1))] = o[0][j][e] * o_unit;
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -35,26 +35,9 @@ TE_JAX_HOST_DEVICE constexpr int PadKvDim(int d, int kv_bytes) {
 // The 16-bit columns of a K or V stage tile.
 TE_JAX_HOST_DEVICE constexpr int StageCols(int d, int kv_bytes) { return PadKvDim(d, kv_bytes) * kv_bytes / 2; }
 
-// A tile of 64 keys x cols 16-bit columns, as StageTileOf lays it out.
-TE_JAX_HOST_DEVICE constexpr int KeyTileBytes(int cols) {
-  return SwizzledStage(cols) ? kBlockN * cols * 2 : PaddedTileBytes(kBlockN, cols);
-}
-
-TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d, int kv_bytes) { return KeyTileBytes(StageCols(d, kv_bytes)); }
-
-// The four-row-tile kernel over an FP8 cache converts each stage once into f16 K and V tiles that its four warps then
-// read (all warps a quarter of the conversions, one barrier), where each warp converting the fragments it loads did
-// every conversion four times: H100, b 8 x 16 queries x 8k, the FP8 cache ran at 1.27 TB/s, 1.07x the bf16 cache.
-// The one-row-tile kernel's warps each read their own 16 keys, so each byte is converted once there already.
-TE_JAX_HOST_DEVICE constexpr bool ConvertsStages(int row_tiles, int kv_bytes) {
-  return row_tiles == 4 && kv_bytes == 1;
-}
-
-// Where the converted tiles start (1024-byte aligned, as the ring's tiles) and their bytes: 0 where none.
-TE_JAX_HOST_DEVICE constexpr int ConvertedOffset(int pipeline_bytes) { return (pipeline_bytes + 1023) / 1024 * 1024; }
-TE_JAX_HOST_DEVICE constexpr int ConvertedBytes(int d, int dv, int row_tiles, int kv_bytes) {
-  return ConvertsStages(row_tiles, kv_bytes) ? KeyTileBytes(PadKvDim(d, kv_bytes)) + KeyTileBytes(PadKvDim(dv, kv_bytes))
-                                             : 0;
+TE_JAX_HOST_DEVICE constexpr int StageTileBytes(int d, int kv_bytes) {
+  return SwizzledStage(StageCols(d, kv_bytes)) ? kBlockN * StageCols(d, kv_bytes) * 2
+                                               : PaddedTileBytes(kBlockN, StageCols(d, kv_bytes));
 }
 
 // A paged call's TMA boxes (sm_90 on): the largest power of two that divides the page size, up to a stage's keys, so
@@ -99,23 +82,16 @@ TE_JAX_HOST_DEVICE constexpr int EpilogueBytes(int padded_dv, int row_tiles) {
   return kWarps * 16 * (EpiloguePitch(padded_dv) + 2) * 4 + RowsOfTile(row_tiles) * (kWarps / row_tiles + 2) * 4;
 }
 
-// The rings and the q tile.
-TE_JAX_HOST_DEVICE constexpr int PipelineBytes(int d, int dv, int row_tiles, int stages, int kv_bytes) {
-  return stages * (StageTileBytes(d, kv_bytes) + StageTileBytes(dv, kv_bytes)) +
-         PaddedTileBytes(RowsOfTile(row_tiles), PadKvDim(d, kv_bytes));
-}
-
-// Where the rows' key ranges start: past the rings, the q tile and any converted tiles, which the epilogue reuses (it
-// reads the ranges), or past the epilogue where that is larger (FP8's half-size stages with dv above d).
+// Where the rows' key ranges start: past the rings and the q tile, which the epilogue reuses (it reads the ranges),
+// or past the epilogue where that is larger (FP8's half-size stages with dv above d).
 TE_JAX_HOST_DEVICE constexpr int RowsOffset(int d, int dv, int row_tiles, int stages, int kv_bytes) {
-  const int pipeline = PipelineBytes(d, dv, row_tiles, stages, kv_bytes);
-  const int converted = ConvertedBytes(d, dv, row_tiles, kv_bytes);
-  const int tiles = converted > 0 ? ConvertedOffset(pipeline) + converted : pipeline;
+  const int pipeline = stages * (StageTileBytes(d, kv_bytes) + StageTileBytes(dv, kv_bytes)) +
+                       PaddedTileBytes(RowsOfTile(row_tiles), PadKvDim(d, kv_bytes));
   const int epilogue = EpilogueBytes(PadKvDim(dv, kv_bytes), row_tiles);
-  return tiles > epilogue ? tiles : epilogue;
+  return pipeline > epilogue ? pipeline : epilogue;
 }
 
-// The shared memory: the k and v rings, the q tile and any converted tiles (or the epilogue), each row's key range, position and ALiBi
+// The shared memory: the k and v rings and the q tile (or the epilogue), each row's key range, position and ALiBi
 // slope, the key-row tables, with an FP8 KV cache a (k, v) descale pair per key of each table and the q tile's max,
 // and a barrier per stage, from a base the kernel aligns to 1024 bytes (TMA's swizzle atoms: 1024 more bytes).
 TE_JAX_HOST_DEVICE constexpr int SmemBytes(int d, int dv, int row_tiles, int stages, int kv_bytes) {

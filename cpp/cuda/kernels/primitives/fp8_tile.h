@@ -71,16 +71,6 @@ struct KvOperand<Element, Tile, 1> {
   using Type = Fp8Tile<Element, Tile>;
 };
 
-// The element type of the tiles the products read: KvElement, or f16 where the kernel converts each stage first.
-template <typename KvElement, bool kConverted>
-struct OperandElementOf {
-  using Type = KvElement;
-};
-template <typename KvElement>
-struct OperandElementOf<KvElement, true> {
-  using Type = Float16;
-};
-
 // The element type of the products with K/V of KvElement and q, out of Element: Element, or f16 for FP8.
 template <typename Element, typename KvElement, int kBytes = KvElement::kBytes>
 struct ProductElement {
