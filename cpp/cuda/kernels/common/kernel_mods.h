@@ -40,28 +40,24 @@ struct SameType<A, A> {
 // and added (atomically) when the next goes elsewhere or at Flush. A relative-position table read at a clipped distance
 // gives every far key of a row the same element: one addition a run instead of every thread's, one by one, to the
 // same word (H100, b 8 x 2k, d 128: the forward + backward took 65x plain attention's time).
-// The run's element is named by its capture and offset (32-bit: FlexArgs counts a capture's elements so), its address
-// formed only when it is added.
 struct GradientRun {
   float* const* grads;
-  int capture;  // -1: no run
-  int offset;
+  float* at;
   float sum;
 
   __device__ __forceinline__ void Flush() {
-    if (capture >= 0) atomicAdd(grads[capture] + offset, sum);
-    capture = -1;
+    if (at != nullptr) atomicAdd(at, sum);
+    at = nullptr;
   }
 };
 
 // The generated DCaptures' additions (te_jax/flex/cotangents.py), through the kernels' run.
 template <typename Index>
 __device__ __forceinline__ void AddGradient(GradientRun& run, int capture, Index offset, float value) {
-  const int element = static_cast<int>(offset);
-  if (capture != run.capture || element != run.offset) {
+  float* const element = run.grads[capture] + offset;
+  if (element != run.at) {
     run.Flush();
-    run.capture = capture;
-    run.offset = element;
+    run.at = element;
     run.sum = 0.0f;
   }
   run.sum += value;
@@ -86,8 +82,7 @@ struct KernelMods {
   // The global indices of the call's element [0, 0, 0, 0] (FlexArgs::offsets).
   int b_offset, h_offset, q_offset, kv_offset;
   const FlexArgs* flex;  // the arguments (in parameter space), for what only the kernels' prologue and epilogue read
-  mutable GradientRun run = {nullptr, -1, 0, 0.0f};  // ScoreGrad's additions to grads (a const method: the variant's
-                                                    // algebra is const)
+  mutable GradientRun run = {};  // ScoreGrad's additions to grads (a const method: the variant's algebra is const)
 
   // args: the kernel's arguments, a WithFlex<Args> (the kernel's entry point takes one where its variant has mods).
   template <typename Args>
