@@ -114,7 +114,8 @@ for s in $SECTIONS; do
     # The FP8 KV cache's decode kernels: their tests beside the bf16 decode's, the sanitizers on scripts/cuda_sanitize_case.py's fp8
     # section, then FP8_SHAPES (batch_keys_queries; default one query over b 8 x 32k, b 64 x 4k and b 8 x 128k, 16
     # over b 8 x 8k; h 32 / kv 8, d 128, no mask) in both caches. FP8_STEPS picks among those three (default: tests
-    # sanitize bench), to split them over calls.
+    # sanitize bench), to split them over calls; FP8_BACKENDS the harness's rows (default: te, paged64, fp8-cache,
+    # fp8-paged64, cuDNN and the K/V read alone; te_jax-fp8-perhead-paged64 pages with the contiguous row's descales).
     steps=" ${FP8_STEPS:-tests sanitize bench} "
     t0=$(date +%s)
     [[ $steps == *" tests "* ]] && timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rA \
@@ -132,7 +133,7 @@ for s in $SECTIONS; do
       IFS=_ read -r batch keys queries <<< "$shape"
       timeout ${BENCH_TIMEOUT:-120} python3 -m te_jax.bench --mode fwd --batch $batch --heads 32 --kv-heads 8 \
         --head-dim 128 --seq $queries --seq-kv $keys --causal no --keep-going \
-        --backends te_jax-te,te_jax-paged64,te_jax-fp8-cache,te_jax-fp8-paged64,jax-cudnn,kv-read \
+        --backends ${FP8_BACKENDS:-te_jax-te,te_jax-paged64,te_jax-fp8-cache,te_jax-fp8-paged64,jax-cudnn,kv-read} \
         --json "$OUT/fp8_$shape.json" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -v Warning | grep "│\|unavailable" | tail -12
     done
     ;;

@@ -488,14 +488,18 @@ class Fp8CacheBackend(TeJaxBackend):
 
 
 class PagedFp8Backend(PagedBackend):
-  """te_jax.paged_attention over an FP8 KV cache: the paged layout's pools quantized to e4m3 with a descale per page
-  and kv head in setup (te_jax.quantize_kv_pages), q in the case's dtype. Its K/V bytes are the FP8 pools'."""
+  """te_jax.paged_attention over an FP8 KV cache: the paged layout's pools quantized to e4m3 in setup
+  (te_jax.quantize_kv_pages) with a descale per page and kv head (te_jax-fp8-paged64), or per kv head
+  (te_jax-fp8-perhead-paged64: the contiguous FP8 row's scaling, so the two differ by the paging alone), q in the case's
+  dtype. Its K/V bytes are the FP8 pools'."""
 
-  def __init__(self, page_size: int):
+  def __init__(self, page_size: int, granularity: str = "page"):
     super().__init__(page_size)
-    self.name = f"te_jax-fp8-paged{page_size}"
-    self.label = f"te_jax paged attention, FP8 cache ({page_size}-token pages)"
-    self.url = "te_jax.paged_attention(k_descale=..., v_descale=...) on te_jax.quantize_kv_pages(granularity='page')"
+    self.granularity = granularity
+    self.name = f"te_jax-fp8-paged{page_size}" if granularity == "page" else f"te_jax-fp8-perhead-paged{page_size}"
+    self.label = f"te_jax paged attention, FP8 cache ({page_size}-token pages, a descale per {granularity})"
+    self.url = ("te_jax.paged_attention(k_descale=..., v_descale=...) on "
+                f"te_jax.quantize_kv_pages(granularity='{granularity}')")
     self.fp8 = True
 
   def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
@@ -504,7 +508,8 @@ class PagedFp8Backend(PagedBackend):
   def fwd_operands(self, case: Case, q, k, v) -> tuple:
     import te_jax
     q, k_pages, v_pages, page_table, kv_lengths = super().fwd_operands(case, q, k, v)
-    (k8, k_descale), (v8, v_descale) = (te_jax.quantize_kv_pages(p, granularity="page") for p in (k_pages, v_pages))
+    (k8, k_descale), (v8, v_descale) = (te_jax.quantize_kv_pages(p, granularity=self.granularity)
+                                        for p in (k_pages, v_pages))
     return q, k8, v8, page_table, kv_lengths, k_descale, v_descale
 
   def attention_fn(self, case: Case):
@@ -697,6 +702,7 @@ class KvReadBackend(JaxBackend):
 for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi", "te"), TeJaxBackend("ffi", "cudnn"),
                  DeterministicBackend(), MaskModBackend(False), MaskModBackend(True), ScoreModBackend(), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
+                 PagedFp8Backend(64, "head"),
                  Fp8CacheBackend(),
                  JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
