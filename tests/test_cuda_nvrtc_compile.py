@@ -206,19 +206,6 @@ def test_an_fp8_cache_splits_its_keys_into_whole_waves():
   assert ext.call_decode_geometry(_decode_params(64, 4096), "sm_90a", **H200)["splits"] == 1
 
 
-def test_an_fp8_cache_keeps_to_one_row_tile_ctas():
-  # 16 queries x 4 heads of a group are 64 rows: the bf16 cache takes one four-row-tile CTA per (batch, kv head), whose
-  # four warps each multiply the whole stage; an FP8 cache takes four one-row-tile CTAs, whose warps convert only their
-  # own keys of each stage (sm_89 too: the same kernels).
-  params = dict(_decode_params(8, 8192, seqlen_q=16), kv_format=1, kv_descale_blocks=1, kv_descale_heads=8)
-  for arch in ("sm_90a", "sm_89"):
-    g = ext.call_decode_geometry(params, arch, **H200, registers=[160] * 4)
-    assert g["entry"].startswith("te_jax_attention_decode_rows16"), g
-    assert g["ctas_per_split"] == 8 * 8 * 4
-  assert ext.call_decode_geometry(_decode_params(8, 8192, seqlen_q=16), "sm_90a", **H200)["entry"] == \
-      "te_jax_attention_decode_rows64"
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_decode_workspace_holds_every_gpus_splits(seed):
   # The workspace is sized at lowering for the most splits any GPU takes: never fewer than a call takes on a given one.

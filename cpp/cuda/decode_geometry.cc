@@ -43,12 +43,7 @@ bool UsesDecodeKernels(const AttentionParams& p) {
          p.dropout_threshold == 0 && !p.has_bias && !p.flex.active();
 }
 
-// More rows than one row tile holds take the four-row-tile kernel, whose warps each multiply all of a stage's keys:
-// with an FP8 cache each would convert every K and V value of the stage (H100, b 8 x 16 queries x 8k: 1.27 TB/s,
-// conversion-bound), so an FP8 cache's rows go to one-row-tile CTAs instead, whose warps convert their own keys only
-// and whose CTAs of one (batch, K/V head) read its keys together, from the L2 after the first.
 int DecodeKernelFor(const AttentionParams& p) {
-  if (IsFp8(p.kv_format)) return 0;
   return p.num_heads / p.num_kv_heads * p.seqlen_q <= decode::RowsOfTile(decode::RowTilesOfKernel(0)) ? 0 : 1;
 }
 
