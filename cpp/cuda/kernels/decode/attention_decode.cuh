@@ -277,9 +277,6 @@ struct DecodeKernel {
     // is finite, else it multiplies each probability as per-key ones do, a zero probability staying 0 (so a NaN or inf
     // reaches only the rows that see its keys, as in the dequantized product).
     const bool descale_per_key = kFp8 && paged && a.kv_descales.blocks > 1;
-    // Pages of whole tiles (page sizes multiples of kBlockN) give every key of a tile its page's pair: the table holds
-    // its first key's alone, and the products take it for the tile.
-    const bool descale_per_tile = descale_per_key && a.page_size % kBlockN == 0;
     float k_descale = 1.0f, v_descale = 1.0f;
     if (kFp8 && !descale_per_key) {
       const int64_t block = a.kv_descales.Block(paged, 0, rb.b);
@@ -324,8 +321,7 @@ struct DecodeKernel {
         row = static_cast<int>(key_rows.RowInPage(entry, key));
       }
       sm.KeyRows(i)[key_in_tile] = row;
-      if (descale_per_key && (!descale_per_tile || key_in_tile == 0)) {
-        // the page's pair (its id clamped as the row's); a key past the length: zeros
+      if (descale_per_key) {  // the page's pair (its id clamped as the row's); a key past the length: zeros
         const int page = row / static_cast<int>(a.page_size);
         sm.Descales(i)[key_in_tile] = row < 0 ? make_float2(0.0f, 0.0f)
                                               : make_float2(a.kv_descales.K(page, rb.kv_head),
@@ -461,17 +457,12 @@ struct DecodeKernel {
         WarpGemmABt<Product, 1, kDP, kSliceN>(sc, sm.Q(), row_tile * 16, KOperand{k_slice}, lane);
         // FP8 with per-key descales: this warp's keys' pairs (their column c of n8 block j: [8 j + c]).
         const float2* key_descales = sm.Descales(i) + slice * kSliceN + 2 * t;
-        // The pair of the tile's keys where they share one (the CTA's, or the tile's page's), and whether each key has
-        // its own.
-        const bool per_key = descale_per_key && !descale_per_tile;
-        float2 tile_descales = make_float2(k_descale, v_descale);
-        if (descale_per_tile) tile_descales = sm.Descales(i)[0];
         if (kFp8 && scores_times_descale) {
 #pragma unroll
           for (int j = 0; j < kSliceN / 8; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const float descale = per_key ? key_descales[j * 8 + c].x : tile_descales.x;
+              const float descale = descale_per_key ? key_descales[j * 8 + c].x : k_descale;
               sc[0][j][c] *= descale;
               sc[0][j][2 + c] *= descale;
             }
@@ -499,18 +490,14 @@ struct DecodeKernel {
         if constexpr (kFp8) {
           if (descale_per_key) {
             float largest = 0.0f;
-            if (per_key) {
 #pragma unroll
-              for (int j = 0; j < kSliceN / 8; ++j)
+            for (int j = 0; j < kSliceN / 8; ++j)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                  const float descale = fabsf(key_descales[j * 8 + c].y);
-                  if (descale <= kFloatMax) largest = fmaxf(largest, descale);
-                }
-              largest = QuadMax(largest);
-            } else if (fabsf(tile_descales.y) <= kFloatMax) {
-              largest = fabsf(tile_descales.y);
-            }
+              for (int c = 0; c < 2; ++c) {
+                const float descale = fabsf(key_descales[j * 8 + c].y);
+                if (descale <= kFloatMax) largest = fmaxf(largest, descale);
+              }
+            largest = QuadMax(largest);
             if (largest > 0.0f) {
               const float unit = PowerOfTwoAbove(largest);
               const float ratio = fminf(v_unit / unit, kFloatMax);
@@ -524,7 +511,7 @@ struct DecodeKernel {
           for (int j = 0; j < kSliceN / 8; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const float descale = per_key ? key_descales[j * 8 + c].y : tile_descales.y;
+              const float descale = descale_per_key ? key_descales[j * 8 + c].y : v_descale;
               const float factor = values_times_descale ? descale * inv_unit * kPScale : kPScale;
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
