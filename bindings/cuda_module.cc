@@ -60,6 +60,7 @@ nb::dict ReportDict(const cuda::JitReport& r) {
 // A module request from Python (te_jax/aot.py's configurations): {"direction", "dtype" (core code), "head_dim",
 // "head_dim_v", "softcap" (bool), "alibi" (bool), "arch"} and optionally "deterministic", "decode", "tokens",
 // "dropout" (bools, default false), "kv_format" (cpp/core/kv_format.h's code; absent: k and v in q's dtype),
+// "q_format" (the same codes: FP8 attention, q, k and v in it and kv_format the same; absent: q in dtype),
 // "bias_dtype" (core code of the additive bias's dtype; absent or None: no bias) and "bias_fits_tma" (bool),
 // "score_mod" and "mask_mod" (paths of generated mod sources, te_jax/flex/cuda_source.py).
 // {"kind": "length_guard", "arch"} is the length guard module (cpp/cuda/length_guard.h).
@@ -80,6 +81,7 @@ cuda::KernelConfig ConfigFromDict(const nb::dict& d) {
   r.deterministic = flag("deterministic");
   r.decode = flag("decode");
   if (d.contains("kv_format")) r.kv_format = static_cast<KvFormat>(nb::cast<int>(d["kv_format"]));
+  if (d.contains("q_format")) r.q_format = static_cast<KvFormat>(nb::cast<int>(d["q_format"]));
   r.tokens = flag("tokens");
   r.dropout = flag("dropout");
   r.bias = d.contains("bias_dtype") && !d["bias_dtype"].is_none();

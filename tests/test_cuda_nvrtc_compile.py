@@ -512,3 +512,34 @@ def test_fp8_kv_decode_takes_the_deep_ring_at_head_dim_256():
   for d, dv in ((64, 192), (192, 64)):
     plain = dict(fp8, kv_format=0, head_dim=d, head_dim_v=dv)
     assert "te_jax_attention_decode_rows16_shallow(" not in ext.render_source(plain)
+
+
+# FP8 attention (q, k and v FP8: q_format = kv_format, cpp/core/kv_format.h's codes; out in dtype) in the sm90
+# forward's FP8 kernel: FP8 wgmma for both products, V^T stages, p packed to e4m3 in registers.
+FP8_ATTENTION = dict(direction="forward", dtype=1, head_dim=128, head_dim_v=128, softcap=False, alibi=False,
+                     kv_format=1, q_format=1, arch="sm_90a")
+
+
+def test_fp8_attention_configurations_compile(cache_dir):
+  _nvrtc_or_skip()
+  configs = [FP8_ATTENTION, dict(FP8_ATTENTION, softcap=True, dtype=2),
+             dict(FP8_ATTENTION, alibi=True, kv_format=2, q_format=2)]
+  assert aot.compile_all(configs, jobs=os.cpu_count() or 1, log=lambda s: None) == []
+  assert ext.kernel_name(FP8_ATTENTION) == "fwd_bf16_qkv_e4m3_d128_dv128_scaled_sm_90a_sm90_128x128"
+  source = ext.render_source(FP8_ATTENTION)
+  assert "te_jax::LogitsVariant<false, false, false, false>, 2, false, false, te_jax::cuda::E4M3>" in source
+  assert "forward_persistent" not in source  # the one-CTA-per-block kernel alone
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kv_format=2), "k and v in q's FP8 format"),
+    (dict(head_dim=64, head_dim_v=64), r"head dims \(128, 128\) so far, not \(64, 64\)"),
+    (dict(arch="sm_89"), "on sm_90a"),
+    (dict(direction="backward"), "the forward"),
+    (dict(decode=True), "the forward"),
+    (dict(tokens=True), "without segment ids"),
+    (dict(dropout=True), "without segment ids"),
+])
+def test_fp8_attention_the_kernel_does_not_serve_is_refused(change, message):
+  with pytest.raises(ValueError, match="serve FP8 attention .* in the sm90 forward only: " + message):
+    ext.kernel_name(dict(FP8_ATTENTION, **change))

@@ -136,6 +136,9 @@ struct ForwardArgs {
   TokenArgs tokens;  // read only by kernels built with tokens (LogitsVariant::kHasTokens)
   DropoutArgs dropout;  // read only by kernels built with dropout (LogitsVariant::kHasDropout)
   BiasArgs bias;     // read only by kernels built with a bias (LogitsVariant::kHasBias)
+  // FP8 q, k and v (the sm90 FP8 forward): float32 [3, H], q's, k's and v's descales per query head (k's and v's
+  // those of its kv head); null otherwise.
+  const float* fp8_descales;
 };
 
 // A CUtensorMap (cuda.h), opaque: 128 bytes, 128-byte aligned. Kernels built by NVRTC see no cuda.h, so they take it as

@@ -43,6 +43,9 @@ const char* KvFormatName(KvFormat format) {
   return format == KvFormat::kE4M3 ? "_kv_e4m3" : format == KvFormat::kE5M2 ? "_kv_e5m2" : "";
 }
 
+// FP8 attention's format in module names (q, k and v).
+const char* QkvFormatName(KvFormat format) { return format == KvFormat::kE4M3 ? "_qkv_e4m3" : "_qkv_e5m2"; }
+
 // The bias's element type in module names.
 const char* BiasName(DType dtype) {
   return dtype == DType::kFloat32 ? "_bias_f32" : dtype == DType::kBFloat16 ? "_bias_bf16" : "_bias_fp16";
@@ -62,7 +65,7 @@ KernelFamily KernelConfig::Family() const {
 
 bool KernelConfig::PlainSm90Forward() const {
   return direction == Direction::kForward && Family() == KernelFamily::kSm90 && !softcap && !alibi && !tokens &&
-         !dropout && !bias && !mods();
+         !dropout && !bias && !mods() && !Fp8Attention();
 }
 
 bool KernelConfig::HasDocumentForward() const {
@@ -91,7 +94,7 @@ std::string KernelConfig::BaseName() const {
   const bool sm90 = Family() == KernelFamily::kSm90;
   const char* what = decode ? "dec" : direction == Direction::kForward ? "fwd" : (deterministic ? "bwd_det" : "bwd");
   std::string name = std::string(what) + "_" + (dtype == DType::kBFloat16 ? "bf16" : "fp16") +
-                     KvFormatName(kv_format) + "_d" +
+                     (Fp8Attention() ? QkvFormatName(q_format) : KvFormatName(kv_format)) + "_d" +
                      std::to_string(head_dim) + "_dv" + std::to_string(head_dim_v) + "_" +
                      VariantName(softcap, alibi) + (tokens ? "_tokens" : "") + (dropout ? "_dropout" : "") +
                      (bias ? BiasName(bias_dtype) : "") + ModName("score", score_mod) + ModName("mask", mask_mod) +
@@ -103,8 +106,8 @@ std::string KernelConfig::BaseName() const {
            std::to_string(sm90::BackwardStepRows(head_dim, head_dim_v, tokens, dropout, bias));
   }
   if (sm90) {  // the first kernel's tile
-    const sm90::ForwardTile t =
-        sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2, BiasBytes());
+    const sm90::ForwardTile t = sm90::ForwardTileSize(head_dim, head_dim_v, tokens, HasThreeConsumerForward() ? 3 : 2,
+                                                      BiasBytes(), Fp8Attention() ? 1 : 2);
     return name + "_sm90_" + std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
   }
   const sm80::TileSize t = sm80::ForwardTileSize(head_dim, head_dim_v, bias);
@@ -131,8 +134,8 @@ Status ConfigFor(const KernelConfig& r, KernelConfig* config) {
     return Status::InvalidArgument("the decode kernels take no tokens (segment ids, positions)");
   }
   if (r.decode && r.bias) return Status::InvalidArgument("the decode kernels take no bias");
-  if (IsFp8(r.kv_format)) {
-    const std::string refusal = Fp8Refusal(r);
+  if (r.Fp8Attention() || IsFp8(r.kv_format)) {
+    const std::string refusal = r.Fp8Attention() ? Fp8AttentionRefusal(r) : Fp8Refusal(r);
     if (!refusal.empty()) return Status::InvalidArgument(refusal);
   }
   if (r.bias_fits_tma && !r.bias) return Status::InvalidArgument("bias_fits_tma applies to a bias (bias_dtype) only");
@@ -167,6 +170,21 @@ std::string Fp8Refusal(const KernelConfig& r) {
   if (r.head_dim % 16 != 0 || r.head_dim_v % 16 != 0) {
     return what + "head dims that are multiples of 16 (rows of whole 16-byte chunks), not (" +
            std::to_string(r.head_dim) + ", " + std::to_string(r.head_dim_v) + ")";
+  }
+  return "";
+}
+
+std::string Fp8AttentionRefusal(const KernelConfig& r) {
+  const std::string what = "te_jax's CUDA kernels serve FP8 attention (FP8 q, k and v) in the sm90 forward only: ";
+  if (r.kv_format != r.q_format) return what + "k and v in q's FP8 format";
+  if (r.direction != Direction::kForward || r.decode) return what + "the forward, in the sm90 family (not decode)";
+  if (r.arch != "sm_90a") return what + "on sm_90a (FP8 wgmma), not " + r.arch;
+  if (!sm90::ServesFp8Forward(r.head_dim, r.head_dim_v)) {
+    return what + "head dims (128, 128) so far, not (" + std::to_string(r.head_dim) + ", " +
+           std::to_string(r.head_dim_v) + ")";
+  }
+  if (r.tokens || r.dropout || r.bias || r.mods()) {
+    return what + "without segment ids, positions, dropout, a bias or score/mask mods";
   }
   return "";
 }

@@ -41,6 +41,10 @@ struct KernelConfig {
   // How k and v are stored: in dtype, or an FP8 KV cache, which the decode kernels alone serve (on sm_89 and newer, head
   // dims multiples of 16: FP8Refusal).
   KvFormat kv_format = KvFormat::kAsQ;
+  // FP8 attention proper: q, k and v in this FP8 format (kv_format the same), the output in dtype; the sm90 forward's
+  // FP8 kernel serves it (Fp8AttentionRefusal). kAsQ: q in dtype.
+  KvFormat q_format = KvFormat::kAsQ;
+  bool Fp8Attention() const { return IsFp8(q_format); }
   // Segment ids or positions (packed sequences): the kernels built with the variant's token mask, and the
   // two token-table kernels (kernels/common/token_tables.cuh) as the module's last entries. Both families serve them.
   bool tokens = false;
@@ -92,6 +96,10 @@ Status ConfigFor(const KernelConfig& requested, KernelConfig* config);
 // Why no module serves an FP8 KV cache request (kv_format an FP8 format): empty where the decode kernels serve it.
 // The one decision of which FP8 calls run on te_jax's CUDA kernels (the others are the Python layer's to dequantize).
 std::string Fp8Refusal(const KernelConfig& requested);
+
+// Why no module serves an FP8 attention request (q_format an FP8 format): empty where the sm90 forward's FP8 kernel
+// serves it.
+std::string Fp8AttentionRefusal(const KernelConfig& requested);
 
 // The request of a validated call's params.
 KernelConfig RequestFor(const AttentionParams& params, Direction direction, const std::string& arch);

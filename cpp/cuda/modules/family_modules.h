@@ -17,6 +17,8 @@ KernelModule LengthGuardModule();
 std::string ElementType(DType dtype);
 // The kernels' element type of k and v: the dtype's, or an FP8 KV cache's ("te_jax::cuda::E4M3", ...).
 std::string KvElementType(const KernelConfig& config);
+// The kernels' type of an FP8 format.
+std::string Fp8ElementType(KvFormat format);
 // The template arguments every attention kernel takes: "<element>, <d>, <dv>, <variant>".
 std::string KernelTemplateArgs(const KernelConfig& config);
 // The argument struct of a kernel that applies the variant: `args`, or WithFlex<args> with mods (kernel_args.h).

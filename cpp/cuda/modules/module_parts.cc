@@ -27,10 +27,12 @@ std::string ElementType(DType dtype) {
                                      : "te_jax::cuda::Float16";
 }
 
+std::string Fp8ElementType(KvFormat format) {
+  return format == KvFormat::kE4M3 ? "te_jax::cuda::E4M3" : "te_jax::cuda::E5M2";
+}
+
 std::string KvElementType(const KernelConfig& c) {
-  return c.kv_format == KvFormat::kE4M3   ? "te_jax::cuda::E4M3"
-         : c.kv_format == KvFormat::kE5M2 ? "te_jax::cuda::E5M2"
-                                          : ElementType(c.dtype);
+  return IsFp8(c.kv_format) ? Fp8ElementType(c.kv_format) : ElementType(c.dtype);
 }
 
 std::string RowKernelTemplateArgs(const KernelConfig& c) {

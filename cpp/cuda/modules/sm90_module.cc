@@ -19,11 +19,14 @@ KernelModule Forward(const KernelConfig& c) {
   const int consumers = c.HasThreeConsumerForward() ? 3 : 2;
   KernelModule m;
   m.includes = {"cpp/core/variants.h", "cpp/cuda/kernels/sm90/attention_fwd.cuh"};
+  // FP8 attention: the kernel's Input is q's, k's and v's format (its last template argument).
+  const std::string input = c.Fp8Attention() ? ", false, false, " + Fp8ElementType(c.q_format) : "";
   m.entries.push_back(TmaEntry(
       "te_jax_attention_forward",
-      "te_jax::cuda::sm90::ForwardKernel<" + args + ", " + std::to_string(consumers) + ">",
+      "te_jax::cuda::sm90::ForwardKernel<" + args + ", " + std::to_string(consumers) + input + ">",
       AttentionArgs(c, "te_jax::cuda::TmaForwardArgs"),
-      sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, consumers, c.BiasBytes())));
+      sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, c.tokens, consumers, c.BiasBytes(), /*persistent=*/false,
+                             c.Fp8Attention() ? 1 : 2)));
   const int persistent_smem = sm90::ForwardSmemBytes(c.head_dim, c.head_dim_v, /*tokens=*/false, /*consumers=*/2,
                                                      /*bias_bytes=*/0, /*persistent=*/true);
   if (c.HasPersistentForward()) {

@@ -124,6 +124,43 @@ TE_JAX_WGMMA_SPECIALISATION(64, TE_JAX_WGMMA_ACC32, TE_JAX_WGMMA_REGS32, "%32", 
 TE_JAX_WGMMA_SPECIALISATION(128, TE_JAX_WGMMA_ACC64, TE_JAX_WGMMA_REGS64, "%64", "%65", "%66", "{%64, %65, %66, %67}",
                             "%68", "%69")
 
+// FP8 (8-bit A and B, k 32 per instruction): both operands K-major, the only form 8-bit wgmma has; A (64 x 32) from
+// shared memory or from registers (primitives/fragment.h PackFp8AFragment). AType and BType are E4M3 or E5M2.
+#define TE_JAX_WGMMA_FP8(N, A_TYPE, B_TYPE, REGS, A, B, ACCUMULATE)                                   \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                             \
+  "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." A_TYPE "." B_TYPE " {" REGS "}, " A ", " B ", p, 1, 1;\n}\n"
+#define TE_JAX_WGMMA_FP8_TYPES(N, REGS, A, B, ACCUMULATE, OPERANDS, ACC, d)                                     \
+  if constexpr (AType::kIsE4M3 && BType::kIsE4M3) {                                                            \
+    asm volatile(TE_JAX_WGMMA_FP8(N, "e4m3", "e4m3", REGS, A, B, ACCUMULATE) : ACC(d) : OPERANDS);               \
+  } else if constexpr (AType::kIsE4M3) {                                                                       \
+    asm volatile(TE_JAX_WGMMA_FP8(N, "e4m3", "e5m2", REGS, A, B, ACCUMULATE) : ACC(d) : OPERANDS);               \
+  } else if constexpr (BType::kIsE4M3) {                                                                       \
+    asm volatile(TE_JAX_WGMMA_FP8(N, "e5m2", "e4m3", REGS, A, B, ACCUMULATE) : ACC(d) : OPERANDS);               \
+  } else {                                                                                                     \
+    asm volatile(TE_JAX_WGMMA_FP8(N, "e5m2", "e5m2", REGS, A, B, ACCUMULATE) : ACC(d) : OPERANDS);               \
+  }
+#define TE_JAX_COMMA ,
+
+template <typename AType, typename BType, int kN>
+struct WgmmaFp8;
+
+template <typename AType, typename BType>
+struct WgmmaFp8<AType, BType, 128> {
+  static __device__ __forceinline__ void SS(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    TE_JAX_WGMMA_FP8_TYPES(128, TE_JAX_WGMMA_REGS64, "%64", "%65", "%66",
+                           "l"(a) TE_JAX_COMMA "l"(b) TE_JAX_COMMA "r"(accumulate), TE_JAX_WGMMA_ACC64, d)
+  }
+  static __device__ __forceinline__ void RS(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    TE_JAX_WGMMA_FP8_TYPES(128, TE_JAX_WGMMA_REGS64, "{%64, %65, %66, %67}", "%68", "%69",
+                           "r"(a[0]) TE_JAX_COMMA "r"(a[1]) TE_JAX_COMMA "r"(a[2]) TE_JAX_COMMA "r"(a[3])
+                               TE_JAX_COMMA "l"(b) TE_JAX_COMMA "r"(1),
+                           TE_JAX_WGMMA_ACC64, d)
+  }
+};
+
+#undef TE_JAX_COMMA
+#undef TE_JAX_WGMMA_FP8_TYPES
+#undef TE_JAX_WGMMA_FP8
 #undef TE_JAX_WGMMA_SPECIALISATION
 #undef TE_JAX_WGMMA_SS_MEMBER
 #undef TE_JAX_WGMMA_RS

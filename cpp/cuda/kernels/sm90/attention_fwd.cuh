@@ -44,14 +44,16 @@ __device__ __forceinline__ void PassTurn(int wg) {
   asm volatile("bar.arrive %0, 256;" ::"r"(2 + (wg + 1) % kConsumers) : "memory");
 }
 
+// Input: the type of q, k and v, Element's (16-bit: out is Element too) or FP8 (E4M3, E5M2: out in Element; below).
 template <typename Element, int kD, int kDv, typename Variant, int kConsumers = 2, bool kPersistent = false,
-          bool kDocuments = false>
+          bool kDocuments = false, typename Input = Element>
 struct ForwardKernel {
   static constexpr bool kTokens = Variant::kHasTokens;
   static constexpr bool kDropout = Variant::kHasDropout;
   static constexpr bool kBias = Variant::kHasBias;
   static constexpr int kBiasBytes = Variant::Bias::kBytes;
-  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens, kConsumers, kBiasBytes);
+  static constexpr bool kFp8 = Input::kBytes == 1;
+  static constexpr ForwardTile kTile = ForwardTileSize(kD, kDv, kTokens, kConsumers, kBiasBytes, Input::kBytes);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -66,11 +68,17 @@ struct ForwardKernel {
   static constexpr int kItemIndex = kRerunAsked - 1;
   static constexpr int kDP = PadTo64(kD);
   static constexpr int kDvP = PadTo64(kDv);
-  static constexpr int kQkSteps = (kD + 15) / 16;  // k16 steps of q k^T; the zero padding past kD is skipped
+  static constexpr int kKStep = kFp8 ? 32 : 16;  // k of each product instruction: 32 bytes of its rows either way
+  static constexpr int kQkSteps = (kD + kKStep - 1) / kKStep;  // k steps of q k^T; the zero padding past kD is skipped
+  static constexpr int kPvSteps = kBlockN / kKStep;              // k steps of p v
   static constexpr int kPvN = kDvP % 128 == 0 ? 128 : 64;  // n of each p v instruction
-  using QTile = SwizzledTile<kBlockM, kDP>;
-  using KTile = SwizzledTile<kBlockN, kDP>;
-  using VTile = SwizzledTile<kBlockN, kDvP>;
+  // The tiles as 16-bit columns (FP8: byte pairs, so the swizzle, TMA boxes and descriptors are the 16-bit tiles'). FP8
+  // wgmma takes both operands K-major: v's stage is V^T, dv rows of the tile's keys, which the lowering stores so (the
+  // v operand of an FP8 call, te_jax/fp8.py): each kv head's [Dv, Skv], keys in PackFp8AFragment's order within every
+  // 16 (Fp8KeyOfSlot), so p's A fragment is the accumulator's own registers.
+  using QTile = SwizzledTile<kBlockM, kDP * Input::kBytes / 2>;
+  using KTile = SwizzledTile<kBlockN, kDP * Input::kBytes / 2>;
+  using VTile = SwizzledTile<kFp8 ? kDvP : kBlockN, kFp8 ? kBlockN / 2 : kDvP>;
   using BiasStage = BiasTile<typename Variant::Bias, kBlockM, kBlockN>;
   static constexpr int kQBuffers = ForwardQBuffers(kPersistent);
   static constexpr int kKOffset = kQBuffers * QTile::kBytes;
@@ -97,7 +105,7 @@ struct ForwardKernel {
   static constexpr int kBarriers = kQBuffers + 4 * kStages + (kBias ? 2 * kStages : 0) + kQBuffers;
   static constexpr int kItemsOffset = kBarrierOffset + 8 * kBarriers;  // persistent kernels: an item word per q buffer
   static constexpr int kSmemBytes = 1024 + kItemsOffset + (kPersistent ? 8 : 0);
-  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes, kPersistent),
+  static_assert(kSmemBytes == ForwardSmemBytes(kD, kDv, kTokens, kConsumers, kBiasBytes, kPersistent, Input::kBytes),
                 "tile_size.h and the kernel disagree on shared memory");
   static_assert(!kTokens || kTokenRingOffset + kTokenStages * kKeyGranules * kKeyGranuleBytes == kBarrierOffset,
                 "tile_size.h and the kernel disagree on the token ring");
@@ -109,6 +117,12 @@ struct ForwardKernel {
   static_assert(!kPersistent || ForwardHasPersistentKernel(kD, kDv, kPlain), "persistent only where tile_size.h says");
   static_assert(!kDocuments || kPersistent, "the document kernel is a persistent one");
   static_assert(kBlockN == 64 || kBlockN == 128, "q k^T is one wgmma per k16 step");
+  static_assert(!kFp8 || (ServesFp8Forward(kD, kDv) && kBlockN == 128 && kPvN == 128 && kConsumers == 2 &&
+                          !kPersistent && !kTokens && !kDropout && !kBias && !Variant::kHasMods),
+                "FP8: the plain product's one-CTA-per-block kernel at the head dims ServesFp8Forward names");
+  // FP8: p is packed as p * kPScale (at most 256 of e4m3's 448, so p's small values keep e4m3's normal range down to
+  // 2^-14), and the output's scale undoes it with v's descale.
+  static constexpr float kPScale = 256.0f;
 
   // Raw scores keep q.k unscaled and fold scale * log2 e into the softmax's exp2 (kernels/common/online_softmax.h); a
   // bias adds to natural-unit logits. ALiBi over index positions adds its term over the scale (AlibiOverScale).
@@ -200,7 +214,13 @@ struct ForwardKernel {
         sm.Bias(stage).template Load<kBlockM>(&a.bias, sm.BiasFull(stage), boxes, tile * kBlockN);
       }
       MbarrierWait(sm.VEmpty(stage), parity);
-      LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
+      if constexpr (kFp8) {
+        // V^T: one box of the tile's keys (64 byte pairs) x dv rows of the kv head (tensor_maps.h's transposed map).
+        MbarrierArriveExpectBytes(sm.VFull(stage), VTile::kBytes);
+        TmaLoad4d(sm.V(stage).base, &a.v, sm.VFull(stage), tile * kBlockN / 2, 0, cta.kv_head, cta.b);
+      } else {
+        LoadTile<kBlockN>(sm.V(stage), &a.v, sm.VFull(stage), cta.kv_head, tile * kBlockN, cta.b);
+      }
     }
   }
 
@@ -211,20 +231,28 @@ struct ForwardKernel {
     float(&flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
 #pragma unroll
     for (int kk = 0; kk < kQkSteps; ++kk) {
-      Wgmma<Element, kBlockN>::SS(flat, q.KMajor(row0, kk), sm.K(stage).KMajor(0, kk), kk > 0);
+      if constexpr (kFp8) {
+        WgmmaFp8<Input, Input, kBlockN>::SS(flat, q.KMajor(row0, kk), sm.K(stage).KMajor(0, kk), kk > 0);
+      } else {
+        Wgmma<Element, kBlockN>::SS(flat, q.KMajor(row0, kk), sm.K(stage).KMajor(0, kk), kk > 0);
+      }
     }
     WgmmaCommit();
   }
 
   // o += p v for the stage's keys; issued and committed, not waited for.
-  static __device__ __forceinline__ void IssuePV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kBlockN / 16][4],
+  static __device__ __forceinline__ void IssuePV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kPvSteps][4],
                                                  const Smem& sm, int stage) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < kPvSteps; ++kk) {
 #pragma unroll
       for (int n = 0; n < kDvP / kPvN; ++n) {
         float(&part)[kPvN / 2] = reinterpret_cast<float(&)[kPvN / 2]>(o[n * kPvN / 8]);
-        Wgmma<Element, kPvN>::RS(part, p[kk], sm.V(stage).MNMajor(kk, n * kPvN));
+        if constexpr (kFp8) {
+          WgmmaFp8<E4M3, Input, kPvN>::RS(part, p[kk], sm.V(stage).KMajor(n * kPvN, kk));
+        } else {
+          Wgmma<Element, kPvN>::RS(part, p[kk], sm.V(stage).MNMajor(kk, n * kPvN));
+        }
       }
     }
     WgmmaCommit();
@@ -237,7 +265,7 @@ struct ForwardKernel {
   // no register carries the mask from the logits to here (a bit mask held from the one to the other, or the token
   // test here, made the d = 128 and d = 256 kernels spill).
   static constexpr uint16_t kNegativeZero = 0x8000;  // in bf16 and fp16 alike
-  static __device__ __forceinline__ void CarefulPV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kBlockN / 16][4],
+  static __device__ __forceinline__ void CarefulPV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kPvSteps][4],
                                                    const Smem& sm, int stage, int n0, const int2 (&keys)[2], int lane) {
     const VTile v = sm.V(stage);
     const int t = lane & 3;
@@ -270,6 +298,49 @@ struct ForwardKernel {
                 for (int e = 0; e < 2; ++e) {
                   const float ve = Element::ToFloat(static_cast<uint16_t>(e ? v2 >> 16 : v2 & 0xffffu));
                   const float sum = fmaf(pk, ve, o[j][2 * r + e]);
+                  o[j][2 * r + e] = seen ? sum : o[j][2 * r + e];
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // CarefulPV of an FP8 call: lane (g, t)'s k slot 4 t + i of each 16 of p's fragment stands for key Fp8KeyOfSlot of
+  // it, and V^T's stage holds that key at that slot (p's order). Without tokens, the range decides what a row sees.
+  static __device__ __forceinline__ void CarefulPVFp8(float (&o)[kDvP / 8][4], const uint32_t (&p)[kPvSteps][4],
+                                                      const Smem& sm, int stage, int n0, const int2 (&keys)[2],
+                                                      int lane) {
+    const VTile v = sm.V(stage);
+    const int t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < kPvSteps; ++kk) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll 1
+        for (int owner = 0; owner < 4; ++owner) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // Fragment register 2h + r of the quad's lane `owner` holds row r's p at slots 32 kk + 16 h + 4 owner + i.
+            const uint32_t word = __shfl_sync(0xffffffffu, p[kk][2 * h + r], (lane & ~3) | owner);
+#pragma unroll 1
+            for (int i = 0; i < 4; ++i) {
+              const int slot = 32 * kk + 16 * h + 4 * owner + i;
+              const int key = 32 * kk + Fp8KeyOfSlot(16 * h + 4 * owner + i);
+              const bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
+              const float pk = E4M3::ToFloat(word >> (8 * i));
+#pragma unroll
+              for (int j = 0; j < kDvP / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  // Dim 8 j + 2 t + e's row of V^T, the slot's byte of its 16-bit pair.
+                  uint32_t byte;
+                  asm volatile("ld.shared.u8 %0, [%1];"
+                               : "=r"(byte)
+                               : "r"(v.Address(8 * j + 2 * t + e, slot / 2) + (slot & 1)));
+                  const float sum = fmaf(pk, Input::ToFloat(byte), o[j][2 * r + e]);
                   o[j][2 * r + e] = seen ? sum : o[j][2 * r + e];
                 }
               }
@@ -530,8 +601,21 @@ struct ForwardKernel {
     [[maybe_unused]] int mod_b = 0;
     if constexpr (Variant::kHasMods) mod_b = mods.Batch(cta.b);
     const int diag = static_cast<int>(cta.mask.diag_offset);
-    const float log2_scale = kRawScores ? s.scale * kLog2e : kLog2e;
-    [[maybe_unused]] const float alibi_step = kRawAlibi ? variant.slope / s.scale : 0.0f;
+    // FP8: q's and k's descales scale every logit: folded into the scale (raw scores: where their product is positive
+    // and finite, so the softmax's max is unchanged; else they multiply each score before the mask, as the dequantized
+    // product's are), and v's scales the output.
+    [[maybe_unused]] float qk_descale = 1.0f, out_scale = 1.0f;
+    bool scores_times_descale = false;
+    if constexpr (kFp8) {
+      const float* descales = args.fp8_descales;  // [3, H]: q's, k's and v's (of the head's kv head), per query head
+      qk_descale = descales[cta.head] * descales[s.num_heads + cta.head];
+      out_scale = descales[2 * s.num_heads + cta.head] / kPScale;
+      scores_times_descale = kRawScores && !(qk_descale > 0.0f && qk_descale <= 3.402823466e38f);
+      if (!kRawScores) variant.scale *= qk_descale;
+    }
+    const float scores_scale = kRawScores && !scores_times_descale ? s.scale * qk_descale : s.scale;
+    const float log2_scale = kRawScores ? scores_scale * kLog2e : kLog2e;
+    [[maybe_unused]] const float alibi_step = kRawAlibi ? variant.slope / scores_scale : 0.0f;
     // A bias: the rows of its stages the thread reads (a query-broadcast bias's one-row boxes: row 0).
     [[maybe_unused]] int bias_rows[2];
     if constexpr (kBias) {
@@ -549,7 +633,7 @@ struct ForwardKernel {
 
     float o[kDvP / 8][4];
     OnlineSoftmax<kBlockN / 8> softmax;
-    uint32_t p[kBlockN / 16][4];
+    uint32_t p[kPvSteps][4];
     float sc[kBlockN / 8][4];
 
     // Hands a stage back to the producer once every warp of the consumer warpgroups is done with it.
@@ -571,6 +655,14 @@ struct ForwardKernel {
     auto logits_to_probabilities = [&](int tile, int at, bool interior, float (&rescale)[2], auto careful) {
       constexpr bool kMarkUnseen = kTokens && decltype(careful)::kValue;
       const int n0 = tile * kBlockN;
+      if constexpr (kFp8) {
+        if (scores_times_descale) {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[j][e] *= qk_descale;
+        }
+      }
       // Tokens: pairs[4 j + t] holds the entries of the thread's two keys of n8 tile j (columns 8 j + 2 t, + 1).
       [[maybe_unused]] const int4* pairs = nullptr;
       if constexpr (kTokens) pairs = SharedPointer<const int4>(sm.KeyEntries(TokenStageOf(at)));
@@ -758,7 +850,13 @@ struct ForwardKernel {
             }
       }
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) PackAFragment<Element>(sc, kk, p[kk]);
+      for (int kk = 0; kk < kPvSteps; ++kk) {
+        if constexpr (kFp8) {
+          PackFp8AFragment<E4M3>(sc, kk, kPScale, p[kk]);
+        } else {
+          PackAFragment<Element>(sc, kk, p[kk]);
+        }
+      }
     };
 
     // Every register the products touch, pinned before a WgmmaFence (wgmma.h).
@@ -788,7 +886,10 @@ struct ForwardKernel {
       // pass. The careful pass takes the slow product for every tile, not only the straddling ones: a wgmma behind a
       // run-time branch makes ptxas serialise every wgmma of the kernel.
       auto product = [&](int tile, int i) {
-        if constexpr (kCareful) {
+        if constexpr (kCareful && kFp8) {
+          CarefulPVFp8(o, p, sm, StageOf(i), tile * kBlockN, keys, lane);
+          WgmmaCommit();  // an empty group, so the wait counts below hold
+        } else if constexpr (kCareful) {
           CarefulPV(o, p, sm, StageOf(i), tile * kBlockN, keys, lane);
           WgmmaCommit();  // an empty group, so the wait counts below hold
         } else {
@@ -894,7 +995,8 @@ struct ForwardKernel {
         const int col = 8 * j + 2 * t;
         if (col < kDv) {
           const uint32_t packed = cta.len.invalid ? kPackedNaN
-                                  : sees_keys[r]  ? Element::Pack(o[j][2 * r] * inv_sum[r], o[j][2 * r + 1] * inv_sum[r])
+                                  : sees_keys[r]  ? Element::Pack(o[j][2 * r] * (inv_sum[r] * out_scale),
+                                                                  o[j][2 * r + 1] * (inv_sum[r] * out_scale))
                                                   : 0u;
           *reinterpret_cast<uint32_t*>(out_row + col) = packed;
         }

@@ -53,12 +53,15 @@ TE_JAX_HOST_DEVICE constexpr int BiasTileBytes(int rows, int keys, int bias_byte
 // first (attention_fwd.cuh's PrefetchWork), and beside each buffer the word of the item whose q it holds.
 TE_JAX_HOST_DEVICE constexpr int ForwardQBuffers(bool persistent) { return persistent ? 2 : 1; }
 
-// bias_bytes: the element size of the bias of a kernel built with one (0 without).
+// bias_bytes: the element size of the bias of a kernel built with one (0 without); input_bytes: q's, k's and v's (1:
+// FP8, whose head dims are whole 128-byte rows, ServesFp8Forward).
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile t, bool tokens = false,
-                                                     int bias_bytes = 0, bool persistent = false) {
+                                                     int bias_bytes = 0, bool persistent = false,
+                                                     int input_bytes = 2) {
   const int q_buffers = ForwardQBuffers(persistent);
   return 1024 +  // slack to align the tiles to the swizzle atom
-         q_buffers * t.block_m * PadTo64(d) * 2 + t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * 2 +
+         q_buffers * t.block_m * PadTo64(d) * input_bytes +
+         t.stages * t.block_n * (PadTo64(d) + PadTo64(dv)) * input_bytes +
          t.stages * BiasTileBytes(t.block_m, t.block_n, bias_bytes) + (tokens ? ForwardTokenBytes(t) : 0) +
          8 * (2 * q_buffers + 4 * t.stages) +  // mbarriers: q full, q empty per buffer; k full, k empty, v full, v
                                                // empty per stage
@@ -70,8 +73,10 @@ TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytesFor(int d, int dv, ForwardTile 
 // for 64 logits and the two stages fit (with the token tables or the bias ring of kernels built with them: d = 256,
 // dv <= 64 fits only without tokens, and a float bias takes 64); else 64. Three (ForwardHasThreeConsumerKernel):
 // FlashAttention-3's 192-row tile.
+// FP8 (input_bytes 1): 128 keys a stage, V's stage being dv rows of 128 one-byte keys (attention_fwd.cuh).
 TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tokens = false, int consumers = 2,
-                                                        int bias_bytes = 0) {
+                                                        int bias_bytes = 0, int input_bytes = 2) {
+  if (input_bytes == 1) return {128, 128, 2, 2};
   if (consumers == 3) return {192, 128, 2, 3};
   const ForwardTile wide{128, 128, 2, 2};
   if (PadTo64(dv) <= 128 && ForwardSmemBytesFor(d, dv, wide, tokens, bias_bytes) <= kMaxDynamicSmem) return wide;
@@ -79,10 +84,14 @@ TE_JAX_HOST_DEVICE constexpr ForwardTile ForwardTileSize(int d, int dv, bool tok
 }
 
 TE_JAX_HOST_DEVICE constexpr int ForwardSmemBytes(int d, int dv, bool tokens = false, int consumers = 2,
-                                                  int bias_bytes = 0, bool persistent = false) {
-  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers, bias_bytes), tokens, bias_bytes,
-                             persistent);
+                                                  int bias_bytes = 0, bool persistent = false, int input_bytes = 2) {
+  return ForwardSmemBytesFor(d, dv, ForwardTileSize(d, dv, tokens, consumers, bias_bytes, input_bytes), tokens,
+                             bias_bytes, persistent, input_bytes);
 }
+
+// FP8 q, k and v (sm90 FP8 wgmma, attention_fwd.cuh): head dims of whole 128-byte rows (128 so far: at 256 the
+// output accumulator and 128 keys' logits outgrow the consumers' registers), the plain product's kernel alone.
+TE_JAX_HOST_DEVICE constexpr bool ServesFp8Forward(int d, int dv) { return d == 128 && dv == 128; }
 
 // Where both head dims pad to 64 a tile's products are short against its softmax, and with two warpgroups the tensor
 // cores wait for it: a forward module there also has a kernel of three consumer warpgroups, whose softmax runs under
