@@ -93,6 +93,7 @@ inline AttentionParams ParamsFromDict(const nb::dict& d) {
   if (d.contains("num_pages")) p.num_pages = i64("num_pages");
   // Absent too in older callers' parameters: k and v in q's dtype.
   if (d.contains("kv_format")) p.kv_format = static_cast<KvFormat>(Field<uint8_t>(d, "kv_format"));
+  if (d.contains("q_format")) p.q_format = static_cast<KvFormat>(Field<uint8_t>(d, "q_format"));
   if (d.contains("kv_descale_blocks")) p.kv_descale_blocks = i64("kv_descale_blocks");
   if (d.contains("kv_descale_heads")) p.kv_descale_heads = i64("kv_descale_heads");
   // Absent in the parameters of the CPU's callers (tests, tools): te_jax's own kernels.
@@ -139,6 +140,7 @@ inline nb::dict DictFromParams(const AttentionParams& p) {
   d["page_size"] = p.page_size;
   d["num_pages"] = p.num_pages;
   d["kv_format"] = static_cast<int>(p.kv_format);
+  d["q_format"] = static_cast<int>(p.q_format);
   d["kv_descale_blocks"] = p.kv_descale_blocks;
   d["kv_descale_heads"] = p.kv_descale_heads;
   if (p.flex.active()) {  // absent without mods, as ParamsFromDict reads them

@@ -60,13 +60,32 @@ inline Status DTypeFromFfi(xla::ffi::DataType type, DType* dtype, const char* wh
   return Status::InvalidArgument(std::string(what) + " must be float32, bfloat16 or float16");
 }
 
+// An FP8 format's code from a buffer's element type (kAsQ for any other).
+inline KvFormat Fp8FormatOf(xla::ffi::DataType type) {
+  return type == xla::ffi::DataType::F8E4M3FN ? KvFormat::kE4M3
+         : type == xla::ffi::DataType::F8E5M2 ? KvFormat::kE5M2
+                                               : KvFormat::kAsQ;
+}
+
+// q's dtype, or FP8 attention's q_format (q, k and v of one FP8 dtype; out in bfloat16).
+inline Status QueryTypeFromFfi(const xla::ffi::AnyBuffer& q, AttentionParams* p) {
+  p->q_format = Fp8FormatOf(q.element_type());
+  if (!IsFp8(p->q_format)) return DTypeFromFfi(q.element_type(), &p->dtype);
+  p->dtype = DType::kBFloat16;
+  return Status::Ok();
+}
+
 // k's and v's storage (cpp/core/kv_format.h) and the kv_descale operand's dims: q's dtype and the float32 [1, 1, 1]
-// placeholder, or an FP8 KV cache (k and v of one FP8 dtype) with float32 descales [2, blocks, heads].
+// placeholder, or an FP8 KV cache (k and v of one FP8 dtype) with float32 descales [2, blocks, heads], or FP8 attention
+// (q, k and v of one FP8 dtype) with its descales [3, 1, H].
 inline Status KvFormatFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                               const xla::ffi::AnyBuffer& kv_descale, AttentionParams* p) {
   const auto kv = k.element_type();
   if (v.element_type() != kv) return Status::InvalidArgument("k and v must have the same dtype");
-  if (kv == q.element_type()) {
+  if (IsFp8(p->q_format)) {
+    if (kv != q.element_type()) return Status::InvalidArgument("FP8 q takes k and v of its FP8 dtype");
+    p->kv_format = p->q_format;
+  } else if (kv == q.element_type()) {
     p->kv_format = KvFormat::kAsQ;
   } else if (kv == xla::ffi::DataType::F8E4M3FN) {
     p->kv_format = KvFormat::kE4M3;
@@ -78,9 +97,9 @@ inline Status KvFormatFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyB
   }
   const auto dims = kv_descale.dimensions();
   if (kv_descale.element_type() != xla::ffi::DataType::F32 || dims.size() != 3 ||
-      dims[0] != (IsFp8(p->kv_format) ? 2 : 1)) {
+      dims[0] != (IsFp8(p->q_format) ? 3 : IsFp8(p->kv_format) ? 2 : 1)) {
     return Status::InvalidArgument("kv_descale must be float32 [2, blocks, heads] with an FP8 KV cache (k's descales, "
-                                   "then v's), else the float32 [1, 1, 1] placeholder");
+                                   "then v's), [3, 1, H] with FP8 q, k and v, else the float32 [1, 1, 1] placeholder");
   }
   p->kv_descale_blocks = dims[1];
   p->kv_descale_heads = dims[2];
@@ -178,7 +197,7 @@ inline Status ParamsFromFfi(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuf
   p.head_dim = q.dimensions()[3];
   p.num_kv_heads = k.dimensions()[2];
   p.head_dim_v = v.dimensions()[3];
-  TE_JAX_RETURN_IF_ERROR(DTypeFromFfi(q.element_type(), &p.dtype));
+  TE_JAX_RETURN_IF_ERROR(QueryTypeFromFfi(q, &p));
   TE_JAX_RETURN_IF_ERROR(KvFormatFromFfi(q, k, v, kv_descale, &p));
   TE_JAX_RETURN_IF_ERROR(KeyLayoutFromFfi(k, page_table, attrs.page_size, &p));
   // k's and v's leading dims: [B, Skv] or, paged, [num_pages, page_size].

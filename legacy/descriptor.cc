@@ -33,6 +33,7 @@ std::string PackDescriptor(const AttentionParams& p) {
   w.Put<uint8_t>(static_cast<uint8_t>(p.kv_format));
   w.Put<int64_t>(p.kv_descale_blocks);
   w.Put<int64_t>(p.kv_descale_heads);
+  w.Put<uint8_t>(static_cast<uint8_t>(p.q_format));
   w.Put<uint32_t>(Fnv1a(w.bytes().data(), w.bytes().size()));
   return w.bytes();
 }
@@ -78,12 +79,14 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   const uint8_t kv_format = r.Get<uint8_t>();
   out.kv_descale_blocks = r.Get<int64_t>();
   out.kv_descale_heads = r.Get<int64_t>();
+  const uint8_t q_format = r.Get<uint8_t>();
   const uint32_t checksum = r.Get<uint32_t>();
   if (checksum != Fnv1a(data, kDescriptorSize - 4)) {
     return Status::InvalidArgument("legacy descriptor checksum mismatch: the bytes were corrupted");
   }
   if (dtype >= kNumDTypes || mask_type >= kNumMaskTypes || has_alibi > 1 || engine >= kNumEngines ||
-      bias_dtype >= kNumDTypes || bias_broadcast > kBroadcastAll || kv_format >= kNumKvFormats) {
+      bias_dtype >= kNumDTypes || bias_broadcast > kBroadcastAll || kv_format >= kNumKvFormats ||
+      q_format >= kNumKvFormats) {
     return Status::InvalidArgument("legacy descriptor has an out-of-range enum field (dtype " +
                                    std::to_string(dtype) + ", mask_type " + std::to_string(mask_type) +
                                    ", has_alibi " + std::to_string(has_alibi) + ", engine " + std::to_string(engine) +
@@ -108,6 +111,7 @@ Status UnpackDescriptor(const char* data, size_t size, AttentionParams* p) {
   out.bias_broadcast = bias_broadcast;
   out.dropout_threshold = dropout_threshold;
   out.kv_format = static_cast<KvFormat>(kv_format);
+  out.q_format = static_cast<KvFormat>(q_format);
   *p = out;
   return Status::Ok();
 }

@@ -50,6 +50,7 @@ from te_jax._backends import backend_for
 from te_jax.attention_config import AttentionConfig
 from te_jax.custom_call_path import current_custom_call_path
 from te_jax.engine import params_for_engine
+from te_jax.fp8 import is_fp8, native_fp8_attention
 from te_jax.sinks import apply_sinks
 
 attention_forward_p = Primitive("te_jax_attention_forward")
@@ -140,7 +141,8 @@ def _forward_abstract_eval(q, k, v, q_seqlens, kv_seqlens, alibi_slopes, *tokens
                            config: AttentionConfig):
   del k, q_seqlens, kv_seqlens, alibi_slopes, tokens_bias_dropout, config
   batch, seqlen_q, num_heads, _ = q.shape
-  out = jax.core.ShapedArray((batch, seqlen_q, num_heads, v.shape[3]), q.dtype)
+  # FP8 q, k and v (the CUDA FP8 kernel's call, te_jax/fp8.py): out in bfloat16.
+  out = jax.core.ShapedArray((batch, seqlen_q, num_heads, v.shape[3]), jnp.bfloat16 if is_fp8(q.dtype) else q.dtype)
   lse = jax.core.ShapedArray((batch, num_heads, seqlen_q), jnp.float32)
   return out, lse
 
@@ -166,9 +168,11 @@ def _lowering(ctx, *operands, config: AttentionConfig, direction: str, platform:
   flex = config.flex_params(_mod_libraries(config, backend), [c.shape for c in capture_avals], direction)
   params.update(flex)
   # k and v FP8 as they are (an FP8 KV cache); FP8 attention proper passes the dequantized values in float32 with
-  # config.fp8 (an FP8 KV cache's backward too, off a GPU: te_jax/fp8.py kv_cache_compute_dtype).
-  kv_cache = params["kv_format"] != 0
-  if config.fp8 and not kv_cache and not backend.serves_fp8:
+  # config.fp8 (an FP8 KV cache's backward too, off a GPU: te_jax/fp8.py kv_cache_compute_dtype), or on CUDA, where
+  # native_fp8_attention allows it, FP8 q, k and v as they are (q_format; te_jax/fp8.py fp8_native_operands).
+  native = params["q_format"] != 0
+  kv_cache = params["kv_format"] != 0 and not native
+  if (config.fp8 and not kv_cache and not backend.serves_fp8) or (native and not native_fp8_attention()):
     raise ValueError(f"FP8 attention (FP8 q, k, v with descales, or fp8=) has no {platform} kernels in te_jax yet: "
                      "only its CPU backend serves it, the reference for those kernels; te_jax never runs an FP8 call "
                      "at another precision silently")

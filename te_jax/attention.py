@@ -19,7 +19,8 @@ from te_jax.arguments import (alibi_operand, as_array, bias_operand, check_bool,
 from te_jax.attention_config import AttentionConfig
 from te_jax.block_mask import block_mask_operand
 from te_jax.engine import requested_engine
-from te_jax.fp8 import dequantize_kv_operand, fp8_operands, kv_cache_compute_dtype, refuse_kv_cache_gradients
+from te_jax.fp8 import (dequantize_kv_operand, fp8_native_operands, fp8_operands, kv_cache_compute_dtype,
+                        refuse_kv_cache_gradients)
 from te_jax.mask_type import MaskType
 from te_jax.sinks import apply_sinks, sink_gradient
 from te_jax.symbolic_zeros import instantiate_zeros, primal_values, refuse_capture_gradient, refuse_slope_gradient
@@ -121,8 +122,9 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
     out = 0, lse = -inf. Gradients flow to q, k and v (and through lse when it is returned).
   """
   q, k, v = (as_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-  q, k, v, out_dtype, is_fp8, kv_descale = fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax,
-                                                        out_dtype, native_kv_cache=context_parallel_axis is None)
+  q, k, v, out_dtype, is_fp8, kv_descale, native = fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8,
+                                                                fp8_amax, out_dtype,
+                                                                native_kv_cache=context_parallel_axis is None)
   check_qkv(q, k, v)
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_kv = k.shape[1]
@@ -160,10 +162,23 @@ def fused_attn(q, k, v, *, mask_type: MaskType | str = "no_mask", q_seqlens=None
   if cp is not None:
     _context_parallel.check_supported(config, cp, q.shape, k.shape)
     _context_parallel.check_lengths(config, cp, q_seqlens, kv_seqlens)
-  out, lse = _attention(config, cp, q, k, v, q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures,
-                        kv_descale)
-  if out_dtype is not None:
-    out = out.astype(out_dtype)
+  operands = (q_seqlens, kv_seqlens, alibi, tokens, bias, dropout, sinks, captures)
+  if native is None or cp is not None:
+    out, lse = _attention(config, cp, q, k, v, *operands, kv_descale)
+    if out_dtype is not None:
+      out = out.astype(out_dtype)
+  else:
+    # FP8 q, k and v: on CUDA as they are, to the sm90 FP8 kernel (te_jax/fp8.py fp8_native_operands; the lowering
+    # refuses the call where that kernel is not enabled), elsewhere dequantized (the reference). Chosen at lowering.
+    def on_cuda():
+      q8, k8, vt8, descales = fp8_native_operands(native)
+      out, lse = _attention(dataclasses.replace(config, fp8=False), None, q8, k8, vt8, *operands, descales)
+      return out.astype(out_dtype), lse
+
+    def dequantized():
+      out, lse = _attention(config, None, q, k, v, *operands, kv_descale)
+      return out.astype(out_dtype), lse
+    out, lse = jax.lax.platform_dependent(cuda=on_cuda, default=dequantized)
   return (out, lse) if return_lse else out
 
 

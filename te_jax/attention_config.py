@@ -115,9 +115,13 @@ class AttentionConfig:
     engine_code 0 is te_jax's own kernels. bias_shape / bias_dtype: the bias operand's (the placeholder's by
     default); its size-1 dims are the broadcast bits of cpp/core/bias.h. page_table_shape: [B, max_pages_per_seq], needed
     when paged (Skv is then the capacity it gives, and k's leading dim the number of pages). kv_dtype: k's and v's (q's
-    by default), kv_descale_shape the kv_descale operand's, [2, blocks, heads] for an FP8 KV cache."""
+    by default), kv_descale_shape the kv_descale operand's, [2, blocks, heads] for an FP8 KV cache. An FP8 dtype (q, k
+    and v FP8: the CUDA FP8 kernel's call) is the q_format, the output bfloat16."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     seqlen_kv, num_pages = k_shape[1], 0
+    q_format = KV_FORMAT_CODES.get(np.dtype(dtype), 0)
+    if q_format:
+      dtype = np.dtype("bfloat16")
     if self.page_size:
       seqlen_kv, num_pages = page_table_shape[1] * self.page_size, k_shape[0]
     return dict(batch=batch, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, num_heads=num_heads, num_kv_heads=k_shape[2],
@@ -129,5 +133,5 @@ class AttentionConfig:
                 has_bias=bool(self.has_bias), bias_dtype=DTYPE_CODES[np.dtype(bias_dtype)],
                 bias_broadcast=sum(1 << axis for axis, extent in enumerate(bias_shape) if extent == 1),
                 dropout_threshold=int(self.dropout_threshold), page_size=int(self.page_size), num_pages=int(num_pages),
-                kv_format=KV_FORMAT_CODES.get(np.dtype(dtype if kv_dtype is None else kv_dtype), 0),
+                kv_format=KV_FORMAT_CODES.get(np.dtype(dtype if kv_dtype is None else kv_dtype), 0), q_format=q_format,
                 kv_descale_blocks=int(kv_descale_shape[1]), kv_descale_heads=int(kv_descale_shape[2]))

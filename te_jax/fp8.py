@@ -21,6 +21,7 @@ cache is dequantized instead.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -179,13 +180,7 @@ def dequantize_fp8(x8, descale, dtype=jnp.float32):
 # Pre-quantized operands: dequantized for the float32 attention; an FP8 operand or a descale being differentiated is an
 # error, not a silent zero (an FP8 gradient is of no use, and te_jax computes none for the descales).
 def _refusing_fwd(name, x8, descale):
-  if x8.perturbed:
-    raise ValueError(f"{name} is an FP8 operand being differentiated: te_jax computes no FP8 gradient. Train with "
-                     f"fp8=True on {name} in bfloat16/float16/float32 (quantized inside, gradients in its dtype), or "
-                     f"pass jax.lax.stop_gradient({name})")
-  if descale.perturbed:
-    raise ValueError(f"{name}_descale is being differentiated, but te_jax computes no gradient for descales (it would "
-                     f"be a silent zero): pass jax.lax.stop_gradient({name}_descale)")
+  _refused_gradient(name, x8, descale)
   x8, descale = primal_values((x8, descale))
   return dequantize_fp8(x8, descale), None
 
@@ -218,13 +213,75 @@ def _fake_quantized_bwd(fmt, per_head, x_like, ct):
 _fake_quantized.defvjp(_fake_quantized_fwd, _fake_quantized_bwd)
 
 
+# The CUDA sm90 forward's FP8 kernel (kernels/sm90/attention_fwd.cuh): compiled and tested by NVRTC, not yet run on a
+# GPU, so calls reach it only where TE_JAX_CUDA_FP8_ATTENTION=1 asks (else a CUDA lowering refuses FP8 attention).
+FP8_ATTENTION_ENV = "TE_JAX_CUDA_FP8_ATTENTION"
+
+
+def native_fp8_attention() -> bool:
+  value = os.environ.get(FP8_ATTENTION_ENV, "0")
+  if value not in ("0", "1"):
+    raise ValueError(f"{FP8_ATTENTION_ENV} must be 0 or 1, got {value!r}")
+  return value == "1"
+
+
+# The FP8 kernel's k slots of each 16 keys: slot i of V^T holds key FP8_KEY_OF_SLOT[i] (the order in which a thread's
+# accumulator columns fill its A fragment, kernels/primitives/fragment.h Fp8KeyOfSlot).
+FP8_KEY_OF_SLOT = np.array([8 * ((i >> 1) & 1) + 2 * (i >> 2) + (i & 1) for i in range(16)])
+
+
+def fp8_values_transposed(v8):
+  """v [B, Skv, Hkv, Dv] as the FP8 kernel reads it: each K/V head's V^T [Dv, Skv] with the keys of every 16 in
+  FP8_KEY_OF_SLOT's order, returned in v's shape (the same bytes' count, so the call's shapes hold). Skv must be a
+  multiple of 16: other calls are returned as they are, for the core's validation to refuse."""
+  b, s, h, d = v8.shape
+  if s % 16:
+    return v8
+  grouped = v8.reshape(b, s // 16, 16, h, d)[:, :, FP8_KEY_OF_SLOT]
+  return grouped.reshape(b, s, h, d).transpose(0, 2, 3, 1).reshape(b, s, h, d)
+
+
+def fp8_descales(q_descale, k_descale, v_descale, num_heads: int):
+  """The FP8 kernel's descales operand, float32 [3, 1, H]: q's, k's and v's per query head (k's and v's [Hkv] repeated
+  over each group of query heads)."""
+  def per_head(d):
+    d = jnp.asarray(d, jnp.float32)
+    return jnp.broadcast_to(d, (num_heads,)) if d.ndim == 0 else jnp.repeat(d, num_heads // d.shape[0])
+  return jnp.stack([per_head(d) for d in (q_descale, k_descale, v_descale)])[:, None, :]
+
+
+def _refused_gradient(name, x8, descale):
+  if x8.perturbed:
+    raise ValueError(f"{name} is an FP8 operand being differentiated: te_jax computes no FP8 gradient. Train with "
+                     f"fp8=True on {name} in bfloat16/float16/float32 (quantized inside, gradients in its dtype), or "
+                     f"pass jax.lax.stop_gradient({name})")
+  if descale.perturbed:
+    raise ValueError(f"{name}_descale is being differentiated, but te_jax computes no gradient for descales (it would "
+                     f"be a silent zero): pass jax.lax.stop_gradient({name}_descale)")
+
+
+def _native_named(name):
+  f = jax.custom_vjp(lambda x8, descale: x8)
+
+  def fwd(x8, descale):
+    _refused_gradient(name, x8, descale)
+    return primal_values(x8), None
+  f.defvjp(fwd, lambda _, ct: (None, None), symbolic_zeros=True)
+  return f
+
+
+_NATIVE = {name: _native_named(name) for name in ("q", "k", "v")}
+
+
 def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dtype, native_kv_cache: bool):
-  """fused_attn's FP8 arguments checked and applied: returns (q, k, v, out_dtype, is_fp8_call, kv_descale), where an
-  FP8 call's q, k, v are the float32 dequantized values and out_dtype the dtype its out is cast to (None: no cast);
-  with native_kv_cache an FP8 KV cache stays FP8, q as given, and kv_descale is the kernels' operand (else None)."""
+  """fused_attn's FP8 arguments checked and applied: returns (q, k, v, out_dtype, is_fp8_call, kv_descale, native),
+  where an FP8 call's q, k, v are the float32 dequantized values and out_dtype the dtype its out is cast to (None: no
+  cast); with native_kv_cache an FP8 KV cache stays FP8, q as given, and kv_descale is the kernels' operand (else
+  None). native: for FP8 q, k and v, (q8, k8, v8, q_descale, k_descale, v_descale) as given (checked), which the CUDA
+  FP8 kernel reads (fp8_native_operands), else None."""
   if not any(x is not None for x in (q_descale, k_descale, v_descale, fp8_amax, out_dtype)) and fp8 is False and \
       not any(is_fp8(x.dtype) for x in (q, k, v)):
-    return q, k, v, None, False, None
+    return q, k, v, None, False, None, None
   if fp8 not in MODES or isinstance(fp8, (int, np.integer)) and not isinstance(fp8, bool):
     raise ValueError(f"fp8 must be False, True (one descale per tensor) or 'per_head', got {fp8!r}")
   if out_dtype is not None and np.dtype(out_dtype) not in OUT_DTYPES:
@@ -254,10 +311,11 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
                if name in names}
     out = np.dtype(out_dtype or (q.dtype if kv_cache else jnp.bfloat16))
     if kv_cache and native_kv_cache:
-      return q, k, v, out, True, kv_descale_operand(checked["k"], checked["v"])
+      return q, k, v, out, True, kv_descale_operand(checked["k"], checked["v"]), None
     values = [q.astype(jnp.float32)] if kv_cache else []
     values += [_DEQUANTIZE[name](x, checked[name]) for x, name in zip((q, k, v), "qkv") if name in names]
-    return (*values, out, True, None)
+    native = None if kv_cache else (q, k, v, checked["q"], checked["k"], checked["v"])
+    return (*values, out, True, None, native)
   if any(d is not None for d in descales):
     raise ValueError("q_descale, k_descale and v_descale go with FP8 q, k and v (float8_e4m3fn or float8_e5m2); got "
                      f"{q.dtype} operands (fp8=True quantizes them inside)")
@@ -277,7 +335,16 @@ def fp8_operands(q, k, v, q_descale, k_descale, v_descale, fp8, fp8_amax, out_dt
       amax = jax.lax.stop_gradient(_float32_scale(amax, [() if heads is None else (heads,)], f"fp8_amax for {name}",
                                                   "its amax"))
     values.append(_fake_quantized(x, amax, np.dtype(jnp.float8_e4m3fn), per_head))
-  return (*values, np.dtype(out_dtype or q.dtype), True, None)
+  return (*values, np.dtype(out_dtype or q.dtype), True, None, None)
+
+
+def fp8_native_operands(native):
+  """The CUDA FP8 kernel's operands from fp8_operands' `native`: q8, k8, V^T (fp8_values_transposed) and the descales
+  operand [3, 1, H]; differentiating an FP8 operand or a descale is an error, as on the dequantized path."""
+  q8, k8, v8, q_descale, k_descale, v_descale = native
+  q8, k8, v8 = (_NATIVE[name](x, d) for x, d, name in zip((q8, k8, v8), (q_descale, k_descale, v_descale), "qkv"))
+  descales = jax.lax.stop_gradient(fp8_descales(q_descale, k_descale, v_descale, q8.shape[2]))
+  return q8, k8, fp8_values_transposed(v8), descales
 
 
 def fp8_pools(q, k_pages, v_pages, k_descale, v_descale):

@@ -1,11 +1,11 @@
 """The legacy opaque descriptor (legacy/descriptor.{h,cc}) through the extension's pack_descriptor/unpack_descriptor,
 and the core validation through validate(). Malformed bytes must raise ValueError, never crash or decode.
 
-Wire format, little-endian: u32 magic "TEJD" | u16 version (9) | u16 size | 11 x i64 (dims, window, page_size,
+Wire format, little-endian: u32 magic "TEJD" | u16 version (10) | u16 size | 11 x i64 (dims, window, page_size,
 num_pages) | 2 x f32 | u8 dtype |
 u8 mask_type | u8 has_alibi | u8 flags (bit 0: deterministic, bit 1: has_segment_ids,
 bit 2: has_positions, bit 3: has_bias, bit 4: has_sinks) | u8 engine | u8 bias_dtype | u8 bias_broadcast |
-u32 dropout_threshold | u8 kv_format | 2 x i64 (kv_descale blocks, heads) | u32 FNV-1a.
+u32 dropout_threshold | u8 kv_format | 2 x i64 (kv_descale blocks, heads) | u8 q_format | u32 FNV-1a.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 # A plain import: a core extension that fails to import must fail the run, not skip these tests.
 from te_jax import _te_jax_cpu as te_jax_cpu
 
-FORMAT = "<4sHH11q2f7BIB2qI"
+FORMAT = "<4sHH11q2f7BIB2qBI"
 SIZE = struct.calcsize(FORMAT)
 I64_FIELDS = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "window_left",
               "window_right", "page_size", "num_pages")
@@ -27,10 +27,10 @@ PARAMS = dict(batch=3, seqlen_q=37, seqlen_kv=65, num_heads=4, num_kv_heads=2, h
               mask_type=5, window_left=4, window_right=-1, scale=0.125, softcap=2.5, has_alibi=True, has_sinks=True,
               deterministic=True, engine=0, has_segment_ids=False, has_positions=False, has_bias=True, bias_dtype=2,
               bias_broadcast=0b0101, dropout_threshold=0x9ABC, page_size=16, num_pages=40, kv_format=1,
-              kv_descale_blocks=40, kv_descale_heads=2)
+              kv_descale_blocks=40, kv_descale_heads=2, q_format=2)
 # PARAMS exercises every descriptor field; a paged call takes no bias or dropout, so validation starts from contiguous
 # k and v.
-CONTIGUOUS = dict(PARAMS, page_size=0, num_pages=0, kv_format=0, kv_descale_blocks=1, kv_descale_heads=1)
+CONTIGUOUS = dict(PARAMS, page_size=0, num_pages=0, kv_format=0, kv_descale_blocks=1, kv_descale_heads=1, q_format=0)
 # A valid paged forward: k and v are pools of num_pages pages, seqlen_kv the capacity (4 pages of 16 per sequence).
 PAGED = dict(CONTIGUOUS, seqlen_kv=64, page_size=16, num_pages=40, has_bias=False, bias_dtype=0, bias_broadcast=15,
              dropout_threshold=0)
@@ -44,7 +44,7 @@ def fnv1a(data: bytes) -> int:
   return h
 
 
-def craft(version=9, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
+def craft(version=10, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes:
   """A descriptor with a correct checksum for arbitrary field values (PARAMS overridden by `overrides`); `flags`
   replaces the flags byte the params give."""
   p = dict(PARAMS, **overrides)
@@ -54,7 +54,7 @@ def craft(version=9, size=SIZE, magic=b"TEJD", flags=None, **overrides) -> bytes
   body = struct.pack(FORMAT[:-1], magic, version, size, *(p[n] for n in I64_FIELDS), p["scale"], p["softcap"],
                      p["dtype"], p["mask_type"], int(p["has_alibi"]), flags, p["engine"], p["bias_dtype"],
                      p["bias_broadcast"], p["dropout_threshold"], p["kv_format"], p["kv_descale_blocks"],
-                     p["kv_descale_heads"])
+                     p["kv_descale_heads"], p["q_format"])
   return body + struct.pack("<I", fnv1a(body))
 
 
@@ -64,16 +64,17 @@ def packed() -> bytes:
 
 
 def test_size_and_layout(packed):
-  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 136
+  assert te_jax_cpu.descriptor_size == SIZE == len(packed) == 137
   fields = struct.unpack(FORMAT, packed)
-  assert fields[0] == b"TEJD" and fields[1] == 9 and fields[2] == SIZE
+  assert fields[0] == b"TEJD" and fields[1] == 10 and fields[2] == SIZE
   assert fields[3:14] == tuple(PARAMS[n] for n in I64_FIELDS)
   assert fields[14:16] == (PARAMS["scale"], PARAMS["softcap"])
   assert fields[16:23] == (PARAMS["dtype"], PARAMS["mask_type"], 1, 1 | 8 | 16, PARAMS["engine"], PARAMS["bias_dtype"],
                            PARAMS["bias_broadcast"])
   assert fields[23] == PARAMS["dropout_threshold"]
-  assert fields[24:27] == (PARAMS["kv_format"], PARAMS["kv_descale_blocks"], PARAMS["kv_descale_heads"])
-  assert fields[27] == fnv1a(packed[:-4])
+  assert fields[24:28] == (PARAMS["kv_format"], PARAMS["kv_descale_blocks"], PARAMS["kv_descale_heads"],
+                           PARAMS["q_format"])
+  assert fields[28] == fnv1a(packed[:-4])
   # The Python encoder here agrees with the C++ one byte for byte.
   assert craft() == packed
 
@@ -128,7 +129,7 @@ def test_consistent_but_wrong_declared_size_raises(declared):
 
 
 def test_every_single_byte_corruption_raises(packed):
-  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 136 * 255 corruptions."""
+  """Every byte, every non-zero XOR pattern (all 255 ways of flipping bits in it): 137 * 255 corruptions."""
   buf = bytearray(packed)
   failures = []
   for i in range(len(buf)):
@@ -174,7 +175,7 @@ def test_fuzz_random_bytes():
 def test_fuzz_valid_header_random_body():
   """Past the magic/version/size checks, random bodies must fail the checksum."""
   rng = np.random.default_rng(7)
-  header = struct.pack("<4sHH", b"TEJD", 9, SIZE)
+  header = struct.pack("<4sHH", b"TEJD", 10, SIZE)
   for _ in range(3000):
     data = header + rng.integers(0, 256, SIZE - 8, dtype=np.uint8).tobytes()
     with pytest.raises(ValueError, match="checksum"):
@@ -205,10 +206,10 @@ def test_fuzz_random_fields_with_valid_checksum():
 
 # 1: the format before the flags byte (its reserved byte is refused, not read as deterministic=False); 2: before the
 # engine byte; 3: before the packed-sequence flags (and operands); 4: before the bias; 5: before dropout; 6: before
-# the page table; 7: before the sinks operand.
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 0xFFFF])
+# the page table; 7: before the sinks operand; 8: before the FP8 KV cache; 9: before FP8 attention (q_format).
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 0xFFFF])
 def test_wrong_version_raises(version):
-  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 9"):
+  with pytest.raises(ValueError, match=f"version {version} is not supported; this build reads version 10"):
     te_jax_cpu.unpack_descriptor(craft(version=version, flags=0))
 
 
@@ -356,11 +357,30 @@ def test_validate_fp8_kv_cache():
     te_jax_cpu.validate(fp8(PAGED, 1, 4), 0)
   with pytest.raises(ValueError, match="must be the float32 \\[1, 1, 1\\] placeholder"):
     te_jax_cpu.validate(dict(CONTIGUOUS, kv_descale_heads=2), 0)
-  with pytest.raises(ValueError, match="kv_format must be as_q \\(0\\), e4m3 \\(1\\) or e5m2 \\(2\\), got code 3"):
+  with pytest.raises(ValueError, match=r"q_format must be as_q \(0\), e4m3 \(1\) or e5m2 \(2\), got codes 3 and 0"):
     te_jax_cpu.validate(dict(CONTIGUOUS, kv_format=3), 0)
   te_jax_cpu.validate(dict(fp8(PAGED, 40, 2), seqlen_q=1), 1)
   with pytest.raises(ValueError, match="the backward takes no FP8 KV cache"):
     te_jax_cpu.validate(fp8(CONTIGUOUS), 0, "backward")
+
+
+def test_validate_fp8_attention():
+  """FP8 q, k and v (q_format): the CUDA kernels alone take them as they are, with the descales operand [3, 1, H] and
+  whole 16-key groups; the CPU backend is given the dequantized values."""
+  plain = dict(CONTIGUOUS, has_bias=False, bias_dtype=0, bias_broadcast=15, dropout_threshold=0, has_alibi=False,
+               seqlen_kv=64)
+  fp8 = dict(plain, q_format=1, kv_format=1, kv_descale_heads=4)
+  te_jax_cpu.validate(fp8, 1)
+  with pytest.raises(ValueError, match="reach only the CUDA kernels as they are"):
+    te_jax_cpu.validate(fp8, 0)
+  with pytest.raises(ValueError, match="k and v in q's FP8 format"):
+    te_jax_cpu.validate(dict(fp8, kv_format=2), 1)
+  with pytest.raises(ValueError, match=r"must be float32 \[3, 1, H\] with H = 4 .* got \[3, 1, 2\]"):
+    te_jax_cpu.validate(dict(fp8, kv_descale_heads=2), 1)
+  with pytest.raises(ValueError, match="a multiple of 16 keys .* got seqlen_kv 65"):
+    te_jax_cpu.validate(dict(fp8, seqlen_kv=65), 1)
+  with pytest.raises(ValueError, match="the backward takes no FP8 q, k and v"):
+    te_jax_cpu.validate(fp8, 1, "backward")
 
 
 @pytest.mark.parametrize("overrides,match", [

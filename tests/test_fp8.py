@@ -233,6 +233,38 @@ def test_gpu_lowering_refuses_fp8_instead_of_another_precision(fp8_call):
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+def test_fp8_values_transposed_is_the_kernels_layout():
+  # Key 16 g + FP8_KEY_OF_SLOT[i] of each K/V head lands at V^T slot 16 g + i of that head's [Dv, Skv] rows, the order
+  # in which the kernel's threads fill p's e4m3 fragments (kernels/primitives/fragment.h Fp8KeyOfSlot).
+  from te_jax import fp8
+  v = np.arange(2 * 32 * 3 * 4).reshape(2, 32, 3, 4)
+  vt = np.asarray(fp8.fp8_values_transposed(jnp.asarray(v))).reshape(2, 3, 4, 32)
+  slots = np.arange(32)
+  keys = 16 * (slots // 16) + fp8.FP8_KEY_OF_SLOT[slots % 16]
+  np.testing.assert_array_equal(vt, v[:, keys].transpose(0, 2, 3, 1))
+  assert sorted(fp8.FP8_KEY_OF_SLOT) == list(range(16))
+
+
+def test_fp8_descales_operand_per_query_head():
+  from te_jax import fp8
+  d = np.asarray(fp8.fp8_descales(jnp.float32(2), jnp.array([3, 5], jnp.float32), jnp.float32(7), 4))
+  np.testing.assert_array_equal(d, [[[2, 2, 2, 2]], [[3, 3, 5, 5]], [[7, 7, 7, 7]]])
+
+
+def test_gpu_lowering_of_prequantized_fp8_with_the_kernel_enabled(cuda_lowering, monkeypatch):
+  # TE_JAX_CUDA_FP8_ATTENTION=1: the CUDA lowering passes FP8 q, k and V^T with the [3, 1, H] descales to the custom
+  # call, whose out is bfloat16 (the kernel is not yet run on a GPU: without the variable the call is refused).
+  monkeypatch.setenv("TE_JAX_CUDA_FP8_ATTENTION", "1")
+  (q8, qd), (k8, kd), (v8, vd) = _prequantized(31, 1, 8, 32, 4, 2, 128, 128, E4M3, True)
+  def fn(q):  # a new function per lowering (jit caches one)
+    return te_jax.fused_attn(q, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, mask_type="causal")
+  (call,) = _custom_calls(cuda_lowering(fn, q8))
+  assert call.count("f8E4M3FN") == 3 and "tensor<3x1x4xf32>" in call and "-> (tensor<1x8x4x128xbf16>" in call, call
+  monkeypatch.setenv("TE_JAX_CUDA_FP8_ATTENTION", "2")
+  with pytest.raises(ValueError, match="TE_JAX_CUDA_FP8_ATTENTION must be 0 or 1"):
+    cuda_lowering(lambda q: fn(q), q8)
+
+
 # An FP8 KV cache: k and v in FP8 with q in bfloat16/float16/float32, contiguous (fused_attn) or paged.
 
 @pytest.mark.parametrize("granularity", ["tensor", "head", "page"])

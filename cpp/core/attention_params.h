@@ -30,7 +30,8 @@ namespace te_jax {
 //   kv_descale float32 [2, kv_descale_blocks, kv_descale_heads]: an FP8 KV cache's descales (read only when
 //   IsFp8(kv_format); cpp/core/kv_format.h KvDescales), k's then v's, per block of keys (1, or the pool's pages of a
 //   paged call, or the batch entries of a contiguous one) and per K/V head (1 or Hkv). k and v are then FP8 while q
-//   and out keep dtype.
+//   and out keep dtype. FP8 attention (IsFp8(q_format): q, k and v FP8, out in dtype, bfloat16): float32 [3, 1, H],
+//   q's, k's and v's descales per query head (k's and v's those of its K/V head), and v holds V^T (below).
 //   flex_captures: the arrays score_mod / mask_mod capture (flex.capture_shapes, row-major; the score_mod's first),
 //   read only when flex.active() (cpp/core/flex_mods.h); the custom call's last operands, as many as the call has.
 //   page_table int32 [B, max_pages_per_seq] (read only when page_size > 0; an int32 [1, 1] placeholder without
@@ -51,6 +52,10 @@ struct AttentionParams {
   int64_t head_dim_v = 0;  // Dv, of v and out
   DType dtype = DType::kFloat32;  // of q and out, and of k and v unless they are an FP8 KV cache
   KvFormat kv_format = KvFormat::kAsQ;  // forward only: the backward takes the dequantized values
+  // FP8 attention (the CUDA sm90 forward only): q, k and v in this FP8 format (kv_format the same), out in dtype; v's
+  // buffer, of v's shape, holds each K/V head's V^T [Dv, Skv] with the keys of every 16 in the FP8 kernel's fragment
+  // order (te_jax/fp8.py fp8_values_transposed). kAsQ: q in dtype.
+  KvFormat q_format = KvFormat::kAsQ;
   int64_t kv_descale_blocks = 1;        // the kv_descale operand's dims (1, 1 unless FP8)
   int64_t kv_descale_heads = 1;
   MaskType mask_type = MaskType::kNoMask;

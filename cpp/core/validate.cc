@@ -157,10 +157,29 @@ Status CheckFlex(const AttentionParams& p, Backend backend) {
 // k's and v's storage: q's dtype (the kv_descale operand a [1, 1, 1] placeholder), or an FP8 KV cache with descales
 // per block of keys (1, pages, or batch entries) and per K/V head (1 or Hkv). Which FP8 calls the CUDA kernels serve
 // is their module decision's (cpp/cuda/kernel_config.h Fp8Refusal).
-Status CheckKvFormat(const AttentionParams& p) {
-  if (static_cast<int>(p.kv_format) >= kNumKvFormats) {
-    return Status::InvalidArgument("kv_format must be as_q (0), e4m3 (1) or e5m2 (2), got code " +
-                                   Str(static_cast<int>(p.kv_format)));
+Status CheckKvFormat(const AttentionParams& p, Backend backend) {
+  if (static_cast<int>(p.kv_format) >= kNumKvFormats || static_cast<int>(p.q_format) >= kNumKvFormats) {
+    return Status::InvalidArgument("kv_format and q_format must be as_q (0), e4m3 (1) or e5m2 (2), got codes " +
+                                   Str(static_cast<int>(p.kv_format)) + " and " + Str(static_cast<int>(p.q_format)));
+  }
+  if (IsFp8(p.q_format)) {
+    // FP8 attention: the CUDA kernels read the bytes; elsewhere the Python layer dequantizes first (te_jax/fp8.py).
+    if (backend != Backend::kCuda) {
+      return Status::InvalidArgument("FP8 q, k and v reach only the CUDA kernels as they are: the CPU backend is given "
+                                     "the dequantized values");
+    }
+    if (p.kv_format != p.q_format) return Status::InvalidArgument("FP8 attention takes k and v in q's FP8 format");
+    if (p.page_size > 0) return Status::InvalidArgument("FP8 attention takes contiguous k and v, not pages");
+    if (p.kv_descale_blocks != 1 || p.kv_descale_heads != p.num_heads) {
+      return Status::InvalidArgument("FP8 attention's descales operand must be float32 [3, 1, H] with H = " +
+                                     Str(p.num_heads) + " (q's, k's and v's per query head), got [3, " +
+                                     Str(p.kv_descale_blocks) + ", " + Str(p.kv_descale_heads) + "]");
+    }
+    if (p.seqlen_kv % 16 != 0) {
+      return Status::InvalidArgument("FP8 attention on the GPU takes key sequences of a multiple of 16 keys (V^T's "
+                                     "rows: whole 16-byte chunks, 16-key groups), got seqlen_kv " + Str(p.seqlen_kv));
+    }
+    return Status::Ok();
   }
   if (!IsFp8(p.kv_format)) {
     if (p.kv_descale_blocks != 1 || p.kv_descale_heads != 1) {
@@ -217,7 +236,7 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
     return Status::InvalidArgument("softcap must be a finite number >= 0, got " + std::to_string(p.softcap));
   }
   TE_JAX_RETURN_IF_ERROR(CheckPaging(p, backend));
-  TE_JAX_RETURN_IF_ERROR(CheckKvFormat(p));
+  TE_JAX_RETURN_IF_ERROR(CheckKvFormat(p, backend));
   TE_JAX_RETURN_IF_ERROR(CheckFlex(p, backend));
   const bool packed = p.has_segment_ids || p.has_positions;
   if (packed && p.mask_type != MaskType::kNoMask && p.mask_type != MaskType::kCausal) {
@@ -261,6 +280,10 @@ Status ValidateAttentionParams(const AttentionParams& p, Backend backend) {
 }
 
 Status ValidateBackwardParams(const AttentionParams& p, Backend backend) {
+  if (IsFp8(p.q_format)) {
+    return Status::InvalidArgument("the backward takes no FP8 q, k and v: FP8 operands get no gradient (fp8=True "
+                                   "trains through the dequantized values)");
+  }
   if (IsFp8(p.kv_format)) {
     return Status::InvalidArgument("the backward takes no FP8 KV cache: it is given the dequantized k and v (te_jax's "
                                    "VJPs dequantize them)");

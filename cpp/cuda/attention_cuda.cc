@@ -402,19 +402,25 @@ Status AttentionForward(const AttentionParams& p, const ForwardBuffers& b, CUstr
   }
   TE_JAX_RETURN_IF_ERROR(LaunchTokenTables(driver, call.module, p, stream, &args));
   const Sm90ForwardKernel kernel = call.sm90_forward;
-  const sm90::ForwardTile tile =
-      sm90::ForwardTileSize(d, dv, UsesTokens(p), kernel.consumers, p.has_bias ? DTypeSize(p.bias_dtype) : 0);
+  // FP8 attention: q and k as byte pairs (d / 2 16-bit columns: the FP8 kernel's tiles), v as V^T, the descales operand.
+  const bool fp8 = IsFp8(p.q_format);
+  const sm90::ForwardTile tile = sm90::ForwardTileSize(d, dv, UsesTokens(p), kernel.consumers,
+                                                       p.has_bias ? DTypeSize(p.bias_dtype) : 0, fp8 ? 1 : 2);
+  const int qk_cols = fp8 ? d / 2 : d;
+  if (fp8) args.fp8_descales = b.kv_descale;
   TmaForwardArgs tma{args, {}, {}, {}, {}, nullptr};
   TE_JAX_RETURN_IF_ERROR(
-      EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, d, tile.block_m, &tma.q));
+      EncodeHeadsTensorMap(driver, p.dtype, b.q, p.batch, p.seqlen_q, p.num_heads, qk_cols, tile.block_m, &tma.q));
   if (p.seqlen_kv == 0) {
     // No row sees a key: the kernel loads no k or v, and their maps need only be valid ones (q's stands in).
     tma.k = tma.v = tma.q;
   } else {
+    TE_JAX_RETURN_IF_ERROR(EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, qk_cols,
+                                                tile.block_n, &tma.k));
     TE_JAX_RETURN_IF_ERROR(
-        EncodeHeadsTensorMap(driver, p.dtype, b.k, p.batch, p.seqlen_kv, p.num_kv_heads, d, tile.block_n, &tma.k));
-    TE_JAX_RETURN_IF_ERROR(
-        EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n, &tma.v));
+        fp8 ? EncodeTransposedValuesTensorMap(driver, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, &tma.v)
+            : EncodeHeadsTensorMap(driver, p.dtype, b.v, p.batch, p.seqlen_kv, p.num_kv_heads, dv, tile.block_n,
+                                   &tma.v));
   }
   // Without a bias the kernel reads no bias map (q's stands in).
   tma.bias = tma.q;

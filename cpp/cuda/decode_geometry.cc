@@ -37,10 +37,10 @@ int64_t SplitsFillingWaves(int64_t ctas_per_split, int64_t tiles, int64_t wave) 
 }  // namespace
 
 // Packed sequences (segment ids, positions), dropout and a bias run on the families that have them; the decode kernels
-// have none of them.
+// have none of them. FP8 attention (FP8 q) runs on the sm90 forward's FP8 kernel at any number of query positions.
 bool UsesDecodeKernels(const AttentionParams& p) {
   return p.seqlen_q >= 1 && p.seqlen_q <= kMaxDecodeSeqlenQ && !p.has_segment_ids && !p.has_positions &&
-         p.dropout_threshold == 0 && !p.has_bias && !p.flex.active();
+         p.dropout_threshold == 0 && !p.has_bias && !p.flex.active() && !IsFp8(p.q_format);
 }
 
 int DecodeKernelFor(const AttentionParams& p) {

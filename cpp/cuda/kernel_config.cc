@@ -200,6 +200,7 @@ KernelConfig RequestFor(const AttentionParams& params, Direction direction, cons
   r.deterministic = direction == Direction::kBackward && params.deterministic;
   r.decode = direction == Direction::kForward && UsesDecodeKernels(params);
   r.kv_format = params.kv_format;
+  r.q_format = params.q_format;
   r.tokens = UsesTokens(params);
   r.dropout = params.dropout_threshold > 0;
   r.bias = params.has_bias;

@@ -17,6 +17,12 @@ namespace te_jax::cuda {
 Status EncodeHeadsTensorMap(const DriverApi* driver, DType dtype, const void* base, int64_t batch, int64_t seqlen,
                             int64_t heads, int64_t head_dim, int rows, TensorMap* map);
 
+// FP8 attention's v operand (cpp/core/attention_params.h): each K/V head's V^T [Dv, Skv] of one-byte keys, seen as
+// byte pairs [B, Hkv, Dv, Skv / 2] (Skv a multiple of 16), in boxes of 64 pairs (128 keys) x all Dv rows with the
+// 128-byte swizzle: the FP8 forward's V stage (kernels/sm90/attention_fwd.cuh).
+Status EncodeTransposedValuesTensorMap(const DriverApi* driver, const void* base, int64_t batch, int64_t seqlen_kv,
+                                       int64_t kv_heads, int64_t head_dim_v, TensorMap* map);
+
 // The bias of a call (p.has_bias, its rows whole 16-byte chunks: BiasFitsTma) as [B' H'][Sq'][Skv'], boxes of 128 bytes
 // of keys x `rows` query rows (1 for a query-broadcast bias).
 Status EncodeBiasTensorMap(const DriverApi* driver, const AttentionParams& p, const void* base, int rows,

@@ -35,6 +35,9 @@ Status CheckCudnnContract(const AttentionParams& p) {
   if (p.page_size > 0) {
     return Status::InvalidArgument("the cuDNN engine does not read a paged KV cache (te_jax's decode kernels do)");
   }
+  if (IsFp8(p.q_format)) {
+    return Status::InvalidArgument("the cuDNN engine does not run FP8 attention (te_jax's sm90 FP8 kernel does)");
+  }
   if (IsFp8(p.kv_format)) {
     return Status::InvalidArgument("the cuDNN engine does not read an FP8 KV cache (te_jax's decode kernels do)");
   }
