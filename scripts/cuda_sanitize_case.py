@@ -14,7 +14,9 @@ one (`--sections decode,paged`; all by default):
   packed      packed rows (segment ids) of uneven documents and padding, forward + backward: ids that rise (the sm90
               document table and kernels) and ids that do not (the token tables), causal and not;
   fp8         paged and contiguous decodes over an FP8 KV cache (e4m3 descales per page, e5m2 per head) with a page id
-              outside the pool and lengths ending mid-page.
+              outside the pool and lengths ending mid-page;
+  fp8attn     FP8 q, k and v in the sm90 FP8 forward (TE_JAX_CUDA_FP8_ATTENTION=1): causal over keys ending inside a
+              tile, padding lengths, and a NaN in v at a key the first rows do not see (its careful pass).
 Exit status 1 on unexpected results."""
 import argparse
 import sys
@@ -200,8 +202,25 @@ def fp8():
   return ok and bool(jnp.isfinite(out.astype(jnp.float32)).all())
 
 
+def fp8attn():
+  """FP8 q, k and v: causal over 400 keys (the last tile partly past them), padding lengths, and a NaN in v at key
+  300, which only the rows from 300 on see."""
+  import os
+  os.environ["TE_JAX_CUDA_FP8_ATTENTION"] = "1"
+  rng = np.random.default_rng(10)
+  (q8, qd), (k8, kd), (v8, vd) = (te_jax.quantize_fp8(jnp.asarray(rng.standard_normal((2, 400, h, 128)), jnp.float32),
+                                                      per_head=True) for h in (4, 2, 2))
+  v8 = v8.at[0, 300, 0, :].set(jnp.asarray(np.nan, v8.dtype))
+  descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+  out = np.asarray(te_jax.fused_attn(q8, k8, v8, mask_type="causal", **descales), np.float32)
+  ok = bool(np.isfinite(out[0, :300]).all() and np.isnan(out[0, 300:, :2]).all() and np.isfinite(out[1]).all())
+  out = te_jax.fused_attn(q8, k8, v8, mask_type="padding", q_seqlens=jnp.asarray([400, 123], jnp.int32),
+                          kv_seqlens=jnp.asarray([256, 77], jnp.int32), **descales)
+  return ok and bool(np.isfinite(np.asarray(out[1], np.float32)).all())
+
+
 SECTIONS = {"variants": variants, "nonfinite": nonfinite, "persistent": persistent, "decode": contiguous_decode,
-            "paged": paged, "bias": bias, "packed": packed, "fp8": fp8}
+            "paged": paged, "bias": bias, "packed": packed, "fp8": fp8, "fp8attn": fp8attn}
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--sections", default=",".join(SECTIONS),

@@ -9,6 +9,8 @@
 #   flex        score_mod / mask_mod: their GPU tests, then the harness's mod rows against the built-in and cuDNN
 #   fp8         the FP8 KV cache's decode kernels: their tests and the decode tests,
 #               memcheck and racecheck, then FP8 rows beside bf16's, cuDNN's and the K/V read alone
+#   fp8attn     FP8 q, k and v in the sm90 FP8 forward: its tests, memcheck and racecheck, then its forward beside bf16's
+#               and cuDNN's FP8 and bf16 forwards
 #   train       examples/train_lm.py, a short run per attention
 #   stress      the kernel tests with a random sleep before every pipeline wait
 #   sanitize    compute-sanitizer (memcheck, racecheck) on scripts/cuda_sanitize_case.py, section by section
@@ -31,7 +33,7 @@ mkdir -p "$OUT"
 export TE_JAX_CACHE_DIR=${TE_JAX_CACHE_DIR:-$REPO/.jitcache}
 SECTIONS=${*:-tests sanitize jit bench}
 for s in $SECTIONS; do
-  case " smoke tests packed bias features flex fp8 train stress sanitize jit decode ab cp_overlap bench peers ncu " in
+  case " smoke tests packed bias features flex fp8 fp8attn train stress sanitize jit decode ab cp_overlap bench peers ncu " in
   *" $s "*) ;;
   *) echo "unknown section '$s'; the sections are listed at the top of $0"; exit 2 ;;
   esac
@@ -137,6 +139,30 @@ for s in $SECTIONS; do
         --json "$OUT/fp8_$shape.json" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -v Warning | grep "│\|unavailable" | tail -12
     done
     ;;
+  fp8attn)
+    # FP8 q, k and v in the sm90 FP8 forward, reached through TE_JAX_CUDA_FP8_ATTENTION=1 (te_jax/fp8.py): its GPU
+    # tests, the sanitizers on scripts/cuda_sanitize_case.py's fp8attn section, then the d 128 forward at FP8ATTN_SEQS
+    # (default 2048,8192; causal and not) beside te_jax's bf16 and cuDNN's FP8 and bf16 forwards, each with its error
+    # against the float64 reference. FP8ATTN_STEPS picks among tests, sanitize and bench (default: all three).
+    export TE_JAX_CUDA_FP8_ATTENTION=1
+    steps=" ${FP8ATTN_STEPS:-tests sanitize bench} "
+    t0=$(date +%s)
+    [[ $steps == *" tests "* ]] && timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rA \
+      -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_fp8_attention.py 2>&1 | tee "$OUT/fp8attn_tests.log" \
+      | grep -E "passed|failed|FAILED|^E  " | tail -40
+    [[ $steps == *" tests "* ]] && echo "fp8attn tests: $(( $(date +%s) - t0 )) s"
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in $([[ $steps == *" sanitize "* ]] && echo memcheck racecheck); do
+      timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
+        "$REPO/scripts/cuda_sanitize_case.py" --sections fp8attn > "$OUT/sanitize_${tool}_fp8attn.log" 2>&1
+      echo "sanitizer $tool fp8attn rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' \
+        "$OUT/sanitize_${tool}_fp8attn.log" | head -3 | tr '\n' ' ')"
+    done
+    [[ $steps == *" bench "* ]] && timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset fa --head-dim 128 \
+      --mode fwd --seq ${FP8ATTN_SEQS:-2048,8192} --causal both --keep-going --baseline jax-fp8-cudnn \
+      --backends te_jax-te,te_jax-fp8-qkv,jax-fp8-cudnn,jax-cudnn --json "$OUT/fp8attn.json" 2>&1 \
+      | tee "$OUT/fp8attn.log" | grep -v Warning | tail -30
+    unset TE_JAX_CUDA_FP8_ATTENTION ;;
   bias)
     # The additive bias: its GPU tests, and the GPU refusal of deterministic=True with a summed dbias.
     t0=$(date +%s)

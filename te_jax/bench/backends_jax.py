@@ -487,6 +487,38 @@ class Fp8CacheBackend(TeJaxBackend):
     return _fp8_cache_workload(super().workload(case, mode), case)
 
 
+class Fp8AttentionBackend(TeJaxBackend):
+  """te_jax.fused_attn on FP8 q, k and v: quantized to e4m3 per tensor in setup (te_jax.quantize_fp8, as
+  jax-fp8-cudnn's), out in bfloat16; on Hopper the sm90 FP8 kernel (while it is reached through
+  TE_JAX_CUDA_FP8_ATTENTION=1, te_jax/fp8.py), elsewhere the dequantized reference. Forward only."""
+
+  def __init__(self):
+    super().__init__("ffi", "te")
+    self.name = "te_jax-fp8-qkv"
+    self.label = "te_jax, FP8 q, k, v (e4m3, a descale per tensor)"
+    self.url = "te_jax.fused_attn(q8, k8, v8, q_descale=..., k_descale=..., v_descale=...)"
+    self.caps = dataclasses.replace(self.caps, modes=("fwd",))
+    self.fp8 = True
+
+  def extra_why_not(self, case: Case, mode: str, platform: str) -> str | None:
+    why = super().extra_why_not(case, mode, platform)
+    if why is None and platform == "gpu" and (case.head_dim != 128 or case.seq_kv % 16):
+      why = "the GPU's FP8 kernel takes d 128 and key counts that are multiples of 16"
+    return why
+
+  def fwd_operands(self, case: Case, q, k, v) -> tuple:
+    import te_jax
+    (q8, qd), (k8, kd), (v8, vd) = (te_jax.quantize_fp8(x) for x in (q, k, v))
+    return q8, k8, v8, qd, kd, vd
+
+  def attention_fn(self, case: Case):
+    plain = super().attention_fn(case)
+
+    def fn(q8, k8, v8, qd, kd, vd, **operands):
+      return plain(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **operands)
+    return fn
+
+
 class PagedFp8Backend(PagedBackend):
   """te_jax.paged_attention over an FP8 KV cache: the paged layout's pools quantized to e4m3 in setup
   (te_jax.quantize_kv_pages) with a descale per page and kv head (te_jax-fp8-paged64), or per kv head
@@ -703,7 +735,7 @@ for _backend in (TeJaxBackend("ffi"), TeJaxBackend("legacy"), TeJaxBackend("ffi"
                  DeterministicBackend(), MaskModBackend(False), MaskModBackend(True), ScoreModBackend(), PackedBackend(), UnsortedPackedBackend(), ContextParallelBackend("ring"),
                  ContextParallelBackend("all_gather"), PagedBackend(16), PagedBackend(64), PagedFp8Backend(64),
                  PagedFp8Backend(64, "head"),
-                 Fp8CacheBackend(),
+                 Fp8CacheBackend(), Fp8AttentionBackend(),
                  JaxNNBackend("cudnn"),
                  JaxNNBackend("xla"), PallasBackend(), FlashAttnJaxBackend(), TokamaxBackend("mosaic"),
                  TokamaxBackend("triton"), TokamaxBackend("xla"), KvReadBackend(), RingPermutesBackend(),
