@@ -40,6 +40,21 @@ for s in $SECTIONS; do
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
+# compute-sanitizer's memcheck and racecheck on one section of scripts/cuda_sanitize_case.py, a process each (a crash of
+# the tool costs that report alone), a line per tool.
+sanitize_case() {
+  local cs log t0
+  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    t0=$(date +%s)
+    log="$OUT/sanitize_${tool}_$1.log"
+    timeout 150 "$cs" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
+      "$REPO/scripts/cuda_sanitize_case.py" --sections "$1" > "$log" 2>&1
+    echo "sanitizer $tool $1 rc=$? ($(( $(date +%s) - t0 )) s): $(grep -E \
+      'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' "$log" | head -3 | tr '\n' ' ')"
+  done
+}
+
 export CUDNN_FRONTEND_INCLUDE_DIR=${CUDNN_FRONTEND_INCLUDE_DIR:-$REPO/build/cudnn_check/fe/include}
 t0=$(date +%s)
 (cd "$REPO" && python3 -m pip install -q --no-build-isolation --no-deps . ) > "$OUT/build.log" 2>&1 \
@@ -124,13 +139,7 @@ for s in $SECTIONS; do
       -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_fp8_decode.py "$REPO"/tests/test_cuda_decode.py 2>&1 | tee "$OUT/fp8_tests.log" \
       | grep -E "passed|failed|FAILED|^E  " | tail -40
     [[ $steps == *" tests "* ]] && echo "fp8 tests: $(( $(date +%s) - t0 )) s"
-    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for tool in $([[ $steps == *" sanitize "* ]] && echo memcheck racecheck); do
-      timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
-        "$REPO/scripts/cuda_sanitize_case.py" --sections fp8 > "$OUT/sanitize_${tool}_fp8.log" 2>&1
-      echo "sanitizer $tool fp8 rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' \
-        "$OUT/sanitize_${tool}_fp8.log" | head -3 | tr '\n' ' ')"
-    done
+    [[ $steps == *" sanitize "* ]] && sanitize_case fp8
     for shape in $([[ $steps == *" bench "* ]] && echo ${FP8_SHAPES:-8_32768_1 64_4096_1 8_131072_1 8_8192_16}); do
       IFS=_ read -r batch keys queries <<< "$shape"
       timeout ${BENCH_TIMEOUT:-120} python3 -m te_jax.bench --mode fwd --batch $batch --heads 32 --kv-heads 8 \
@@ -151,13 +160,7 @@ for s in $SECTIONS; do
       -n ${TEST_WORKERS:-4} "$REPO"/tests/test_cuda_fp8_attention.py 2>&1 | tee "$OUT/fp8attn_tests.log" \
       | grep -E "passed|failed|FAILED|^E  " | tail -40
     [[ $steps == *" tests "* ]] && echo "fp8attn tests: $(( $(date +%s) - t0 )) s"
-    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for tool in $([[ $steps == *" sanitize "* ]] && echo memcheck racecheck); do
-      timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
-        "$REPO/scripts/cuda_sanitize_case.py" --sections fp8attn > "$OUT/sanitize_${tool}_fp8attn.log" 2>&1
-      echo "sanitizer $tool fp8attn rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' \
-        "$OUT/sanitize_${tool}_fp8attn.log" | head -3 | tr '\n' ' ')"
-    done
+    [[ $steps == *" sanitize "* ]] && sanitize_case fp8attn
     [[ $steps == *" bench "* ]] && timeout ${BENCH_TIMEOUT:-300} python3 -m te_jax.bench --preset fa --head-dim 128 \
       --mode fwd --seq ${FP8ATTN_SEQS:-2048,8192} --causal both --keep-going --baseline jax-fp8-cudnn \
       --backends te_jax-te,te_jax-fp8-qkv,jax-fp8-cudnn,jax-cudnn --json "$OUT/fp8attn.json" 2>&1 \
@@ -183,16 +186,9 @@ for s in $SECTIONS; do
       echo "stress round $round: $(( $(date +%s) - t0 )) s"
     done ;;
   sanitize)
-    # One process per section of the case (SANITIZE_SECTIONS), so a crash of the tool costs one section's report.
-    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for tool in memcheck racecheck; do
-      for section in ${SANITIZE_SECTIONS:-variants nonfinite persistent decode paged bias packed}; do
-        t0=$(date +%s)
-        log="$OUT/sanitize_${tool}_$section.log"
-        timeout 150 "$CS" --tool $tool --kernel-name kns=te_jax_ --print-limit 20 python3 \
-          "$REPO/scripts/cuda_sanitize_case.py" --sections $section > "$log" 2>&1
-        echo "sanitizer $tool $section rc=$? ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid|as expected' "$log" | head -3 | tr '\n' ' ')"
-      done
+    # The sections of the case (SANITIZE_SECTIONS) one by one.
+    for section in ${SANITIZE_SECTIONS:-variants nonfinite persistent decode paged bias packed}; do
+      sanitize_case $section
     done ;;
   jit)
     # Compile time per configuration into an empty cache; then, in a fresh process with every kernel in that cache, the

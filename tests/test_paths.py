@@ -196,7 +196,7 @@ def test_legacy_hlo_and_descriptor_contents():
                           dtype=0, mask_type=5, window_left=3, window_right=1, scale=0.25, softcap=4.0, has_alibi=True,
                           has_sinks=False, deterministic=False, engine=0, has_segment_ids=False, has_positions=False,
                           has_bias=False, bias_dtype=0, bias_broadcast=15, dropout_threshold=0, page_size=0,
-                          num_pages=0, kv_format=0, kv_descale_blocks=1, kv_descale_heads=1)
+                          num_pages=0, kv_format=0, kv_descale_blocks=1, kv_descale_heads=1, q_format=0)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

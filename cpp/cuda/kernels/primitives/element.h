@@ -41,47 +41,39 @@ struct Float32 {
   static constexpr int kBytes = 4;
 };
 
-// The FP8 formats of a KV cache (cpp/core/kv_format.h). Every e4m3 and e5m2 value is exact in f16, and one cvt turns two
-// of them into an f16x2 register (sm_89 on), so the products read FP8 tiles as f16 operands with no loss.
+// The FP8 formats (cpp/core/kv_format.h: an FP8 KV cache's k and v, FP8 attention's q, k and v). Every e4m3 and e5m2
+// value is exact in f16, and one cvt turns two of them into an f16x2 register (sm_89 on), so the decode products read
+// FP8 tiles as f16 operands with no loss.
 // ToHalf2(x, lo, hi): the four bytes of x (the first in the low byte) -> {byte 0, byte 1} in lo, {byte 2, byte 3} in
 // hi, each f16x2 with the lower-addressed value in its low half.
 // Pack4(a, b, c, d): four floats -> one register of four values, a in the low byte, rounded to nearest even and
 // saturated to the finite range (NaN stays NaN); ToFloat: one value (the low byte) as a float, exactly.
-struct E4M3 {
-  static constexpr int kBytes = 1;
-  static constexpr bool kIsE4M3 = true;
-  static constexpr uint16_t kExponentBits = 0x7F;  // e4m3fn has no inf: S.1111.111 is its NaN
-  static __device__ __forceinline__ void ToHalf2(uint32_t x, uint32_t& lo, uint32_t& hi) {
-    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
-        : "=r"(lo), "=r"(hi) : "r"(x));
-  }
-  static __device__ __forceinline__ uint32_t Pack4(float a, float b, float c, float d) {
-    uint32_t r;
-    asm("{\n.reg .b16 l, h;\ncvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
-        "mov.b32 %0, {l, h};\n}"
-        : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
-    return r;
-  }
-  static __device__ __forceinline__ float ToFloat(uint32_t x) {
-    uint32_t lo, hi;
-    ToHalf2(x, lo, hi);
-    return Float16::ToFloat(static_cast<uint16_t>(lo));
-  }
-};
+#define TE_JAX_FP8_TO_HALF2(T) \
+  "{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2." T "x2 %0, l;\ncvt.rn.f16x2." T "x2 %1, h;\n}"
+#define TE_JAX_FP8_PACK4(T)                                                                                  \
+  "{\n.reg .b16 l, h;\ncvt.rn.satfinite." T "x2.f32 l, %2, %1;\ncvt.rn.satfinite." T "x2.f32 h, %4, %3;\n" \
+  "mov.b32 %0, {l, h};\n}"
 
-struct E5M2 {
+template <bool kE4M3>
+struct Fp8Format {
   static constexpr int kBytes = 1;
-  static constexpr bool kIsE4M3 = false;
-  static constexpr uint16_t kExponentBits = 0x7C;
+  static constexpr bool kIsE4M3 = kE4M3;
+  // All set: NaN (e4m3fn has no inf: S.1111.111 is its NaN), or e5m2's inf and NaN.
+  static constexpr uint16_t kExponentBits = kE4M3 ? 0x7F : 0x7C;
   static __device__ __forceinline__ void ToHalf2(uint32_t x, uint32_t& lo, uint32_t& hi) {
-    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e5m2x2 %0, l;\ncvt.rn.f16x2.e5m2x2 %1, h;\n}"
-        : "=r"(lo), "=r"(hi) : "r"(x));
+    if constexpr (kE4M3) {
+      asm(TE_JAX_FP8_TO_HALF2("e4m3") : "=r"(lo), "=r"(hi) : "r"(x));
+    } else {
+      asm(TE_JAX_FP8_TO_HALF2("e5m2") : "=r"(lo), "=r"(hi) : "r"(x));
+    }
   }
   static __device__ __forceinline__ uint32_t Pack4(float a, float b, float c, float d) {
     uint32_t r;
-    asm("{\n.reg .b16 l, h;\ncvt.rn.satfinite.e5m2x2.f32 l, %2, %1;\ncvt.rn.satfinite.e5m2x2.f32 h, %4, %3;\n"
-        "mov.b32 %0, {l, h};\n}"
-        : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+    if constexpr (kE4M3) {
+      asm(TE_JAX_FP8_PACK4("e4m3") : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+    } else {
+      asm(TE_JAX_FP8_PACK4("e5m2") : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+    }
     return r;
   }
   static __device__ __forceinline__ float ToFloat(uint32_t x) {
@@ -90,6 +82,11 @@ struct E5M2 {
     return Float16::ToFloat(static_cast<uint16_t>(lo));
   }
 };
+using E4M3 = Fp8Format<true>;
+using E5M2 = Fp8Format<false>;
+
+#undef TE_JAX_FP8_PACK4
+#undef TE_JAX_FP8_TO_HALF2
 
 // A compile-time bool as a type, for generic lambdas instantiated both ways (NVRTC has no <type_traits>).
 template <bool kB>

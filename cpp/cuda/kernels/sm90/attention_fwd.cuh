@@ -265,56 +265,15 @@ struct ForwardKernel {
   // no register carries the mask from the logits to here (a bit mask held from the one to the other, or the token
   // test here, made the d = 128 and d = 256 kernels spill).
   static constexpr uint16_t kNegativeZero = 0x8000;  // in bf16 and fp16 alike
+  // FP8: p's fragment holds 4 keys a register (k slots 4t..4t+3 of each 16, keys Fp8KeyOfSlot: V^T's stage holds each
+  // key at its slot), against the 16-bit fragment's 2; its key loop stays rolled (unrolled, it spilled).
+  static constexpr int kKeysPerWord = kFp8 ? 4 : 2;
+  static constexpr int kCarefulUnroll = kFp8 ? 1 : 2;
   static __device__ __forceinline__ void CarefulPV(float (&o)[kDvP / 8][4], const uint32_t (&p)[kPvSteps][4],
                                                    const Smem& sm, int stage, int n0, const int2 (&keys)[2], int lane) {
     const VTile v = sm.V(stage);
     const int t = lane & 3;
     // kk and h unrolled: p must stay in registers (a run-time index would move it to local memory for the whole kernel).
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll 1
-        for (int owner = 0; owner < 4; ++owner) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            // Fragment register 2h + r of the quad's lane `owner` holds row r's p at keys 16kk + 8h + 2 owner + {0, 1}.
-            const uint32_t pair = __shfl_sync(0xffffffffu, p[kk][2 * h + r], (lane & ~3) | owner);
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int key = 16 * kk + 8 * h + 2 * owner + c;
-              // Selects, not a branch: registers wgmma reads must not be written on divergent paths.
-              bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
-              const uint16_t p_bits = static_cast<uint16_t>(c ? pair >> 16 : pair & 0xffffu);
-              if constexpr (kTokens) seen = p_bits != kNegativeZero;
-              const float pk = Element::ToFloat(p_bits);
-#pragma unroll
-              for (int j = 0; j < kDvP / 8; ++j) {
-                // The thread's two columns 8j + 2t and 8j + 2t + 1 in one 32-bit load. (Loading them one by one,
-                // NVVM 13.0 folded the odd column's swizzle chunk to col ^ row instead of (col / 8) ^ row at d = 64.)
-                uint32_t v2;
-                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v2) : "r"(v.Address(key, 8 * j + 2 * t)));
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const float ve = Element::ToFloat(static_cast<uint16_t>(e ? v2 >> 16 : v2 & 0xffffu));
-                  const float sum = fmaf(pk, ve, o[j][2 * r + e]);
-                  o[j][2 * r + e] = seen ? sum : o[j][2 * r + e];
-                }
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-
-  // CarefulPV of an FP8 call: lane (g, t)'s k slot 4 t + i of each 16 of p's fragment stands for key Fp8KeyOfSlot of
-  // it, and V^T's stage holds that key at that slot (p's order). Without tokens, the range decides what a row sees.
-  static __device__ __forceinline__ void CarefulPVFp8(float (&o)[kDvP / 8][4], const uint32_t (&p)[kPvSteps][4],
-                                                      const Smem& sm, int stage, int n0, const int2 (&keys)[2],
-                                                      int lane) {
-    const VTile v = sm.V(stage);
-    const int t = lane & 3;
 #pragma unroll
     for (int kk = 0; kk < kPvSteps; ++kk) {
 #pragma unroll
@@ -323,31 +282,61 @@ struct ForwardKernel {
         for (int owner = 0; owner < 4; ++owner) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            // Fragment register 2h + r of the quad's lane `owner` holds row r's p at slots 32 kk + 16 h + 4 owner + i.
+            // Fragment register 2h + r of the quad's lane `owner` holds row r's p at k slots kKStep kk + kKStep / 2 h +
+            // kKeysPerWord owner + {0, .., kKeysPerWord - 1}: the keys themselves with 16-bit p.
             const uint32_t word = __shfl_sync(0xffffffffu, p[kk][2 * h + r], (lane & ~3) | owner);
-#pragma unroll 1
-            for (int i = 0; i < 4; ++i) {
-              const int slot = 32 * kk + 16 * h + 4 * owner + i;
-              const int key = 32 * kk + Fp8KeyOfSlot(16 * h + 4 * owner + i);
-              const bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
-              const float pk = E4M3::ToFloat(word >> (8 * i));
-#pragma unroll
-              for (int j = 0; j < kDvP / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  // Dim 8 j + 2 t + e's row of V^T, the slot's byte of its 16-bit pair.
-                  uint32_t byte;
-                  asm volatile("ld.shared.u8 %0, [%1];"
-                               : "=r"(byte)
-                               : "r"(v.Address(8 * j + 2 * t + e, slot / 2) + (slot & 1)));
-                  const float sum = fmaf(pk, Input::ToFloat(byte), o[j][2 * r + e]);
-                  o[j][2 * r + e] = seen ? sum : o[j][2 * r + e];
-                }
+#pragma unroll kCarefulUnroll
+            for (int c = 0; c < kKeysPerWord; ++c) {
+              const int slot = kKStep * kk + kKStep / 2 * h + kKeysPerWord * owner + c;
+              const int key = kFp8 ? 32 * kk + Fp8KeyOfSlot(slot % 32) : slot;
+              bool seen = n0 + key >= keys[r].x && n0 + key < keys[r].y;
+              float pk;
+              if constexpr (kFp8) {
+                pk = E4M3::ToFloat(word >> (8 * c));
+              } else {
+                const uint16_t p_bits = static_cast<uint16_t>(c ? word >> 16 : word & 0xffffu);
+                if constexpr (kTokens) seen = p_bits != kNegativeZero;
+                pk = Element::ToFloat(p_bits);
               }
+              AddCarefulTerm(o, r, pk, seen, [&](int j) {
+                if constexpr (kFp8) {
+                  // Dims 8 j + 2 t and + 1: their rows of V^T, the slot's byte of its 16-bit pair.
+                  uint32_t bytes[2];
+#pragma unroll
+                  for (int e = 0; e < 2; ++e) {
+                    asm volatile("ld.shared.u8 %0, [%1];"
+                                 : "=r"(bytes[e])
+                                 : "r"(v.Address(8 * j + 2 * t + e, slot / 2) + (slot & 1)));
+                  }
+                  return make_float2(Input::ToFloat(bytes[0]), Input::ToFloat(bytes[1]));
+                } else {
+                  // The thread's two columns 8j + 2t and 8j + 2t + 1 in one 32-bit load. (Loading them one by one,
+                  // NVVM 13.0 folded the odd column's swizzle chunk to col ^ row instead of (col / 8) ^ row at d = 64.)
+                  uint32_t v2;
+                  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v2) : "r"(v.Address(key, 8 * j + 2 * t)));
+                  return make_float2(Element::ToFloat(static_cast<uint16_t>(v2 & 0xffffu)),
+                                     Element::ToFloat(static_cast<uint16_t>(v2 >> 16)));
+                }
+              });
             }
           }
         }
       }
+    }
+  }
+
+  // The careful product's term of one key for row r: o += pk v at the thread's columns 8 j + 2 t, + 1 (pair(j): v's
+  // values there) where the row sees the key; a select, not a branch, since registers wgmma reads must not be written
+  // on divergent paths.
+  template <typename Pair>
+  static __device__ __forceinline__ void AddCarefulTerm(float (&o)[kDvP / 8][4], int r, float pk, bool seen,
+                                                        Pair&& pair) {
+#pragma unroll
+    for (int j = 0; j < kDvP / 8; ++j) {
+      const float2 v = pair(j);
+      const float sum0 = fmaf(pk, v.x, o[j][2 * r]), sum1 = fmaf(pk, v.y, o[j][2 * r + 1]);
+      o[j][2 * r] = seen ? sum0 : o[j][2 * r];
+      o[j][2 * r + 1] = seen ? sum1 : o[j][2 * r + 1];
     }
   }
 
@@ -886,10 +875,7 @@ struct ForwardKernel {
       // pass. The careful pass takes the slow product for every tile, not only the straddling ones: a wgmma behind a
       // run-time branch makes ptxas serialise every wgmma of the kernel.
       auto product = [&](int tile, int i) {
-        if constexpr (kCareful && kFp8) {
-          CarefulPVFp8(o, p, sm, StageOf(i), tile * kBlockN, keys, lane);
-          WgmmaCommit();  // an empty group, so the wait counts below hold
-        } else if constexpr (kCareful) {
+        if constexpr (kCareful) {
           CarefulPV(o, p, sm, StageOf(i), tile * kBlockN, keys, lane);
           WgmmaCommit();  // an empty group, so the wait counts below hold
         } else {
