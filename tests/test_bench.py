@@ -202,6 +202,14 @@ def test_a_decode_only_backend_is_probed_on_one_query():
   assert probe_case(registry.get("te_jax-ffi"), "gpu").seq_q == 128
 
 
+def test_a_one_head_dim_backend_is_probed_at_its_head_dim():
+  # FP8 q, k and v on a GPU: the sm90 FP8 kernel serves d 128 alone, so the probe takes d 128 there, d 64 elsewhere.
+  fp8 = registry.get("te_jax-fp8-qkv")
+  case = probe_case(fp8, "gpu")
+  assert (case.seq_q, case.head_dim) == (128, 128) and fp8.why_not(case, "fwd", "gpu") is None
+  assert probe_case(fp8, "cpu").head_dim == 64
+
+
 # ---------------------------------------------------------------- availability is proven by running
 
 class _FakeJax(JaxBackend):

@@ -22,12 +22,13 @@ class Availability:
 
 
 def probe_case(backend: Backend, platform: str) -> Case:
-  """A small square case; a decode-shaped one (one query) for a backend that serves decode alone (an FP8 KV cache on a
-  GPU)."""
+  """A small square case at d 64, else at d 128 (a backend of one head dim: FP8 q, k, v on a GPU), else a decode-shaped
+  one (one query) for a backend that serves decode alone (an FP8 KV cache on a GPU)."""
   dtype = backend.caps.platforms[platform][0]
   square = Case(batch=1, seq_q=128, seq_kv=128, heads=2, kv_heads=2, head_dim=64, dtype=dtype)
-  decode = dataclasses.replace(square, seq_q=1)
-  return square if backend.why_not(square, "fwd", platform) is None else decode
+  candidates = (square, dataclasses.replace(square, head_dim=128))
+  return next((c for c in candidates if backend.why_not(c, "fwd", platform) is None),
+              dataclasses.replace(square, seq_q=1))
 
 
 def short_error(e: BaseException, limit: int = 300) -> str:
