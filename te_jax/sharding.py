@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from te_jax import _primitives
 from te_jax import context_parallel as cpmod
 from te_jax.attention_config import AttentionConfig
+from te_jax.fp8 import is_fp8
 
 
 class ReshardWarning(UserWarning):
@@ -160,6 +161,8 @@ class _Plan:
       raise ValueError(f"context_parallel_axis {cp.axis!r} has size {mesh.shape.get(cp.axis)} in the mesh the call "
                        f"is partitioned on, but fused_attn was traced for size {cp.size}")
     self.paged = config.page_size > 0
+    # FP8 attention (FP8 q, k, v on CUDA): the kv_descale operand's heads are the query heads (te_jax/fp8.py).
+    self.fp8_attention = is_fp8(q.dtype)
     self.offsets = config.reads_offsets
     self.targets = {
         "q": (b_axes, self.s_axes, h_axes, ()),
@@ -223,7 +226,8 @@ class _Plan:
     b, s, h = self.b_axes, self.s_axes, self.h_axes
     dims = {"q_seqlens": (b,), "kv_seqlens": (b,), "alibi": (b, h), "sinks": (b, h), "q_ids": (b, s),
             "kv_ids": (b, s), "q_pos": (b, s), "kv_pos": (b, s), "page_table": (b, ()),
-            "kv_descale": ((), () if self.paged else b, self.kv_axes), "bias": (b, h, (), ()), "dropout": ((),)}[name]
+            "kv_descale": ((), () if self.paged else b, h if self.fp8_attention else self.kv_axes),
+            "bias": (b, h, (), ()), "dropout": ((),)}[name]
     return self.named(*(d if extent != 1 else () for d, extent in zip(dims, self.option_shapes[name])))
 
   def option_shardings(self):
@@ -364,9 +368,11 @@ def _heads_rule(value_types):
 def _options_rule(value_types, h: str, s: str, skv: str, paged: bool) -> tuple[str, tuple[str, ...]]:
   """The options' factors (_OPTIONS): the call's own where a dim is full, a size-1 factor of its own where it is 1 (a
   placeholder's, a bias's broadcast dims; they need replication, listed second). kv_descale's blocks are a paged
-  call's pages or a contiguous call's batch entries, its heads k's."""
+  call's pages or a contiguous call's batch entries, its heads k's (q's with FP8 q: FP8 attention's descales)."""
+  from jax._src.lib.mlir import ir
+  descale_heads = h if str(ir.RankedTensorType(value_types[0]).element_type).startswith("f8") else "hk"
   dims = (("b",), ("b",), ("b", h), ("b", h), ("b", s), ("b", skv), ("b", s), ("b", skv), ("b", "pt"),
-          ("kvd", "pages" if paged else "b", "hk"), ("b", h, s, skv), ("rng",))
+          ("kvd", "pages" if paged else "b", descale_heads), ("b", h, s, skv), ("rng",))
   operands, own = [], []
   for index, (names, shape) in enumerate(zip(dims, _shapes(value_types[-len(_OPTIONS):]))):
     factors = [name if extent != 1 else f"opt{index}x{axis}" for axis, (name, extent) in enumerate(zip(names, shape))]

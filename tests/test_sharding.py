@@ -1103,3 +1103,25 @@ def test_load_balancing_round_trip_and_layout(cp_size):
   for bad in (0, True, 2.0):
     with pytest.raises(ValueError, match=f"cp_size must be a positive int, got {bad!r}"):
       te_jax.reorder_for_load_balancing(x, bad)
+
+
+def test_fp8_attention_descales_shard_with_the_query_heads():
+  # FP8 q, k and v (the CUDA FP8 kernel's call): the kv_descale operand is [3, 1, H], its heads the query heads, where an
+  # FP8 KV cache's [2, blocks, Hkv] are k's.
+  from jax._src.lib.mlir import ir
+  from te_jax import sharding
+  with ir.Context(), ir.Location.unknown():
+    def tensor(shape, element):
+      return ir.RankedTensorType.get(shape, element)
+    f32, bf16, u32 = ir.F32Type.get(), ir.BF16Type.get(), ir.IntegerType.get_unsigned(32)
+    i32 = ir.IntegerType.get_signless(32)
+    options = [tensor([2], i32), tensor([2], i32), tensor([1, 1], f32), tensor([1, 1], f32)] + \
+        [tensor([1, 1], i32)] * 4 + [tensor([1, 1], i32)]
+    tail = [tensor([1, 1, 1, 1], f32), tensor([6], u32)]
+    for element, descale, expected in ((ir.Float8E4M3FNType.get(), [3, 1, 8], "kvd opt9x1 (hk g)"),
+                                       (bf16, [2, 2, 2], "kvd b hk")):
+      q, kv = tensor([2, 64, 8, 128], element), tensor([2, 64, 2, 128], element)
+      types = [q, kv, kv] + options + [tensor(descale, f32)] + tail
+      h, _ = sharding._heads_rule(types)
+      rule, _ = sharding._options_rule(types, h, "sq", "skv", False)
+      assert rule.split(", ")[9] == expected, rule
