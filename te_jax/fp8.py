@@ -8,10 +8,11 @@ page's) largest magnitude onto the format's largest finite value: descale = amax
 fused_attn takes FP8 two ways (te_jax/attention.py): pre-quantized q, k, v (or k and v alone, an FP8 KV cache) with
 their descales, where differentiating an FP8 operand or a descale is an error; and `fp8=True | "per_head"` on
 bfloat16/float16/float32 q, k, v, quantized inside exactly as quantize_fp8 does, whose gradients are those with respect
-to the dequantized values, returned in the operands' dtype (the straight-through convention of FP8 training). Either way
-the attention runs on the dequantized values in float32: the CPU backend is the reference the FP8 kernels are measured
-against; a GPU refuses the call until it has FP8 kernels (te_jax/_backends.py: Backend.serves_fp8), never computing it
-at another precision silently.
+to the dequantized values, returned in the operands' dtype (the straight-through convention of FP8 training). Off a GPU
+the attention runs on the dequantized values in float32, the reference the FP8 kernels are measured against. On CUDA,
+pre-quantized q, k and v go to the sm90 FP8 kernel as they are (fp8_native_operands, chosen per platform at lowering)
+where TE_JAX_CUDA_FP8_ATTENTION=1 enables it (it has not yet run on a GPU); otherwise a GPU refuses FP8 attention
+(te_jax/_backends.py: Backend.serves_fp8), never computing it at another precision silently.
 
 An FP8 KV cache (FP8 k and v, q in a wider dtype; te_jax.paged_attention's FP8 pools) reaches the kernels as it is:
 its descales become the kv_descale operand (kv_descale_operand), which the kernels apply as they read each key's row,
