@@ -38,8 +38,8 @@ struct KernelConfig {
   bool deterministic = false;
   // Forward only: the decode kernels (cpp/cuda/decode_geometry.h says which calls take them).
   bool decode = false;
-  // How k and v are stored: in dtype, or an FP8 KV cache, which the decode kernels alone serve (on sm_89 and newer, head
-  // dims multiples of 16: FP8Refusal).
+  // How k and v are stored: in dtype, or FP8: a KV cache (q in dtype), which the decode kernels alone serve (on sm_89 and
+  // newer, head dims multiples of 16: FP8Refusal), or with q_format FP8 attention.
   KvFormat kv_format = KvFormat::kAsQ;
   // FP8 attention proper: q, k and v in this FP8 format (kv_format the same), the output in dtype; the sm90 forward's
   // FP8 kernel serves it (Fp8AttentionRefusal). kAsQ: q in dtype.
